@@ -1,0 +1,216 @@
+"""Engine configuration: vLLM's EngineArgs names, split into the configs each layer reads."""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import os
+from dataclasses import dataclass, field
+from typing import Any
+
+from jaxllm.errors import ParameterError
+
+_DTYPES = ("auto", "float32", "bfloat16", "float16")
+
+
+def default_model_path() -> str:
+    """The embedded demo checkpoint (used when no model is named)."""
+    return os.path.join(os.path.dirname(__file__), "assets", "demo-model")
+
+
+@dataclass
+class ModelConfig:
+    model: str
+    tokenizer: str
+    dtype: str  # resolved: float32 | bfloat16 | float16
+    max_model_len: int
+    seed: int
+    skip_tokenizer_init: bool
+    load_format: str
+    served_model_name: str
+    hf_config: Any  # transformers.PretrainedConfig
+    eos_token_ids: list[int] = field(default_factory=list)
+    generation_defaults: dict[str, Any] = field(default_factory=dict)
+
+    @property
+    def architecture(self) -> str:
+        return (getattr(self.hf_config, "architectures", None) or ["?"])[0]
+
+    @property
+    def vocab_size(self) -> int:
+        return int(self.hf_config.vocab_size)
+
+
+@dataclass
+class CacheConfig:
+    block_size: int = 16
+    hbm_utilization: float = 0.9
+    enable_prefix_caching: bool = True
+    # Explicit KV capacity (needed on the CPU, optional elsewhere).
+    num_kv_blocks: int | None = None
+    kv_cache_bytes: int | None = None
+    # Filled in once the runner has sized the cache; includes the reserved null block 0.
+    num_blocks: int = 0
+
+
+@dataclass
+class SchedulerConfig:
+    max_num_seqs: int = 128
+    max_num_batched_tokens: int = 2048
+    max_model_len: int = 2048
+    enable_chunked_prefill: bool = True
+    policy: str = "fcfs"  # fcfs | priority
+    # A prompt chunk longer than this is cut even when budget remains (0 = off).
+    long_prefill_token_threshold: int = 0
+
+
+@dataclass
+class ParallelConfig:
+    tensor_parallel_size: int = 1
+    data_parallel_size: int = 1
+
+
+@dataclass
+class EngineConfig:
+    model_config: ModelConfig
+    cache_config: CacheConfig
+    scheduler_config: SchedulerConfig
+    parallel_config: ParallelConfig
+    attention_backend: str = "auto"
+    compilation_cache_dir: str | None = None
+    token_buckets: list[int] | None = None
+    request_buckets: list[int] | None = None
+    precompile: bool = True
+
+
+@dataclass
+class EngineArgs:
+    """Flat engine arguments, named as vLLM names them."""
+
+    model: str | None = None
+    tokenizer: str | None = None
+    dtype: str = "auto"
+    max_model_len: int | None = None
+    max_num_seqs: int = 128
+    max_num_batched_tokens: int | None = None
+    block_size: int = 16
+    enable_prefix_caching: bool = True
+    enable_chunked_prefill: bool = True
+    seed: int = 0
+    tensor_parallel_size: int = 1
+    data_parallel_size: int = 1
+    skip_tokenizer_init: bool = False
+    load_format: str = "auto"
+    hbm_utilization: float = 0.9
+    gpu_memory_utilization: float | None = None  # vLLM's name for hbm_utilization
+    num_kv_blocks: int | None = None
+    num_gpu_blocks_override: int | None = None  # vLLM's name for num_kv_blocks
+    kv_cache_bytes: int | None = None
+    served_model_name: str | None = None
+    scheduling_policy: str = "fcfs"
+    long_prefill_token_threshold: int = 0
+    attention_backend: str = "auto"
+    compilation_cache_dir: str | None = None
+    token_buckets: list[int] | None = None
+    request_buckets: list[int] | None = None
+    precompile: bool = True
+    trust_remote_code: bool = False  # accepted for vLLM compatibility; never executes code
+    disable_log_stats: bool = True
+    enforce_eager: bool = False  # accepted for vLLM compatibility (no eager mode in JAX)
+
+    @classmethod
+    def field_names(cls) -> set[str]:
+        return {f.name for f in dataclasses.fields(cls)}
+
+    def create_engine_config(self) -> EngineConfig:
+        model_config = self._model_config()
+        max_len = model_config.max_model_len
+        max_batched = self.max_num_batched_tokens or max(2048, min(max_len, 8192))
+        if not self.enable_chunked_prefill:
+            max_batched = max(max_batched, max_len)
+        if self.max_num_seqs < 1:
+            raise ParameterError("max_num_seqs", f"must be at least 1, got {self.max_num_seqs}")
+        if max_batched < 1:
+            raise ParameterError("max_num_batched_tokens", f"must be at least 1, got {max_batched}")
+        if self.block_size < 1 or self.block_size & (self.block_size - 1):
+            raise ParameterError("block_size", f"must be a power of two, got {self.block_size}")
+        hbm = self.gpu_memory_utilization or self.hbm_utilization
+        if not 0.0 < hbm <= 1.0:
+            raise ParameterError("hbm_utilization", f"must be in (0, 1], got {hbm}")
+        if self.scheduling_policy not in ("fcfs", "priority"):
+            raise ParameterError("scheduling_policy",
+                                 f"must be 'fcfs' or 'priority', got {self.scheduling_policy!r}")
+        if self.tensor_parallel_size < 1:
+            raise ParameterError("tensor_parallel_size",
+                                 f"must be at least 1, got {self.tensor_parallel_size}")
+        return EngineConfig(
+            model_config=model_config,
+            cache_config=CacheConfig(
+                block_size=self.block_size, hbm_utilization=hbm,
+                enable_prefix_caching=self.enable_prefix_caching,
+                num_kv_blocks=self.num_gpu_blocks_override or self.num_kv_blocks,
+                kv_cache_bytes=self.kv_cache_bytes),
+            scheduler_config=SchedulerConfig(
+                max_num_seqs=self.max_num_seqs, max_num_batched_tokens=max_batched,
+                max_model_len=max_len, enable_chunked_prefill=self.enable_chunked_prefill,
+                policy=self.scheduling_policy,
+                long_prefill_token_threshold=self.long_prefill_token_threshold),
+            parallel_config=ParallelConfig(self.tensor_parallel_size, self.data_parallel_size),
+            attention_backend=self.attention_backend,
+            compilation_cache_dir=self.compilation_cache_dir,
+            token_buckets=self.token_buckets, request_buckets=self.request_buckets,
+            precompile=self.precompile)
+
+    def _model_config(self) -> ModelConfig:
+        from transformers import AutoConfig
+
+        model = self.model or default_model_path()
+        if not os.path.isdir(model):
+            raise ParameterError("model", f"no model directory at {model!r} "
+                                 "(jaxllm loads local Hugging Face checkpoints)")
+        cfg_path = os.path.join(model, "config.json")
+        if not os.path.isfile(cfg_path):
+            raise ParameterError("model", f"{model!r} has no config.json")
+        try:
+            with open(cfg_path) as f:
+                raw = json.load(f)
+        except (json.JSONDecodeError, UnicodeDecodeError) as e:
+            raise ParameterError("model", f"config.json in {model!r} is not valid JSON: {e}") from e
+        for key in ("architectures", "hidden_size", "num_hidden_layers", "vocab_size"):
+            if key not in raw:
+                raise ParameterError(f"config.json:{key}", f"missing in {cfg_path}")
+        try:
+            hf_config = AutoConfig.from_pretrained(model)
+        except Exception as e:  # transformers raises many types for bad configs
+            raise ParameterError("model", f"transformers cannot read {cfg_path}: {e}") from e
+
+        if self.dtype not in _DTYPES:
+            raise ParameterError("dtype", f"must be one of {_DTYPES}, got {self.dtype!r}")
+        dtype = self.dtype
+        if dtype == "auto":
+            dtype = str(getattr(hf_config, "dtype", None) or getattr(hf_config, "torch_dtype", None)
+                        or "float32").replace("torch.", "")
+            if dtype not in _DTYPES:
+                dtype = "float32"
+        limit = int(getattr(hf_config, "max_position_embeddings", 0) or 2048)
+        max_len = self.max_model_len or limit
+        if max_len < 1:
+            raise ParameterError("max_model_len", f"must be at least 1, got {max_len}")
+        if self.load_format not in ("auto", "safetensors", "dummy"):
+            raise ParameterError("load_format", "must be 'auto', 'safetensors' or 'dummy', "
+                                 f"got {self.load_format!r}")
+        eos = getattr(hf_config, "eos_token_id", None)
+        gen_defaults: dict[str, Any] = {}
+        gen_path = os.path.join(model, "generation_config.json")
+        if os.path.isfile(gen_path):
+            with open(gen_path) as f:
+                gen = json.load(f)
+            eos = gen.get("eos_token_id", eos)
+            gen_defaults = {k: gen[k] for k in ("temperature", "top_p", "top_k",
+                                                 "repetition_penalty") if k in gen}
+        eos_ids = [] if eos is None else ([eos] if isinstance(eos, int) else list(eos))
+        return ModelConfig(
+            model=model, tokenizer=self.tokenizer or model, dtype=dtype, max_model_len=max_len,
+            seed=self.seed, skip_tokenizer_init=self.skip_tokenizer_init,
+            load_format=self.load_format, served_model_name=self.served_model_name or model,
+            hf_config=hf_config, eos_token_ids=eos_ids, generation_defaults=gen_defaults)

@@ -1,0 +1,77 @@
+"""Attention backends: one ragged paged attention semantics, one body per platform.
+
+The model runner asks the backend for the KV cache layout (`kv_cache_shape`)
+and never assumes one. `write_kv` stores this step's K/V (in place when the
+cache is donated); `attend` runs ragged paged attention over a mixed batch of
+prefill chunks and decodes. Backends: "reference" (plain jnp, the oracle, used
+on the CPU), "pallas_tpu" and "pallas_gpu" (pallas_kernels/), chosen by
+platform unless `attention_backend` names one.
+"""
+
+from __future__ import annotations
+
+import functools
+from dataclasses import dataclass
+
+import jax
+
+from pallas_kernels.ragged_paged_attention import reference
+
+
+@jax.tree_util.register_dataclass
+@dataclass(frozen=True)
+class AttentionMetadata:
+    """Per-step attention inputs, shared by every layer (shapes fixed by the bucket)."""
+
+    slot_mapping: jax.Array  # [T] int32, KV slot of each token; padding -> scratch slot
+    kv_lens: jax.Array  # [R] int32, context length per request incl. new tokens
+    page_indices: jax.Array  # [R, W] int32, block tables
+    cu_q_lens: jax.Array  # [R + 1] int32, query start offsets
+    num_seqs: jax.Array  # [1] int32, real requests
+
+
+class AttentionBackend:
+    """The reference body; subclasses replace `attend` (and the layout if they must)."""
+
+    name = "reference"
+
+    def __init__(self, interpret: bool = False):
+        self.interpret = interpret
+
+    def kv_cache_shape(self, num_blocks: int, block_size: int, num_kv_heads: int,
+                       head_dim: int) -> tuple[int, ...]:
+        return reference.kv_cache_shape(num_blocks, block_size, num_kv_heads, head_dim)
+
+    def write_kv(self, kv_cache: jax.Array, k: jax.Array, v: jax.Array,
+                 md: AttentionMetadata) -> jax.Array:
+        return reference.write_kv(kv_cache, k, v, md.slot_mapping)
+
+    def attend(self, q: jax.Array, kv_cache: jax.Array, md: AttentionMetadata, *,
+               sm_scale: float, sliding_window: int | None = None,
+               soft_cap: float | None = None) -> jax.Array:
+        return reference.ragged_paged_attention(
+            q, kv_cache, md.kv_lens, md.page_indices, md.cu_q_lens, md.num_seqs,
+            sm_scale=sm_scale, sliding_window=sliding_window, soft_cap=soft_cap)
+
+
+BACKENDS = ("auto", "reference", "pallas_tpu", "pallas_gpu")
+
+
+@functools.cache
+def get_attention_backend(name: str = "auto", interpret: bool = False) -> AttentionBackend:
+    """Backend by name; "auto" picks by the default device's platform."""
+    if name == "auto":
+        platform = jax.devices()[0].platform
+        name = {"tpu": "pallas_tpu", "gpu": "pallas_gpu", "cuda": "pallas_gpu"}.get(
+            platform, "reference")
+    if name == "reference":
+        return AttentionBackend(interpret)
+    if name == "pallas_tpu":
+        from jaxllm.layers.attention_pallas import PallasTPUBackend
+
+        return PallasTPUBackend(interpret)
+    if name == "pallas_gpu":
+        from jaxllm.layers.attention_pallas import PallasGPUBackend
+
+        return PallasGPUBackend(interpret)
+    raise ValueError(f"attention_backend must be one of {BACKENDS}, got {name!r}")

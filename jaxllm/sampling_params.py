@@ -1,0 +1,144 @@
+"""Request-level sampling knobs, vLLM-compatible and validated on entry."""
+
+from __future__ import annotations
+
+import enum
+from typing import Any
+
+import msgspec
+
+from jaxllm.errors import ParameterError
+
+_GREEDY_EPS = 1e-5
+MAX_LOGPROBS = 20
+
+
+class RequestOutputKind(enum.IntEnum):
+    CUMULATIVE = 0  # every output carries the whole text so far
+    DELTA = 1  # every output carries only what is new
+    FINAL_ONLY = 2  # one output, when the request finishes
+
+
+class SamplingParams(
+    msgspec.Struct, omit_defaults=True, dict=True, kw_only=True
+):  # type: ignore[call-arg]
+    """Sampling parameters for one request (names and meanings follow vLLM)."""
+
+    n: int = 1
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+    repetition_penalty: float = 1.0
+    temperature: float = 1.0
+    top_p: float = 1.0
+    top_k: int = 0
+    min_p: float = 0.0
+    seed: int | None = None
+    stop: str | list[str] | None = None
+    stop_token_ids: list[int] | None = None
+    ignore_eos: bool = False
+    max_tokens: int | None = 16
+    min_tokens: int = 0
+    logprobs: int | None = None
+    prompt_logprobs: int | None = None
+    detokenize: bool = True
+    skip_special_tokens: bool = True
+    spaces_between_special_tokens: bool = True
+    include_stop_str_in_output: bool = False
+    logit_bias: dict[int, float] | None = None
+    allowed_token_ids: list[int] | None = None
+    bad_words: list[str] | None = None
+    output_kind: RequestOutputKind = RequestOutputKind.CUMULATIVE
+    # Filled in by the InputProcessor, never by users.
+    all_stop_token_ids: list[int] | None = None
+    bad_words_token_ids: list[list[int]] | None = None
+
+    def __post_init__(self) -> None:
+        if isinstance(self.stop, str):
+            self.stop = [self.stop]
+        elif self.stop is None:
+            self.stop = []
+        if self.stop_token_ids is None:
+            self.stop_token_ids = []
+        if self.logit_bias is not None:
+            self.logit_bias = {int(k): float(v) for k, v in self.logit_bias.items()}
+        if self.top_k is None or self.top_k < 0:
+            self.top_k = 0  # vLLM accepts -1 for "disabled"
+        self._verify()
+        if self.temperature < _GREEDY_EPS:
+            # Greedy: other filters cannot change the arg-max.
+            self.top_p, self.top_k, self.min_p = 1.0, 0, 0.0
+
+    @classmethod
+    def from_optional(cls, **kwargs: Any) -> SamplingParams:
+        return cls(**{k: v for k, v in kwargs.items() if v is not None})
+
+    def _verify(self) -> None:
+        def bad(field: str, msg: str) -> None:
+            raise ParameterError(field, msg)
+
+        if not isinstance(self.n, int) or self.n < 1:
+            bad("n", f"must be at least 1, got {self.n}")
+        if not -2.0 <= self.presence_penalty <= 2.0:
+            bad("presence_penalty", f"must be in [-2, 2], got {self.presence_penalty}")
+        if not -2.0 <= self.frequency_penalty <= 2.0:
+            bad("frequency_penalty", f"must be in [-2, 2], got {self.frequency_penalty}")
+        if not 0.0 < self.repetition_penalty <= 2.0 * 1e9:
+            bad("repetition_penalty", f"must be greater than 0, got {self.repetition_penalty}")
+        if self.temperature < 0.0:
+            bad("temperature", f"must be non-negative, got {self.temperature}")
+        if not 0.0 < self.top_p <= 1.0:
+            bad("top_p", f"must be in (0, 1], got {self.top_p}")
+        if not 0.0 <= self.min_p <= 1.0:
+            bad("min_p", f"must be in [0, 1], got {self.min_p}")
+        if self.max_tokens is not None and self.max_tokens < 1:
+            bad("max_tokens", f"must be at least 1, got {self.max_tokens}")
+        if self.min_tokens < 0:
+            bad("min_tokens", f"must be non-negative, got {self.min_tokens}")
+        if self.max_tokens is not None and self.min_tokens > self.max_tokens:
+            bad("min_tokens", f"must be at most max_tokens={self.max_tokens}, got {self.min_tokens}")
+        if self.logprobs is not None and not 0 <= self.logprobs <= MAX_LOGPROBS:
+            bad("logprobs", f"must be in [0, {MAX_LOGPROBS}], got {self.logprobs}")
+        if self.prompt_logprobs is not None and not 0 <= self.prompt_logprobs <= MAX_LOGPROBS:
+            bad("prompt_logprobs", f"must be in [0, {MAX_LOGPROBS}], got {self.prompt_logprobs}")
+        if self.seed is not None and not 0 <= self.seed < 2**63:
+            bad("seed", f"must be a non-negative 64-bit integer, got {self.seed}")
+        if any(not s for s in self.stop):
+            bad("stop", "must not contain empty strings")
+        if self.allowed_token_ids is not None and not self.allowed_token_ids:
+            bad("allowed_token_ids", "must not be empty")
+        for tid in [*self.stop_token_ids, *(self.allowed_token_ids or ())]:
+            if tid < 0:
+                bad("stop_token_ids" if tid in self.stop_token_ids else "allowed_token_ids",
+                    f"token ids must be non-negative, got {tid}")
+
+    def verify_vocab(self, vocab_size: int) -> None:
+        """Checks token ids against the model's vocabulary (known only to the engine)."""
+        for name, ids in (("allowed_token_ids", self.allowed_token_ids or ()),
+                          ("logit_bias", (self.logit_bias or {}).keys())):
+            for tid in ids:
+                if not 0 <= tid < vocab_size:
+                    raise ParameterError(name, f"token id {tid} is outside [0, {vocab_size})")
+
+    @property
+    def greedy(self) -> bool:
+        return self.temperature < _GREEDY_EPS
+
+    @property
+    def needs_penalties(self) -> bool:
+        return (self.presence_penalty != 0.0 or self.frequency_penalty != 0.0
+                or self.repetition_penalty != 1.0)
+
+    @property
+    def needs_token_mask(self) -> bool:
+        """Logit bias, allowed/bad words or min_tokens need a per-vocab row."""
+        return bool(self.logit_bias or self.allowed_token_ids or self.bad_words_token_ids
+                    or self.min_tokens)
+
+    def clone(self) -> SamplingParams:
+        return msgspec.structs.replace(self)
+
+
+class PoolingParams(msgspec.Struct, omit_defaults=True, kw_only=True):  # type: ignore[call-arg]
+    """Knobs for `LLM.embed`/`encode`: normalize the pooled vector or not."""
+
+    normalize: bool = True

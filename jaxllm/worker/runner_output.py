@@ -1,0 +1,26 @@
+"""What the model runner returns each step (host numpy/lists only)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from jaxllm.engine.messages import LogprobsLists
+
+
+@dataclass
+class ModelRunnerOutput:
+    req_ids: list[str]
+    req_id_to_index: dict[str, int]
+    # One list per request: the sampled token, or [] for a prompt chunk that
+    # does not reach the end of the prompt (nothing is sampled for it).
+    sampled_token_ids: list[list[int]]
+    # Row i belongs to req_ids[i]; only when some request asked for logprobs.
+    logprobs: LogprobsLists | None = None
+    # Prompt logprobs of the positions computed this step, per request.
+    prompt_logprobs: dict[str, LogprobsLists] = field(default_factory=dict)
+    # Pooled hidden states for pooling requests that finished their prompt.
+    pooler_output: dict[str, list[float]] = field(default_factory=dict)
+
+    @classmethod
+    def empty(cls) -> ModelRunnerOutput:
+        return cls([], {}, [])
