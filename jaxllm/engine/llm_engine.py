@@ -1,0 +1,96 @@
+"""LLMEngine: the synchronous frontend (vLLM's LLMEngine) over an EngineCoreClient."""
+
+from __future__ import annotations
+
+import logging
+from typing import Any
+
+import msgspec
+
+from jaxllm.config import EngineArgs, EngineConfig
+from jaxllm.engine.core_client import EngineCoreClient
+from jaxllm.engine.input_processor import InputProcessor, PromptType, load_tokenizer
+from jaxllm.engine.messages import SchedulerStats
+from jaxllm.engine.output_processor import OutputProcessor, ParentRequest, child_request_id
+from jaxllm.errors import ParameterError
+from jaxllm.outputs import PoolingRequestOutput, RequestOutput
+from jaxllm.sampling_params import PoolingParams, RequestOutputKind, SamplingParams
+
+logger = logging.getLogger(__name__)
+
+
+def fan_out(params: SamplingParams) -> list[SamplingParams]:
+    """Per-child params of an n > 1 request: n = 1 each, seeds offset by the index."""
+    if params.n == 1:
+        return [params]
+    out = []
+    for i in range(params.n):
+        seed = None if params.seed is None else params.seed + i
+        out.append(msgspec.structs.replace(params, n=1, seed=seed))
+    return out
+
+
+class LLMEngine:
+    def __init__(self, config: EngineConfig, multiprocess: bool = False):
+        self.config = config
+        self.model_config = config.model_config
+        self.tokenizer = load_tokenizer(config.model_config)
+        self.engine_core = EngineCoreClient.make_client(config, multiprocess)
+        self.input_processor = InputProcessor(config.model_config, self.tokenizer,
+                                              self.engine_core.max_request_tokens)
+        self.output_processor = OutputProcessor(self.tokenizer)
+        self.last_stats: SchedulerStats | None = None
+
+    @classmethod
+    def from_engine_args(cls, args: EngineArgs, multiprocess: bool = False) -> LLMEngine:
+        return cls(args.create_engine_config(), multiprocess)
+
+    def add_request(self, request_id: str, prompt: PromptType,
+                    params: SamplingParams | PoolingParams, arrival_time: float | None = None,
+                    priority: int = 0) -> None:
+        if request_id in self.output_processor.parents:
+            raise ParameterError("request_id", f"{request_id!r} is already running")
+        if self.config.scheduler_config.policy != "priority" and priority != 0:
+            raise ParameterError("priority", "needs scheduling_policy='priority'")
+        first, prompt_text = self.input_processor.process(request_id, prompt, params,
+                                                          arrival_time, priority)
+        if isinstance(params, PoolingParams):
+            children = [(first, None)]
+            kind = RequestOutputKind.FINAL_ONLY
+        else:
+            child_params = fan_out(first.sampling_params)
+            children = [(msgspec.structs.replace(
+                first, request_id=child_request_id(i, request_id, len(child_params)),
+                sampling_params=p), p) for i, p in enumerate(child_params)]
+            kind = first.sampling_params.output_kind
+        parent = ParentRequest(request_id, len(children), kind)
+        for i, (req, _) in enumerate(children):
+            self.output_processor.add_request(req, prompt_text, parent, i)
+            self.engine_core.add_request(req)
+
+    def step(self) -> list[RequestOutput | PoolingRequestOutput]:
+        outputs = self.engine_core.get_output()
+        if outputs.scheduler_stats is not None:
+            self.last_stats = outputs.scheduler_stats
+        processed = self.output_processor.process_outputs(outputs)
+        self.engine_core.abort_requests(processed.reqs_to_abort)
+        return processed.request_outputs
+
+    def abort_request(self, request_ids: str | list[str]) -> None:
+        ids = [request_ids] if isinstance(request_ids, str) else list(request_ids)
+        self.engine_core.abort_requests(self.output_processor.abort_requests(ids))
+
+    def has_unfinished_requests(self) -> bool:
+        return self.output_processor.has_unfinished_requests()
+
+    def get_num_unfinished_requests(self) -> int:
+        return self.output_processor.get_num_unfinished_requests()
+
+    def reset_prefix_cache(self) -> bool:
+        return self.engine_core.reset_prefix_cache()
+
+    def get_tokenizer(self) -> Any:
+        return self.tokenizer
+
+    def shutdown(self) -> None:
+        self.engine_core.shutdown()

@@ -1,0 +1,109 @@
+"""The offline API: `LLM(model=...).generate(prompts, SamplingParams(...))`, as in vLLM."""
+
+from __future__ import annotations
+
+import itertools
+from collections.abc import Sequence
+from typing import Any
+
+import msgspec
+from tqdm.auto import tqdm
+
+from jaxllm.config import EngineArgs
+from jaxllm.engine.input_processor import PromptType
+from jaxllm.engine.llm_engine import LLMEngine
+from jaxllm.outputs import PoolingRequestOutput, RequestOutput
+from jaxllm.sampling_params import PoolingParams, RequestOutputKind, SamplingParams
+
+Messages = list[dict[str, Any]]
+
+
+class LLM:
+    """Offline batch inference. Keyword arguments are vLLM's EngineArgs names."""
+
+    def __init__(self, model: str | None = None, **kwargs: Any):
+        unknown = set(kwargs) - EngineArgs.field_names()
+        if unknown:
+            raise TypeError(f"LLM() got unexpected engine arguments: {sorted(unknown)}")
+        self.llm_engine = LLMEngine.from_engine_args(EngineArgs(model=model, **kwargs))
+        self._counter = itertools.count()
+
+    def get_tokenizer(self) -> Any:
+        return self.llm_engine.tokenizer
+
+    def get_default_sampling_params(self) -> SamplingParams:
+        """The model's generation_config.json defaults, as vLLM applies them."""
+        return SamplingParams(**self.llm_engine.model_config.generation_defaults)
+
+    def generate(self, prompts: PromptType | Sequence[PromptType],
+                 sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
+                 use_tqdm: bool = True, priority: list[int] | None = None) -> list[RequestOutput]:
+        if isinstance(prompts, (str, dict)) or (isinstance(prompts, list) and prompts
+                                                and isinstance(prompts[0], int)):
+            prompts = [prompts]
+        params = sampling_params or self.get_default_sampling_params()
+        return self._run(list(prompts), params, use_tqdm, priority)
+
+    def chat(self, messages: Messages | Sequence[Messages],
+             sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
+             use_tqdm: bool = True, chat_template: str | None = None,
+             add_generation_prompt: bool = True, continue_final_message: bool = False,
+             chat_template_kwargs: dict[str, Any] | None = None) -> list[RequestOutput]:
+        batch = [messages] if messages and isinstance(messages[0], dict) else list(messages)
+        ip = self.llm_engine.input_processor
+        tok = self.get_tokenizer()
+        prompts: list[PromptType] = []
+        for conv in batch:
+            text = ip.apply_chat_template(
+                list(conv), chat_template, add_generation_prompt and not continue_final_message,
+                continue_final_message=continue_final_message, **(chat_template_kwargs or {}))
+            # The template already carries any special tokens the model wants.
+            ids = tok(text, add_special_tokens=False).input_ids
+            prompts.append({"prompt": text, "prompt_token_ids": ids})
+        params = sampling_params or self.get_default_sampling_params()
+        return self._run(prompts, params, use_tqdm, None)
+
+    def embed(self, prompts: PromptType | Sequence[PromptType],
+              pooling_params: PoolingParams | None = None,
+              use_tqdm: bool = True) -> list[PoolingRequestOutput]:
+        if isinstance(prompts, (str, dict)):
+            prompts = [prompts]
+        return self._run(list(prompts), pooling_params or PoolingParams(), use_tqdm, None)
+
+    encode = embed
+
+    def reset_prefix_cache(self) -> bool:
+        return self.llm_engine.reset_prefix_cache()
+
+    def _run(self, prompts: list[PromptType], params: Any, use_tqdm: bool,
+             priority: list[int] | None) -> list[Any]:
+        if isinstance(params, Sequence) and len(params) != len(prompts):
+            raise ValueError(f"sampling_params: got {len(params)} for {len(prompts)} prompts")
+        engine = self.llm_engine
+        ids: list[str] = []
+        try:
+            for i, prompt in enumerate(prompts):
+                p = params[i] if isinstance(params, Sequence) else params
+                if isinstance(p, SamplingParams):
+                    p = msgspec.structs.replace(p, output_kind=RequestOutputKind.FINAL_ONLY)
+                rid = str(next(self._counter))
+                engine.add_request(rid, prompt, p, priority=priority[i] if priority else 0)
+                ids.append(rid)
+        except Exception:
+            engine.abort_request(ids)  # all or nothing, as vLLM does
+            raise
+        results: dict[str, Any] = {}
+        bar = tqdm(total=len(ids), desc="Processed prompts", disable=not use_tqdm,
+                   dynamic_ncols=True)
+        gen_tokens = 0
+        while engine.has_unfinished_requests():
+            for out in engine.step():
+                if out.finished:
+                    results[out.request_id] = out
+                    bar.update(1)
+                    if isinstance(out, RequestOutput):
+                        gen_tokens += sum(len(c.token_ids) for c in out.outputs)
+                        rate = gen_tokens / max(bar.format_dict["elapsed"], 1e-9)
+                        bar.set_postfix_str(f"output {rate:.1f} tok/s", refresh=False)
+        bar.close()
+        return [results[i] for i in ids]

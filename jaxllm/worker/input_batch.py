@@ -1,0 +1,93 @@
+"""Persistent per-request rows of the model runner.
+
+A request keeps its row from the step it joins until it finishes or is
+preempted, so unchanged state (token ids, block table, sampling knobs) is
+written once, not rebuilt every step. Rows stay dense: removing a request
+moves the last row into the hole. All per-step work over rows is numpy.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+
+from jaxllm.core.sched_output import NewRequestData
+from jaxllm.sample.metadata import SamplingRows
+from jaxllm.sampling_params import SamplingParams
+
+
+class InputBatch:
+    def __init__(self, max_num_reqs: int, max_model_len: int, max_blocks_per_req: int,
+                 vocab_size: int):
+        self.max_num_reqs = max_num_reqs
+        self.max_model_len = max_model_len
+        self.req_ids: list[str] = []
+        self.req_id_to_row: dict[str, int] = {}
+        self.token_ids = np.zeros((max_num_reqs, max_model_len), np.int32)
+        self.num_tokens = np.zeros(max_num_reqs, np.int32)  # prompt + known outputs
+        self.num_prompt_tokens = np.zeros(max_num_reqs, np.int32)
+        self.num_computed_tokens = np.zeros(max_num_reqs, np.int32)
+        self.block_table = np.zeros((max_num_reqs, max_blocks_per_req), np.int32)
+        self.num_blocks = np.zeros(max_num_reqs, np.int32)
+        self.sampling = SamplingRows(max_num_reqs, vocab_size)
+        self.params: list[SamplingParams | None] = [None] * max_num_reqs
+
+    @property
+    def num_reqs(self) -> int:
+        return len(self.req_ids)
+
+    def add(self, new: NewRequestData) -> None:
+        row = self.num_reqs
+        if row >= self.max_num_reqs:
+            raise RuntimeError("input batch is full: the scheduler exceeded max_num_seqs")
+        tokens = [*new.prompt_token_ids, *new.output_token_ids]
+        n = len(tokens)
+        self.req_ids.append(new.req_id)
+        self.req_id_to_row[new.req_id] = row
+        self.token_ids[row, :n] = tokens
+        self.num_tokens[row] = n
+        self.num_prompt_tokens[row] = len(new.prompt_token_ids)
+        self.num_computed_tokens[row] = new.num_computed_tokens
+        self.num_blocks[row] = 0
+        self.append_blocks(row, new.block_ids)
+        self.params[row] = new.sampling_params
+        if new.sampling_params is not None:
+            self.sampling.add(row, new.sampling_params, new.prompt_token_ids,
+                              new.output_token_ids)
+
+    def append_blocks(self, row: int, block_ids: list[int]) -> None:
+        start = self.num_blocks[row]
+        self.block_table[row, start:start + len(block_ids)] = block_ids
+        self.num_blocks[row] = start + len(block_ids)
+
+    def remove(self, req_id: str) -> None:
+        row = self.req_id_to_row.pop(req_id, None)
+        if row is None:
+            return
+        last = self.num_reqs - 1
+        if self.params[row] is not None:
+            self.sampling.remove(row)
+        if row != last:
+            moved = self.req_ids[last]
+            self.req_ids[row] = moved
+            self.req_id_to_row[moved] = row
+            n = self.num_tokens[last]
+            self.token_ids[row, :n] = self.token_ids[last, :n]
+            for arr in (self.num_tokens, self.num_prompt_tokens, self.num_computed_tokens,
+                        self.num_blocks):
+                arr[row] = arr[last]
+            self.block_table[row] = self.block_table[last]
+            self.params[row] = self.params[last]
+            if self.params[last] is not None:
+                self.sampling.move(last, row)
+        self.req_ids.pop()
+        self.params[last] = None
+
+    def append_sampled(self, rows: np.ndarray, token_ids: np.ndarray) -> None:
+        """Records one sampled token for each of `rows` (vectorized)."""
+        if rows.size == 0:
+            return
+        pos = self.num_tokens[rows]
+        ok = pos < self.max_model_len
+        self.token_ids[rows[ok], pos[ok]] = token_ids[ok]
+        self.num_tokens[rows[ok]] += 1
+        self.sampling.append_tokens(rows, token_ids)

@@ -1,0 +1,297 @@
+"""The model runner: owns the weights, the paged KV cache, the bucketed jitted step.
+
+Per step it turns a SchedulerOutput into padded device inputs (vectorized numpy
+over the persistent InputBatch), runs the forward for the token bucket, picks
+the last hidden state of every request, and samples on the device. Exactly one
+device-to-host transfer per step: the sampled ids (plus logprobs when asked).
+
+Compiled shapes (all made at start-up, see `precompile`):
+  forward[T]                       T in token buckets (attention metadata has
+                                   max_num_seqs rows, so R does not matter)
+  select[T, R]                     gather R hidden rows out of T
+  sample[R, sampler variant]       lm_head + sampling for R requests
+  prompt_logprobs[T]               only when a request asks for prompt logprobs
+"""
+
+from __future__ import annotations
+
+import functools
+import logging
+import os
+import time
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from flax import nnx
+from tqdm.auto import tqdm
+
+from jaxllm.config import EngineConfig
+from jaxllm.core.sched_output import SchedulerOutput
+from jaxllm.distributed.mesh import make_mesh
+from jaxllm.engine.messages import LogprobsLists
+from jaxllm.layers.attention import AttentionMetadata, get_attention_backend
+from jaxllm.models.loader import kv_cache_spec, load_model
+from jaxllm.sample.sampler import compute_prompt_logprobs, sample
+from jaxllm.sampling_params import MAX_LOGPROBS
+from jaxllm.worker.buckets import Buckets
+from jaxllm.worker.input_batch import InputBatch
+from jaxllm.worker.runner_output import ModelRunnerOutput
+
+logger = logging.getLogger(__name__)
+
+_DTYPES = {"float32": jnp.float32, "bfloat16": jnp.bfloat16, "float16": jnp.float16}
+_CPU_DEFAULT_KV_BYTES = 1 << 30
+
+
+def enable_compilation_cache(path: str | None) -> str:
+    """JAX's persistent compilation cache, so a restart skips XLA compilation."""
+    path = path or os.environ.get("JAXLLM_CACHE_DIR") or os.path.join(
+        os.environ.get("XDG_CACHE_HOME", os.path.expanduser("~/.cache")), "jaxllm", "xla")
+    os.makedirs(path, exist_ok=True)
+    jax.config.update("jax_compilation_cache_dir", path)
+    jax.config.update("jax_persistent_cache_min_compile_time_secs", 0.5)
+    return path
+
+
+class ModelRunner:
+    def __init__(self, config: EngineConfig):
+        self.config = config
+        mc, cc, sc = config.model_config, config.cache_config, config.scheduler_config
+        enable_compilation_cache(config.compilation_cache_dir)
+        self.dtype = _DTYPES[mc.dtype]
+        self.mesh = make_mesh(config.parallel_config.tensor_parallel_size,
+                              config.parallel_config.data_parallel_size)
+        self.attn_backend = get_attention_backend(config.attention_backend)
+        self.block_size = cc.block_size
+        self.max_model_len = mc.max_model_len
+        self.vocab_size = mc.vocab_size
+        self.seed = mc.seed
+
+        t0 = time.perf_counter()
+        model = load_model(mc, self.mesh, self.attn_backend)
+        self.graphdef, self.state = nnx.split(model)
+        logger.info("loaded %s in %.1fs", mc.model, time.perf_counter() - t0)
+
+        self.buckets = Buckets.make(sc.max_num_batched_tokens, sc.max_num_seqs, mc.max_model_len,
+                                    cc.block_size, config.token_buckets, config.request_buckets)
+        self.num_layers, self.num_kv_heads, self.head_dim = kv_cache_spec(mc.hf_config)
+        cc.num_blocks = self._num_kv_blocks()
+        self.kv_caches = self._allocate_kv_caches(cc.num_blocks)
+        self.input_batch = InputBatch(sc.max_num_seqs, mc.max_model_len,
+                                      self.buckets.max_blocks_per_req, self.vocab_size)
+        self._step_count = 0
+        self._build_functions()
+
+    # ------------------------------------------------------------------ set-up
+
+    def _kv_bytes_per_block(self) -> int:
+        shape = self.attn_backend.kv_cache_shape(1, self.block_size, self.num_kv_heads,
+                                                 self.head_dim)
+        return int(np.prod(shape)) * jnp.dtype(self.dtype).itemsize * self.num_layers
+
+    def _num_kv_blocks(self) -> int:
+        cc, sc = self.config.cache_config, self.config.scheduler_config
+        per_block = self._kv_bytes_per_block()
+        if cc.num_kv_blocks:
+            return int(cc.num_kv_blocks) + 1  # + the reserved null block
+        budget = cc.kv_cache_bytes
+        device = self.mesh.devices.flat[0]
+        if budget is None and device.platform != "cpu":
+            stats = device.memory_stats() or {}
+            limit, used = stats.get("bytes_limit", 0), stats.get("bytes_in_use", 0)
+            budget = int(limit * cc.hbm_utilization) - used - self._activation_reserve()
+            budget *= self.mesh.shape["model"]  # the cache is sharded over kv heads
+        if budget is None:
+            # CPU: room for every sequence at full length, capped.
+            want = sc.max_num_seqs * (-(-self.max_model_len // self.block_size)) * per_block
+            budget = min(want, _CPU_DEFAULT_KV_BYTES)
+        num_blocks = int(budget // per_block)
+        if num_blocks < 2:
+            raise ValueError(f"KV cache budget of {budget} bytes holds no block "
+                             f"({per_block} bytes each): raise hbm_utilization or kv_cache_bytes")
+        return num_blocks
+
+    def _activation_reserve(self) -> int:
+        """A generous bound on the step's transient memory (activations + logits)."""
+        hf = self.config.model_config.hf_config
+        t = self.buckets.token_buckets[-1]
+        r = self.buckets.request_buckets[-1]
+        inter = int(getattr(hf, "intermediate_size", 4 * hf.hidden_size))
+        act = t * (4 * hf.hidden_size + 3 * inter) * jnp.dtype(self.dtype).itemsize
+        logits = r * self.vocab_size * 4 * 6
+        return int(2 * act + logits + (256 << 20))
+
+    def _allocate_kv_caches(self, num_blocks: int) -> list[jax.Array]:
+        from jaxllm.distributed.mesh import kv_cache_sharding
+
+        shape = self.attn_backend.kv_cache_shape(num_blocks, self.block_size, self.num_kv_heads,
+                                                 self.head_dim)
+        sharding = kv_cache_sharding(self.mesh, len(shape))
+        make = jax.jit(lambda: [jnp.zeros(shape, self.dtype) for _ in range(self.num_layers)],
+                       out_shardings=[sharding] * self.num_layers)
+        return make()
+
+    def _build_functions(self) -> None:
+        graphdef = self.graphdef
+
+        def forward(state, kv_caches, input_ids, positions, md):
+            model = nnx.merge(graphdef, state)
+            hidden, kv_caches = model(input_ids, positions, kv_caches, md)
+            return kv_caches, hidden
+
+        def sample_fn(state, hidden, logits_indices, smd):
+            model = nnx.merge(graphdef, state)
+            logits = model.compute_logits(hidden[logits_indices])
+            return sample(logits, smd)
+
+        def prompt_logprobs_fn(state, hidden, targets):
+            model = nnx.merge(graphdef, state)
+            return compute_prompt_logprobs(model.compute_logits(hidden), targets, MAX_LOGPROBS)
+
+        self._forward = jax.jit(forward, donate_argnums=(1,))
+        self._sample = jax.jit(sample_fn)
+        self._prompt_logprobs = jax.jit(prompt_logprobs_fn)
+
+    # ------------------------------------------------------------- precompile
+
+    def precompile(self) -> None:
+        """Compiles every bucket now, so that serving never compiles."""
+        b = self.buckets
+        variants = self.input_batch.sampling.metadata_variants()
+        jobs: list[tuple[str, Any]] = [("forward", t) for t in b.token_buckets]
+        jobs += [("sample", (t, r, v)) for t, r in b.shape_pairs() for v in range(len(variants))]
+        jobs += [("prompt_logprobs", t) for t in b.token_buckets]
+        t0 = time.perf_counter()
+        hidden = {}
+        for kind, arg in tqdm(jobs, desc="Precompiling buckets", unit="shape",
+                              disable=os.environ.get("JAXLLM_NO_PROGRESS") == "1"):
+            if kind == "forward":
+                inputs = self._dummy_inputs(arg)
+                self.kv_caches, hidden[arg] = self._forward(self.state, self.kv_caches, *inputs)
+            elif kind == "sample":
+                t, r, v = arg
+                smd = variants[v](r)
+                self._sample(self.state, hidden[t], np.zeros(r, np.int32), smd)
+            else:
+                self._prompt_logprobs(self.state, hidden[arg], np.zeros(arg, np.int32))
+        jax.block_until_ready(self.kv_caches)
+        logger.info("precompiled %d shapes in %.1fs", len(jobs), time.perf_counter() - t0)
+
+    def _dummy_inputs(self, t: int) -> tuple:
+        s, w = self.buckets.max_num_seqs, self.buckets.max_blocks_per_req
+        md = AttentionMetadata(
+            slot_mapping=np.zeros(t, np.int32), kv_lens=np.zeros(s, np.int32),
+            page_indices=np.zeros((s, w), np.int32), cu_q_lens=np.zeros(s + 1, np.int32),
+            num_seqs=np.zeros(1, np.int32))
+        return np.zeros(t, np.int32), np.zeros(t, np.int32), md
+
+    # ------------------------------------------------------------------- step
+
+    def execute_model(self, so: SchedulerOutput) -> ModelRunnerOutput:
+        self._update_states(so)
+        if so.total_num_scheduled_tokens == 0:
+            return ModelRunnerOutput.empty()
+        ib = self.input_batch
+        req_ids = sorted(so.num_scheduled_tokens, key=ib.req_id_to_row.__getitem__)
+        rows = np.fromiter((ib.req_id_to_row[r] for r in req_ids), np.int32, len(req_ids))
+        nsched = np.fromiter((so.num_scheduled_tokens[r] for r in req_ids), np.int32,
+                             len(req_ids))
+        n = len(req_ids)
+        t_real = int(nsched.sum())
+        t_pad = self.buckets.pad_tokens(t_real)
+        r_pad = self.buckets.pad_requests(n)
+        s, bs = self.buckets.max_num_seqs, self.block_size
+
+        # Vectorized input preparation over the persistent rows.
+        cu = np.zeros(s + 1, np.int32)
+        cu[1:n + 1] = np.cumsum(nsched)
+        cu[n + 1:] = t_real
+        req_of_tok = np.repeat(np.arange(n, dtype=np.int32), nsched)
+        computed = ib.num_computed_tokens[rows]
+        positions = np.zeros(t_pad, np.int32)
+        positions[:t_real] = computed[req_of_tok] + (np.arange(t_real) - cu[req_of_tok])
+        tok_rows = rows[req_of_tok]
+        input_ids = np.zeros(t_pad, np.int32)
+        input_ids[:t_real] = ib.token_ids[tok_rows, positions[:t_real]]
+        slots = np.zeros(t_pad, np.int32)  # padding -> slot 0 of the null block
+        pos = positions[:t_real]
+        slots[:t_real] = ib.block_table[tok_rows, pos // bs] * bs + pos % bs
+        kv_lens = np.zeros(s, np.int32)
+        kv_lens[:n] = computed + nsched
+        page_indices = np.zeros((s, self.buckets.max_blocks_per_req), np.int32)
+        page_indices[:n] = ib.block_table[rows]
+        md = AttentionMetadata(slots, kv_lens, page_indices, cu,
+                               np.array([n], np.int32))
+        logits_indices = np.zeros(r_pad, np.int32)
+        logits_indices[:n] = cu[1:n + 1] - 1
+
+        self.kv_caches, hidden = self._forward(self.state, self.kv_caches, input_ids,
+                                               positions, md)
+        smd = ib.sampling.make_metadata(rows, r_pad, self.seed, self._step_count)
+        out = self._sample(self.state, hidden, logits_indices, smd)
+        prompt_lp = self._maybe_prompt_logprobs(req_ids, rows, nsched, computed, cu, hidden,
+                                                input_ids, t_pad)
+        self._step_count += 1
+
+        sampled = np.asarray(out.token_ids)[:n]
+        # A prompt chunk that stops short of the prompt's end samples nothing.
+        done = computed + nsched >= ib.num_tokens[rows]
+        ib.num_computed_tokens[rows] = computed + nsched
+        ib.append_sampled(rows[done], sampled[done])
+        sampled_lists = [[int(t)] if d else [] for t, d in zip(sampled, done, strict=True)]
+        logprobs = None
+        if getattr(out, "logprobs", None) is not None and smd.num_logprobs:
+            logprobs = LogprobsLists(np.asarray(out.logprob_token_ids)[:n].tolist(),
+                                     np.asarray(out.logprobs)[:n].tolist(),
+                                     np.asarray(out.ranks)[:n].tolist())
+        return ModelRunnerOutput(req_ids=req_ids,
+                                 req_id_to_index={r: i for i, r in enumerate(req_ids)},
+                                 sampled_token_ids=sampled_lists, logprobs=logprobs,
+                                 prompt_logprobs=prompt_lp)
+
+    def _update_states(self, so: SchedulerOutput) -> None:
+        ib = self.input_batch
+        for req_id in so.finished_req_ids | so.preempted_req_ids:
+            ib.remove(req_id)
+        for new in so.scheduled_new_reqs:
+            ib.remove(new.req_id)  # a resumed request is rebuilt from scratch
+            ib.add(new)
+        cached = so.scheduled_cached_reqs
+        for req_id, blocks, ncomp in zip(cached.req_ids, cached.new_block_ids,
+                                         cached.num_computed_tokens, strict=True):
+            row = ib.req_id_to_row[req_id]
+            if blocks:
+                ib.append_blocks(row, blocks)
+            ib.num_computed_tokens[row] = ncomp
+
+    def _maybe_prompt_logprobs(self, req_ids, rows, nsched, computed, cu, hidden, input_ids,
+                               t_pad) -> dict[str, LogprobsLists]:
+        ib = self.input_batch
+        want = [i for i, row in enumerate(rows)
+                if ib.params[row] is not None and ib.params[row].prompt_logprobs is not None
+                and computed[i] < ib.num_prompt_tokens[row] - 1]
+        if not want:
+            return {}
+        targets = np.zeros(t_pad, np.int32)
+        for i in want:
+            row, start = rows[i], computed[i]
+            stop = min(start + nsched[i], ib.num_prompt_tokens[row] - 1)
+            targets[cu[i]:cu[i] + stop - start] = ib.token_ids[row, start + 1:stop + 1]
+        ids, lps, ranks = (np.asarray(a) for a in
+                           self._prompt_logprobs(self.state, hidden, targets))
+        out = {}
+        for i in want:
+            row, start = rows[i], computed[i]
+            stop = min(start + nsched[i], ib.num_prompt_tokens[row] - 1)
+            sl = slice(cu[i], cu[i] + stop - start)
+            out[req_ids[i]] = LogprobsLists(ids[sl].tolist(), lps[sl].tolist(),
+                                            ranks[sl].tolist())
+        return out
+
+    # ------------------------------------------------------------------ misc
+
+    @functools.cached_property
+    def kv_cache_bytes(self) -> int:
+        return sum(c.nbytes for c in self.kv_caches)
