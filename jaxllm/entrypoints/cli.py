@@ -1,0 +1,149 @@
+"""`jaxllm generate | chat | serve | bench`, with vLLM's flag names."""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import json
+import sys
+import typing
+from typing import Any
+
+from jaxllm.config import EngineArgs
+
+_SKIP = {"model", "token_buckets", "request_buckets", "gpu_memory_utilization",
+         "num_gpu_blocks_override"}
+
+
+def add_engine_args(parser: argparse.ArgumentParser) -> None:
+    """One --flag per EngineArgs field (vLLM spelling: dashes, --no-x for booleans)."""
+    parser.add_argument("--model", default=None,
+                        help="Hugging Face checkpoint directory (default: the embedded demo model)")
+    hints = typing.get_type_hints(EngineArgs)
+    for f in dataclasses.fields(EngineArgs):
+        if f.name in _SKIP:
+            continue
+        flag = "--" + f.name.replace("_", "-")
+        hint = hints[f.name]
+        if hint is bool:
+            parser.add_argument(flag, action=argparse.BooleanOptionalAction, default=f.default)
+            continue
+        base = next((t for t in typing.get_args(hint) if t is not type(None)), hint)
+        parser.add_argument(flag, type=base if base in (int, float, str) else str,
+                            default=f.default)
+    parser.add_argument("--gpu-memory-utilization", type=float, default=None,
+                        help="alias of --hbm-utilization")
+    parser.add_argument("--token-buckets", type=lambda s: [int(x) for x in s.split(",")],
+                        default=None, help="comma-separated token bucket sizes")
+    parser.add_argument("--request-buckets", type=lambda s: [int(x) for x in s.split(",")],
+                        default=None, help="comma-separated request bucket sizes")
+
+
+def engine_args_from(ns: argparse.Namespace) -> EngineArgs:
+    names = EngineArgs.field_names()
+    return EngineArgs(**{k: v for k, v in vars(ns).items() if k in names})
+
+
+def _sampling_args(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--max-tokens", type=int, default=64)
+    parser.add_argument("--temperature", type=float, default=0.0)
+    parser.add_argument("--top-p", type=float, default=1.0)
+    parser.add_argument("--top-k", type=int, default=0)
+    parser.add_argument("--min-p", type=float, default=0.0)
+    parser.add_argument("--n", type=int, default=1)
+    parser.add_argument("--sampling-seed", type=int, default=None)
+    parser.add_argument("--stop", action="append", default=None)
+
+
+def _params(ns: argparse.Namespace):
+    from jaxllm.sampling_params import SamplingParams
+
+    return SamplingParams(max_tokens=ns.max_tokens, temperature=ns.temperature, top_p=ns.top_p,
+                          top_k=ns.top_k, min_p=ns.min_p, n=ns.n, seed=ns.sampling_seed,
+                          stop=ns.stop)
+
+
+def cmd_generate(ns: argparse.Namespace) -> int:
+    from jaxllm.entrypoints.llm import LLM
+
+    prompts = list(ns.prompts)
+    if ns.prompts_file:
+        with open(ns.prompts_file) as f:
+            prompts += [line.rstrip("\n") for line in f if line.strip()]
+    if not prompts:
+        print("jaxllm generate: give prompts as arguments or --prompts-file", file=sys.stderr)
+        return 2
+    llm = LLM(**vars(engine_args_from(ns)))
+    if ns.chat:
+        outs = llm.chat([[{"role": "user", "content": p}] for p in prompts], _params(ns))
+    else:
+        outs = llm.generate(prompts, _params(ns))
+    for prompt, out in zip(prompts, outs, strict=True):
+        for comp in out.outputs:
+            if ns.json:
+                print(json.dumps({"prompt": prompt, "text": comp.text,
+                                  "finish_reason": comp.finish_reason}))
+            else:
+                print(f"{prompt!r} -> {comp.text!r}")
+    return 0
+
+
+def cmd_chat(ns: argparse.Namespace) -> int:
+    from jaxllm.entrypoints.llm import LLM
+
+    llm = LLM(**vars(engine_args_from(ns)))
+    history: list[dict[str, Any]] = []
+    print("jaxllm chat: type a message, an empty line or Ctrl-D to quit.")
+    while True:
+        try:
+            line = input("> ").strip()
+        except EOFError:
+            break
+        if not line:
+            break
+        history.append({"role": "user", "content": line})
+        out = llm.chat(history, _params(ns), use_tqdm=False)[0].outputs[0].text
+        print(out.strip())
+        history.append({"role": "assistant", "content": out})
+    return 0
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="jaxllm", description="JAX LLM inference engine")
+    sub = parser.add_subparsers(dest="command", required=True)
+
+    gen = sub.add_parser("generate", help="offline generation for prompts")
+    gen.add_argument("prompts", nargs="*")
+    gen.add_argument("--prompts-file", default=None)
+    gen.add_argument("--chat", action=argparse.BooleanOptionalAction, default=True,
+                     help="wrap each prompt in the model's chat template (default on)")
+    gen.add_argument("--json", action="store_true", help="one JSON object per completion")
+    add_engine_args(gen)
+    _sampling_args(gen)
+    gen.set_defaults(func=cmd_generate)
+
+    chat = sub.add_parser("chat", help="interactive chat in the terminal")
+    add_engine_args(chat)
+    _sampling_args(chat)
+    chat.set_defaults(func=cmd_chat)
+
+    try:
+        from jaxllm.entrypoints.openai.cli_serve import add_serve_parser
+        add_serve_parser(sub)
+    except ImportError:
+        pass
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    import logging
+
+    logging.basicConfig(level=logging.INFO, format="%(levelname)s %(name)s: %(message)s")
+    ns = build_parser().parse_args(argv)
+    if getattr(ns, "gpu_memory_utilization", None):
+        ns.hbm_utilization = ns.gpu_memory_utilization
+    return ns.func(ns)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

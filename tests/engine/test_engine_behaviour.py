@@ -1,0 +1,179 @@
+"""Scheduling choices never change greedy outputs; the engine survives bad input."""
+
+from __future__ import annotations
+
+import json
+import os
+
+import jax
+import pytest
+
+from jaxllm import LLM, SamplingParams
+from jaxllm.config import EngineArgs
+from jaxllm.engine.llm_engine import LLMEngine
+from jaxllm.errors import ParameterError
+from tests.engine.hf_reference import random_prompts
+from tests.models.tiny_checkpoints import make_tiny_checkpoint
+
+BASE = dict(dtype="float32", max_model_len=128, max_num_seqs=8, block_size=8, seed=0,
+            token_buckets=[16, 64], request_buckets=[4, 8], max_num_batched_tokens=64)
+GREEDY = SamplingParams(temperature=0.0, max_tokens=24, ignore_eos=True)
+
+
+@pytest.fixture(scope="module")
+def model_dir(tmp_path_factory):
+    return make_tiny_checkpoint(tmp_path_factory.mktemp("ckpt"), arch="llama",
+                                num_key_value_heads=2)
+
+
+@pytest.fixture(scope="module")
+def prompts(model_dir):
+    with open(os.path.join(model_dir, "config.json")) as f:
+        vocab = json.load(f)["vocab_size"]
+    # Two prompts share a long prefix so that prefix caching has something to find.
+    base = random_prompts(vocab, [9, 17, 30, 41, 6, 23], seed=3)
+    base.append(base[3][:33] + base[0][:5])
+    return base
+
+
+@pytest.fixture(scope="module")
+def reference(model_dir, prompts):
+    llm = LLM(model_dir, **BASE, enable_prefix_caching=False)
+    return _tokens(llm, prompts)
+
+
+def _tokens(llm: LLM, prompts, params=GREEDY):
+    outs = llm.generate([{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False)
+    return [o.outputs[0].token_ids for o in outs]
+
+
+def test_chunked_prefill_gives_the_same_greedy_tokens(model_dir, prompts, reference):
+    llm = LLM(model_dir, **{**BASE, "max_num_batched_tokens": 16, "token_buckets": [16]},
+              enable_prefix_caching=False)
+    assert _tokens(llm, prompts) == reference
+
+
+def test_prefix_cache_hits_on_rerun_and_outputs_do_not_change(model_dir, prompts, reference):
+    llm = LLM(model_dir, **BASE, enable_prefix_caching=True)
+    assert _tokens(llm, prompts) == reference
+    stats = llm.llm_engine.last_stats
+    hits_first = stats.prefix_cache_hits
+    assert _tokens(llm, prompts) == reference
+    stats = llm.llm_engine.last_stats
+    assert stats.prefix_cache_hits > hits_first
+    assert stats.prefix_cache_queries >= stats.prefix_cache_hits
+
+
+def test_preemption_happens_under_a_small_kv_budget_and_outputs_do_not_change(
+        model_dir, prompts, reference):
+    # 14 blocks of 8 tokens: too few for 7 requests of up to 65 tokens at once.
+    llm = LLM(model_dir, **BASE, enable_prefix_caching=True, num_kv_blocks=14)
+    assert _tokens(llm, prompts) == reference
+    assert llm.llm_engine.last_stats.num_preemptions > 0
+
+
+def test_batch_of_one_equals_large_batch(model_dir, prompts, reference):
+    llm = LLM(model_dir, **{**BASE, "max_num_seqs": 1, "request_buckets": [1]},
+              enable_prefix_caching=False)
+    assert [_tokens(llm, [p])[0] for p in prompts[:3]] == reference[:3]
+
+
+def test_no_compilation_after_warmup_during_a_mixed_workload(model_dir, prompts):
+    llm = LLM(model_dir, **BASE)
+    compiles = []
+
+    def listener(event: str, duration: float, **kwargs) -> None:
+        if event in ("/jax/core/compile/backend_compile_duration",
+                     "/jax/core/compile/jaxpr_trace_duration"):
+            compiles.append(event)
+
+    jax.monitoring.register_event_duration_secs_listener(listener)
+    try:
+        mixed = [
+            GREEDY,
+            SamplingParams(temperature=0.8, top_p=0.9, top_k=20, max_tokens=12, seed=1),
+            SamplingParams(temperature=1.0, min_p=0.1, max_tokens=7, logprobs=3),
+            SamplingParams(temperature=0.7, presence_penalty=0.5, frequency_penalty=0.3,
+                           repetition_penalty=1.2, max_tokens=9),
+            SamplingParams(temperature=0.0, logit_bias={20: 5.0}, max_tokens=5, min_tokens=3),
+            SamplingParams(temperature=0.0, max_tokens=4, prompt_logprobs=2),
+            SamplingParams(temperature=1.0, n=2, max_tokens=6, seed=5),
+        ]
+        outs = llm.generate([{"prompt_token_ids": p} for p in prompts], mixed, use_tqdm=False)
+    finally:
+        jax.monitoring.clear_event_listeners()
+    assert all(o.finished for o in outs)
+    assert compiles == []
+
+
+def test_seeded_sampling_is_reproducible_and_independent_of_the_batch(model_dir, prompts):
+    llm = LLM(model_dir, **BASE)
+    seeded = SamplingParams(temperature=1.0, top_k=50, max_tokens=16, seed=1234, ignore_eos=True)
+    alone = _tokens(llm, [prompts[0]], seeded)[0]
+    other = SamplingParams(temperature=1.0, max_tokens=16, ignore_eos=True)
+    batch = [prompts[1], prompts[2], prompts[0], prompts[3]]
+    mixed = llm.generate([{"prompt_token_ids": p} for p in batch],
+                         [other, other, seeded, other], use_tqdm=False)
+    assert mixed[2].outputs[0].token_ids == alone
+    # Same prompt, same seed, different neighbours and row: same tokens.
+    again = llm.generate([{"prompt_token_ids": prompts[1]}, {"prompt_token_ids": prompts[0]}],
+                         [other, seeded], use_tqdm=False)
+    assert again[1].outputs[0].token_ids == alone
+    # Unseeded requests on the same prompt draw different samples.
+    unseeded = _tokens(llm, [prompts[0]] * 2, other)
+    assert unseeded[0] != unseeded[1]
+
+
+@pytest.mark.parametrize("bad, field", [
+    (dict(max_tokens=0), "max_tokens"),
+    (dict(top_p=1.5), "top_p"),
+    (dict(top_p=0.0), "top_p"),
+    (dict(temperature=-0.1), "temperature"),
+])
+def test_bad_sampling_params_name_the_field(bad, field):
+    with pytest.raises(ParameterError) as e:
+        SamplingParams(**bad)
+    assert e.value.field == field and field in str(e.value)
+
+
+def test_bad_requests_are_rejected_and_the_engine_keeps_serving(model_dir, prompts, reference):
+    engine = LLMEngine.from_engine_args(EngineArgs(model=model_dir, **BASE))
+    engine.add_request("good-0", {"prompt_token_ids": prompts[0]}, GREEDY)
+    with pytest.raises(ParameterError) as e:
+        engine.add_request("too-long", {"prompt_token_ids": [10] * 200}, GREEDY)
+    assert e.value.field == "prompt" and "max_model_len" in str(e.value)
+    with pytest.raises(ParameterError) as e:
+        engine.add_request("bad-id", {"prompt_token_ids": [10, 10**6]}, GREEDY)
+    assert e.value.field == "prompt_token_ids"
+    with pytest.raises(ParameterError):
+        engine.add_request("good-0", {"prompt_token_ids": prompts[1]}, GREEDY)  # duplicate id
+    engine.add_request("good-1", {"prompt_token_ids": prompts[1]}, GREEDY)
+    done = {}
+    while engine.has_unfinished_requests():
+        for out in engine.step():
+            if out.finished:
+                done[out.request_id] = out.outputs[0].token_ids
+    assert done == {"good-0": reference[0], "good-1": reference[1]}
+
+
+def test_unknown_model_directory_and_malformed_config_name_the_problem(tmp_path, model_dir):
+    with pytest.raises(ParameterError) as e:
+        LLM(str(tmp_path / "nope"))
+    assert e.value.field == "model"
+    broken = tmp_path / "broken"
+    broken.mkdir()
+    (broken / "config.json").write_text("{not json")
+    with pytest.raises(ParameterError) as e:
+        LLM(str(broken))
+    assert "config.json" in str(e.value)
+    partial = tmp_path / "partial"
+    partial.mkdir()
+    (partial / "config.json").write_text(json.dumps({"architectures": ["LlamaForCausalLM"]}))
+    with pytest.raises(ParameterError) as e:
+        LLM(str(partial))
+    assert e.value.field.startswith("config.json:")
+
+
+def test_unknown_engine_argument_is_a_type_error(model_dir):
+    with pytest.raises(TypeError, match="max_num_seq"):
+        LLM(model_dir, max_num_seq=4)

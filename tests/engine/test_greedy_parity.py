@@ -1,0 +1,44 @@
+"""Greedy tokens and logprobs of the whole engine equal transformers' (float32, CPU)."""
+
+from __future__ import annotations
+
+import pytest
+
+from jaxllm import LLM, SamplingParams
+from tests.engine.hf_reference import hf_greedy, random_prompts
+from tests.models.tiny_checkpoints import make_tiny_checkpoint
+
+NEW_TOKENS = 32
+LENGTHS = [5, 13, 22, 31]
+ENGINE = dict(dtype="float32", max_model_len=128, max_num_seqs=8, max_num_batched_tokens=64,
+              block_size=8, token_buckets=[16, 64], request_buckets=[4, 8], seed=0)
+
+CASES = {
+    "llama-gqa-untied": dict(arch="llama", num_key_value_heads=2, tie_word_embeddings=False),
+    "llama-mha-tied": dict(arch="llama", num_key_value_heads=4, tie_word_embeddings=True),
+    "mistral": dict(arch="mistral", num_key_value_heads=2),
+    "qwen2-bias-tied": dict(arch="qwen2", num_key_value_heads=2, tie_word_embeddings=True),
+    "qwen3-qknorm": dict(arch="qwen3", num_key_value_heads=2, tie_word_embeddings=False),
+}
+
+
+@pytest.mark.parametrize("case", list(CASES))
+def test_greedy_tokens_and_top5_logprobs_match_transformers(case, tmp_path):
+    overrides = dict(CASES[case])
+    model_dir = make_tiny_checkpoint(tmp_path, **overrides)
+    llm = LLM(model_dir, **ENGINE)
+    vocab = llm.llm_engine.model_config.vocab_size
+    prompts = random_prompts(vocab, LENGTHS, seed=len(case))
+    params = SamplingParams(temperature=0.0, max_tokens=NEW_TOKENS, ignore_eos=True, logprobs=5)
+    outs = llm.generate([{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False)
+    ref_tokens, ref_top = hf_greedy(model_dir, prompts, NEW_TOKENS)
+    for out, want, want_top in zip(outs, ref_tokens, ref_top, strict=True):
+        comp = out.outputs[0]
+        assert comp.token_ids == want
+        assert comp.finish_reason == "length"
+        for got_lp, ref_lp in zip(comp.logprobs, want_top, strict=True):
+            top5 = {t: lp.logprob for t, lp in got_lp.items() if lp.rank is not None
+                    and lp.rank <= 5}
+            assert set(top5) == set(ref_lp)
+            for tok, lp in ref_lp.items():
+                assert abs(top5[tok] - lp) < 1e-4
