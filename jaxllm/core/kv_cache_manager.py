@@ -1,0 +1,136 @@
+"""Per-request block tables on top of the BlockPool, with prefix-cache lookups."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from jaxllm.core.block_pool import BlockPool, KVCacheBlock
+from jaxllm.core.request import Request
+
+
+@dataclass
+class PrefixCacheStats:
+    """Cumulative prefix-cache lookups of admitted requests, counted in tokens."""
+
+    requests: int = 0
+    queries: int = 0
+    hits: int = 0
+
+    @property
+    def hit_rate(self) -> float:
+        return self.hits / self.queries if self.queries else 0.0
+
+
+class KVCacheManager:
+    """Which physical blocks each request holds, and how to get more.
+
+    Blocks of a request are listed in logical order: block i holds tokens
+    [i * block_size, (i + 1) * block_size).
+    """
+
+    def __init__(self, num_blocks: int, block_size: int, enable_caching: bool = True) -> None:
+        if block_size < 1:
+            raise ValueError(f"block_size must be at least 1, got {block_size}")
+        self.block_size = block_size
+        self.enable_caching = enable_caching
+        self.block_pool = BlockPool(num_blocks, enable_caching)
+        self.req_to_blocks: dict[str, list[KVCacheBlock]] = {}
+        # How many leading blocks of each request are registered in the prefix cache.
+        self._num_cached_blocks: dict[str, int] = {}
+        self.prefix_cache_stats = PrefixCacheStats()
+
+    @property
+    def usage(self) -> float:
+        return self.block_pool.get_usage()
+
+    def get_num_free_blocks(self) -> int:
+        return self.block_pool.get_num_free_blocks()
+
+    def get_computed_blocks(self, request: Request) -> tuple[list[KVCacheBlock], int]:
+        """The longest cached prefix of the request's full blocks, and its length in tokens.
+
+        Never covers the whole request: its last token must be computed so
+        that there are logits to sample from. Requests that want prompt
+        logprobs or pooled states need every position computed, so they skip
+        the lookup.
+        """
+        if not self._looks_up(request):
+            return [], 0
+        max_hit_blocks = (request.num_tokens - 1) // self.block_size
+        blocks: list[KVCacheBlock] = []
+        for block_hash in request.block_hashes[:max_hit_blocks]:
+            block = self.block_pool.get_cached_block(block_hash)
+            if block is None:
+                break
+            blocks.append(block)
+        return blocks, len(blocks) * self.block_size
+
+    def _looks_up(self, request: Request) -> bool:
+        return self.enable_caching and not request.is_pooling and (
+            request.sampling_params is None or request.sampling_params.prompt_logprobs is None)
+
+    def allocate_slots(self, request: Request, num_new_tokens: int,
+                       new_computed_blocks: list[KVCacheBlock] | None = None
+                       ) -> list[KVCacheBlock] | None:
+        """Makes room for `num_new_tokens` more tokens of `request`.
+
+        `new_computed_blocks` are prefix-cache hits (from `get_computed_blocks`)
+        that come before the new tokens; they are taken, not recomputed.
+        Returns the newly allocated blocks (hits excluded), or None, changing
+        nothing, when the free blocks do not suffice.
+        """
+        if num_new_tokens < 0:
+            raise ValueError(f"num_new_tokens must be non-negative, got {num_new_tokens}")
+        new_computed_blocks = new_computed_blocks or []
+        req_id = request.request_id
+        req_blocks = self.req_to_blocks.get(req_id, [])
+        if new_computed_blocks and req_blocks:
+            raise ValueError(f"{req_id!r} already holds blocks; hits only come before any")
+        num_computed = request.num_computed_tokens + len(new_computed_blocks) * self.block_size
+        num_total = num_computed + num_new_tokens
+        num_required = -(-num_total // self.block_size)
+        num_new_blocks = max(0, num_required - len(req_blocks) - len(new_computed_blocks))
+        # Hits that sit cached-free in the free queue stop being free once taken.
+        num_evictable_hits = sum(1 for b in new_computed_blocks if b.ref_cnt == 0)
+        if num_new_blocks > self.block_pool.get_num_free_blocks() - num_evictable_hits:
+            return None
+
+        if not req_blocks and request.num_computed_tokens == 0 and self._looks_up(request):
+            # Stats count a lookup once, when its request is admitted: a request
+            # that waits is looked up again every step and would count many times.
+            self.prefix_cache_stats.requests += 1
+            self.prefix_cache_stats.queries += request.num_tokens
+            self.prefix_cache_stats.hits += len(new_computed_blocks) * self.block_size
+        self.block_pool.touch(new_computed_blocks)
+        new_blocks = self.block_pool.get_new_blocks(num_new_blocks)
+        req_blocks = self.req_to_blocks.setdefault(req_id, [])
+        req_blocks.extend(new_computed_blocks)
+        req_blocks.extend(new_blocks)
+
+        if self.enable_caching:
+            # Blocks filled by this step are registered now, before they are
+            # computed: the runner writes a step's KV before its attention
+            # reads the cache, so a request scheduled later in the same step
+            # may already share them (vLLM does the same).
+            num_full = min(num_total // self.block_size, len(request.block_hashes))
+            num_cached = self._num_cached_blocks.get(req_id, 0)
+            if num_full > num_cached:
+                self.block_pool.cache_full_blocks(req_blocks, request.block_hashes,
+                                                  num_cached, num_full)
+                self._num_cached_blocks[req_id] = num_full
+        return new_blocks
+
+    def free(self, request: Request) -> None:
+        """Drops the request's references. Its last blocks are evicted first."""
+        blocks = self.req_to_blocks.pop(request.request_id, [])
+        self._num_cached_blocks.pop(request.request_id, None)
+        self.block_pool.free_blocks(reversed(blocks))
+
+    def get_blocks(self, request_id: str) -> list[KVCacheBlock]:
+        return self.req_to_blocks.get(request_id, [])
+
+    def get_block_ids(self, request_id: str) -> list[int]:
+        return [b.block_id for b in self.req_to_blocks.get(request_id, [])]
+
+    def reset_prefix_cache(self) -> bool:
+        return self.block_pool.reset_prefix_cache()

@@ -1,0 +1,135 @@
+"""The engine core's view of one request: its tokens, progress and status."""
+
+from __future__ import annotations
+
+import enum
+import sys
+import time
+
+from jaxllm.core.block_hash import BlockHash, BlockHasher
+from jaxllm.engine.messages import EngineCoreRequest, FinishReason
+from jaxllm.sampling_params import PoolingParams, SamplingParams
+
+
+class RequestStatus(enum.IntEnum):
+    """Lifecycle of a request. Every status after PREEMPTED is final."""
+
+    WAITING = 0
+    RUNNING = 1
+    PREEMPTED = 2
+    FINISHED_STOPPED = 3
+    FINISHED_LENGTH_CAPPED = 4
+    FINISHED_ABORTED = 5
+    FINISHED_ERROR = 6
+
+    def is_finished(self) -> bool:
+        # Written as a method so both `status.is_finished()` and vLLM's
+        # `RequestStatus.is_finished(status)` read naturally.
+        return self > RequestStatus.PREEMPTED
+
+    def finish_reason(self) -> FinishReason | None:
+        return _FINISH_REASONS.get(self)
+
+
+_FINISH_REASONS = {
+    RequestStatus.FINISHED_STOPPED: FinishReason.STOP,
+    RequestStatus.FINISHED_LENGTH_CAPPED: FinishReason.LENGTH,
+    RequestStatus.FINISHED_ABORTED: FinishReason.ABORT,
+    RequestStatus.FINISHED_ERROR: FinishReason.ERROR,
+}
+
+
+class Request:
+    """One generation or pooling request as the scheduler tracks it.
+
+    `all_token_ids` is the prompt followed by the generated tokens;
+    `num_computed_tokens` of them have their KV in the cache. With a block
+    hasher attached, `block_hashes` holds the chained hash of every full block
+    of `all_token_ids` and grows as tokens are appended.
+    """
+
+    def __init__(self, request_id: str, prompt_token_ids: list[int],
+                 sampling_params: SamplingParams | None,
+                 pooling_params: PoolingParams | None = None,
+                 eos_token_id: int | None = None, arrival_time: float | None = None,
+                 priority: int = 0, block_hasher: BlockHasher | None = None) -> None:
+        if not prompt_token_ids:
+            raise ValueError(f"request {request_id!r} has an empty prompt")
+        if sampling_params is None and pooling_params is None:
+            sampling_params = SamplingParams()
+        self.request_id = request_id
+        self.prompt_token_ids = list(prompt_token_ids)
+        self.sampling_params = sampling_params
+        self.pooling_params = pooling_params
+        self.eos_token_id = eos_token_id
+        self.arrival_time = time.time() if arrival_time is None else arrival_time
+        self.priority = priority
+        self.status = RequestStatus.WAITING
+        self.stop_reason: int | str | None = None
+
+        self.num_prompt_tokens = len(self.prompt_token_ids)
+        self.output_token_ids: list[int] = []
+        self.all_token_ids: list[int] = list(self.prompt_token_ids)
+        self.num_computed_tokens = 0
+        # Prefix-cache hit (tokens) at the first schedule; -1 until then, as in vLLM.
+        self.num_cached_tokens = -1
+        self.num_preemptions = 0
+
+        if pooling_params is not None:
+            self.max_tokens = 1  # a pooling request generates nothing; it ends after its prompt
+        elif sampling_params is not None and sampling_params.max_tokens is not None:
+            self.max_tokens = sampling_params.max_tokens
+        else:
+            self.max_tokens = sys.maxsize  # capped by max_model_len instead
+
+        self.block_hashes: list[BlockHash] = []
+        self._block_hasher: BlockHasher | None = None
+        if block_hasher is not None:
+            self.attach_block_hasher(block_hasher)
+
+    @classmethod
+    def from_engine_core_request(cls, req: EngineCoreRequest,
+                                 block_hasher: BlockHasher | None = None) -> Request:
+        return cls(request_id=req.request_id, prompt_token_ids=req.prompt_token_ids,
+                   sampling_params=req.sampling_params, pooling_params=req.pooling_params,
+                   eos_token_id=req.eos_token_id, arrival_time=req.arrival_time,
+                   priority=req.priority, block_hasher=block_hasher)
+
+    def attach_block_hasher(self, block_hasher: BlockHasher) -> None:
+        """Starts hashing full blocks (the scheduler does this when prefix caching is on)."""
+        self._block_hasher = block_hasher
+        self.block_hashes.extend(block_hasher(self))
+
+    @property
+    def has_block_hasher(self) -> bool:
+        return self._block_hasher is not None
+
+    @property
+    def num_tokens(self) -> int:
+        return len(self.all_token_ids)
+
+    @property
+    def num_output_tokens(self) -> int:
+        return len(self.output_token_ids)
+
+    @property
+    def is_pooling(self) -> bool:
+        return self.pooling_params is not None
+
+    def append_output_token_ids(self, token_ids: int | list[int]) -> None:
+        if isinstance(token_ids, int):
+            token_ids = [token_ids]
+        self.output_token_ids.extend(token_ids)
+        self.all_token_ids.extend(token_ids)
+        if self._block_hasher is not None:
+            self.block_hashes.extend(self._block_hasher(self))
+
+    def is_finished(self) -> bool:
+        return self.status.is_finished()
+
+    def get_finished_reason(self) -> FinishReason | None:
+        return self.status.finish_reason()
+
+    def __repr__(self) -> str:
+        return (f"Request({self.request_id!r}, status={self.status.name}, "
+                f"tokens={self.num_tokens}, computed={self.num_computed_tokens})")

@@ -1,0 +1,325 @@
+"""Continuous-batching scheduler: which requests run each step, and for how many tokens.
+
+Each step has a token budget (`max_num_batched_tokens`) and a request cap
+(`max_num_seqs`). Running requests are served first, in priority order, then
+waiting requests are admitted; a prompt that does not fit the remaining budget
+is cut into chunks (chunked prefill). When the cache runs out of blocks the
+lowest-priority, latest-arrived running request is preempted: its blocks are
+freed and it is recomputed later. `update_from_output` appends the sampled
+tokens, applies stop conditions and turns the step into EngineCoreOutputs.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Iterable
+
+from jaxllm.config import EngineConfig
+from jaxllm.core.block_hash import make_block_hasher
+from jaxllm.core.kv_cache_manager import KVCacheManager
+from jaxllm.core.request import Request, RequestStatus
+from jaxllm.core.request_queue import SchedulingPolicy, create_request_queue
+from jaxllm.core.sched_output import CachedRequestData, NewRequestData, SchedulerOutput
+from jaxllm.engine.messages import EngineCoreOutput, EngineCoreOutputs, SchedulerStats
+from jaxllm.worker.runner_output import ModelRunnerOutput
+
+
+class Scheduler:
+    def __init__(self, config: EngineConfig) -> None:
+        sched, cache = config.scheduler_config, config.cache_config
+        if cache.num_blocks < 2:
+            raise ValueError(f"cache_config.num_blocks must be at least 2 (block 0 is "
+                             f"reserved), got {cache.num_blocks}; size the cache first")
+        self.max_num_seqs = sched.max_num_seqs
+        self.max_num_batched_tokens = sched.max_num_batched_tokens
+        self.enable_chunked_prefill = sched.enable_chunked_prefill
+        self.long_prefill_token_threshold = sched.long_prefill_token_threshold
+        self.max_model_len = config.model_config.max_model_len
+        self.policy = SchedulingPolicy(sched.policy)
+        self.block_size = cache.block_size
+        self.num_blocks = cache.num_blocks
+        self.enable_prefix_caching = cache.enable_prefix_caching
+
+        self.kv_cache_manager = KVCacheManager(cache.num_blocks, cache.block_size,
+                                               cache.enable_prefix_caching)
+        self._block_hasher = make_block_hasher(cache.block_size) \
+            if cache.enable_prefix_caching else None
+
+        self.requests: dict[str, Request] = {}
+        self.waiting = create_request_queue(self.policy)
+        self.running: list[Request] = []
+        # Ids finished (or aborted) since the last schedule(): the runner drops them.
+        self.finished_req_ids: set[str] = set()
+
+        self.num_preemptions = 0
+        self._last_num_prompt_tokens = 0
+        self._last_num_generation_tokens = 0
+
+    @property
+    def max_request_tokens(self) -> int:
+        """The most tokens one request can ever hold in the cache.
+
+        The engine rejects at entry a prompt longer than this; a running
+        request is length-capped on reaching it, so it can always progress.
+        """
+        return min(self.max_model_len, (self.num_blocks - 1) * self.block_size)
+
+    # ---------------------------------------------------------------- requests
+
+    def add_request(self, request: Request) -> None:
+        if request.request_id in self.requests:
+            raise ValueError(f"request id {request.request_id!r} is already in use")
+        if request.num_tokens > self.max_request_tokens:
+            # The engine rejects these at entry; admitting one would stall the
+            # queue forever, since it can never get enough blocks.
+            raise ValueError(f"request {request.request_id!r} has {request.num_tokens} tokens, "
+                             f"more than one request can hold ({self.max_request_tokens})")
+        if self._block_hasher is not None and not request.has_block_hasher:
+            request.attach_block_hasher(self._block_hasher)
+        self.requests[request.request_id] = request
+        self.waiting.add(request)
+
+    def finish_requests(self, request_ids: str | Iterable[str],
+                        finished_status: RequestStatus) -> None:
+        """Ends requests from outside the step (abort, error); unknown ids are ignored."""
+        if not finished_status.is_finished():
+            raise ValueError(f"{finished_status.name} is not a finished status")
+        if isinstance(request_ids, str):
+            request_ids = (request_ids,)
+        to_finish = [self.requests[r] for r in dict.fromkeys(request_ids) if r in self.requests]
+        running = {id(r) for r in to_finish if r.status == RequestStatus.RUNNING}
+        if running:
+            self.running = [r for r in self.running if id(r) not in running]
+        self.waiting.remove_many(r for r in to_finish if r.status != RequestStatus.RUNNING)
+        for request in to_finish:
+            request.status = finished_status
+            self._free_request(request)
+
+    def _free_request(self, request: Request) -> None:
+        self.kv_cache_manager.free(request)
+        self.finished_req_ids.add(request.request_id)
+        del self.requests[request.request_id]
+
+    def get_num_unfinished_requests(self) -> int:
+        return len(self.waiting) + len(self.running)
+
+    def has_unfinished_requests(self) -> bool:
+        return self.get_num_unfinished_requests() > 0
+
+    def reset_prefix_cache(self) -> bool:
+        return self.kv_cache_manager.reset_prefix_cache()
+
+    # ---------------------------------------------------------------- schedule
+
+    def _priority_key(self, request: Request) -> tuple[float, ...]:
+        if self.policy is SchedulingPolicy.PRIORITY:
+            return (request.priority, request.arrival_time)
+        return (request.arrival_time,)
+
+    def _wanted_tokens(self, request: Request, num_computed: int) -> int:
+        """Tokens the request would compute this step, before the budget cuts them."""
+        num_new = request.num_tokens - num_computed
+        if 0 < self.long_prefill_token_threshold < num_new:
+            num_new = self.long_prefill_token_threshold
+        return num_new
+
+    def _fit_tokens(self, num_new: int, num_computed: int, token_budget: int) -> int:
+        # Never place a token at a position >= max_model_len.
+        return max(0, min(num_new, token_budget, self.max_model_len - num_computed))
+
+    def _preempt(self, request: Request) -> None:
+        self.kv_cache_manager.free(request)
+        request.status = RequestStatus.PREEMPTED
+        request.num_computed_tokens = 0
+        request.num_preemptions += 1
+        self.num_preemptions += 1
+        self.waiting.prepend(request)
+
+    def schedule(self) -> SchedulerOutput:
+        token_budget = self.max_num_batched_tokens
+        num_scheduled: dict[str, int] = {}
+        new_blocks_of: dict[str, list[int]] = {}
+        scheduled_running: list[Request] = []
+        scheduled_new: list[Request] = []
+        preempted: list[Request] = []
+
+        # Running requests in priority order, so the preemption victim, always
+        # the last of the list, is the lowest-priority, latest-arrived one and
+        # has not been scheduled in this step yet (its blocks hold only
+        # computed KV when they return to the cache). The sort is stable.
+        self.running.sort(key=self._priority_key)
+        i = 0
+        while i < len(self.running) and token_budget > 0:
+            request = self.running[i]
+            num_new = self._fit_tokens(self._wanted_tokens(request, request.num_computed_tokens),
+                                       request.num_computed_tokens, token_budget)
+            if num_new == 0:
+                i += 1
+                continue
+            while True:
+                new_blocks = self.kv_cache_manager.allocate_slots(request, num_new)
+                if new_blocks is not None:
+                    break
+                victim = self.running.pop()
+                self._preempt(victim)
+                preempted.append(victim)
+                if victim is request:
+                    break
+            if new_blocks is None:
+                break  # the current request itself was preempted; nothing below fits
+            scheduled_running.append(request)
+            num_scheduled[request.request_id] = num_new
+            new_blocks_of[request.request_id] = [b.block_id for b in new_blocks]
+            token_budget -= num_new
+            i += 1
+
+        # Admit waiting requests, unless this step had to preempt: the cache is
+        # full, and a preempted request must not come straight back.
+        while not preempted and self.waiting and token_budget > 0:
+            if len(self.running) >= self.max_num_seqs:
+                break
+            request = self.waiting.peek()
+            hit_blocks, num_computed = self.kv_cache_manager.get_computed_blocks(request)
+            num_new = self._wanted_tokens(request, num_computed)
+            # Without chunked prefill a prompt waits for a step with room for
+            # all of it, unless no step ever has room: then chunking is the
+            # only way it can run (the engine would otherwise spin forever).
+            if (not self.enable_chunked_prefill and token_budget < num_new
+                    <= self.max_num_batched_tokens):
+                break
+            num_new = self._fit_tokens(num_new, num_computed, token_budget)
+            if num_new == 0:
+                break
+            new_blocks = self.kv_cache_manager.allocate_slots(request, num_new, hit_blocks)
+            if new_blocks is None:
+                break
+            self.waiting.pop()
+            self.running.append(request)
+            scheduled_new.append(request)
+            request.status = RequestStatus.RUNNING
+            request.num_computed_tokens = num_computed
+            if request.num_cached_tokens < 0:
+                request.num_cached_tokens = num_computed
+            num_scheduled[request.request_id] = num_new
+            token_budget -= num_new
+
+        output = SchedulerOutput(
+            scheduled_new_reqs=[self._new_request_data(r) for r in scheduled_new],
+            scheduled_cached_reqs=CachedRequestData(
+                req_ids=[r.request_id for r in scheduled_running],
+                new_block_ids=[new_blocks_of[r.request_id] for r in scheduled_running],
+                num_computed_tokens=[r.num_computed_tokens for r in scheduled_running]),
+            num_scheduled_tokens=num_scheduled,
+            total_num_scheduled_tokens=self.max_num_batched_tokens - token_budget,
+            finished_req_ids=self.finished_req_ids,
+            preempted_req_ids={r.request_id for r in preempted})
+        self.finished_req_ids = set()
+        self._update_after_schedule(output)
+        return output
+
+    def _new_request_data(self, request: Request) -> NewRequestData:
+        return NewRequestData(
+            req_id=request.request_id, prompt_token_ids=request.prompt_token_ids,
+            output_token_ids=list(request.output_token_ids),
+            sampling_params=request.sampling_params, pooling_params=request.pooling_params,
+            block_ids=self.kv_cache_manager.get_block_ids(request.request_id),
+            num_computed_tokens=request.num_computed_tokens)
+
+    def _update_after_schedule(self, output: SchedulerOutput) -> None:
+        num_prompt_tokens = 0
+        for req_id, num_new in output.num_scheduled_tokens.items():
+            request = self.requests[req_id]
+            before = request.num_computed_tokens
+            num_prompt_tokens += max(0, min(before + num_new, request.num_prompt_tokens) - before)
+            request.num_computed_tokens = before + num_new
+        self._last_num_prompt_tokens = num_prompt_tokens
+
+    # ------------------------------------------------------------------ update
+
+    def update_from_output(self, scheduler_output: SchedulerOutput,
+                           model_runner_output: ModelRunnerOutput) -> EngineCoreOutputs:
+        outputs: list[EngineCoreOutput] = []
+        finished: list[Request] = []
+        num_generated = 0
+        runner = model_runner_output
+        for req_id in scheduler_output.num_scheduled_tokens:
+            request = self.requests.get(req_id)
+            if request is None or request.is_finished():
+                continue  # aborted while the step ran
+            index = runner.req_id_to_index.get(req_id)
+            sampled = runner.sampled_token_ids[index] if index is not None else []
+
+            new_token_ids: list[int] = []
+            for token_id in sampled:
+                request.append_output_token_ids(token_id)
+                new_token_ids.append(token_id)
+                if self._check_stop(request):
+                    break
+            num_generated += len(new_token_ids)
+
+            pooling_output = None
+            if request.is_pooling and request.num_computed_tokens >= request.num_prompt_tokens:
+                pooling_output = runner.pooler_output.get(req_id)
+                # A finished prompt without pooled output would never be
+                # scheduled again; fail it rather than hang the engine.
+                request.status = (RequestStatus.FINISHED_STOPPED if pooling_output is not None
+                                  else RequestStatus.FINISHED_ERROR)
+
+            new_logprobs = None
+            if (new_token_ids and index is not None and runner.logprobs is not None
+                    and request.sampling_params is not None
+                    and request.sampling_params.logprobs is not None):
+                new_logprobs = runner.logprobs.slice(index, index + 1)
+            prompt_logprobs = runner.prompt_logprobs.get(req_id)
+
+            if (new_token_ids or pooling_output is not None or prompt_logprobs is not None
+                    or request.is_finished()):
+                outputs.append(EngineCoreOutput(
+                    request_id=req_id, new_token_ids=new_token_ids, new_logprobs=new_logprobs,
+                    new_prompt_logprobs=prompt_logprobs, pooling_output=pooling_output,
+                    finish_reason=request.get_finished_reason(),
+                    stop_reason=request.stop_reason,
+                    num_cached_tokens=max(0, request.num_cached_tokens)))
+            if request.is_finished():
+                finished.append(request)
+
+        if finished:
+            done = {id(r) for r in finished}
+            self.running = [r for r in self.running if id(r) not in done]
+            for request in finished:
+                self._free_request(request)
+        self._last_num_generation_tokens = num_generated
+        return EngineCoreOutputs(outputs=outputs, scheduler_stats=self.make_stats(),
+                                 timestamp=time.time())
+
+    def _check_stop(self, request: Request) -> bool:
+        """Applies stop conditions after one appended token; sets status and stop_reason."""
+        params = request.sampling_params
+        if params is None:
+            return False
+        last = request.output_token_ids[-1]
+        if request.num_output_tokens >= params.min_tokens:
+            if not params.ignore_eos and last == request.eos_token_id:
+                request.status = RequestStatus.FINISHED_STOPPED
+                return True
+            if params.stop_token_ids and last in params.stop_token_ids:
+                request.status = RequestStatus.FINISHED_STOPPED
+                request.stop_reason = last
+                return True
+        if (request.num_output_tokens >= request.max_tokens
+                or request.num_tokens >= self.max_request_tokens):
+            request.status = RequestStatus.FINISHED_LENGTH_CAPPED
+            return True
+        return False
+
+    # ------------------------------------------------------------------- stats
+
+    def make_stats(self) -> SchedulerStats:
+        cache_stats = self.kv_cache_manager.prefix_cache_stats
+        return SchedulerStats(
+            num_running_reqs=len(self.running), num_waiting_reqs=len(self.waiting),
+            kv_cache_usage=self.kv_cache_manager.usage,
+            prefix_cache_queries=cache_stats.queries, prefix_cache_hits=cache_stats.hits,
+            num_preemptions=self.num_preemptions,
+            num_prompt_tokens=self._last_num_prompt_tokens,
+            num_generation_tokens=self._last_num_generation_tokens)
