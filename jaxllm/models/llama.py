@@ -1,0 +1,323 @@
+"""The Llama-family decoder in Flax NNX: Llama 2/3/3.1, Mistral, Qwen2, Qwen3.
+
+One module covers the four Hugging Face architectures; they differ only in
+q/k/v (and o) bias, per-head q/k RMSNorm (Qwen3), the rope parameters and the
+sliding window (Mistral; Qwen2/3 per `layer_types`). Weights keep Hugging
+Face's `[out, in]` orientation, so loading is reshape/stack, never a transpose;
+projections are fused so a layer runs one qkv and one gate/up matmul.
+
+Every weight declares its sharding over the mesh axes ('data', 'model'):
+
+  weight          shape                      spec                     role
+  embed_tokens    [vocab, hidden]            ('model', None)          vocab-parallel
+  lm_head         [vocab, hidden]            ('model', None)          vocab-parallel logits
+  qkv_proj        [kv_heads, G+2, D, hidden] ('model', ...)           column-parallel
+  qkv_bias        [kv_heads, G+2, D]         ('model', ...)
+  o_proj          [hidden, heads, D]         (None, 'model', None)    row-parallel
+  gate_up_proj    [2, inter, hidden]         (None, 'model', None)    column-parallel
+  down_proj       [hidden, inter]            (None, 'model')          row-parallel
+  norms, biases of row-parallel outputs      replicated
+
+G = heads // kv_heads. The fused qkv weight groups, per kv head, its G query
+heads then its k head then its v head, so sharding the kv-head axis gives every
+'model' shard whole q, k and v heads that attend to each other (GQA stays local).
+Tied embeddings reuse `embed_tokens` for the logits (both vocab-sharded).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from flax import nnx
+from jax.sharding import PartitionSpec as P
+
+from jaxllm.errors import ParameterError
+from jaxllm.layers.attention import AttentionBackend, AttentionMetadata
+from jaxllm.layers.norm import RMSNorm
+from jaxllm.layers.rotary import RotaryEmbedding
+
+MODEL_TYPES = ("llama", "mistral", "qwen2", "qwen3")
+_INIT_STD = 0.02  # dummy weights: small enough that activations stay finite
+
+
+@dataclass(frozen=True)
+class LlamaArch:
+    """The static shape of a Llama-family model, read once from its HF config."""
+
+    model_type: str
+    vocab_size: int
+    hidden_size: int
+    intermediate_size: int
+    num_layers: int
+    num_heads: int
+    num_kv_heads: int
+    head_dim: int
+    rms_norm_eps: float
+    tie_word_embeddings: bool
+    qkv_bias: bool
+    o_bias: bool
+    mlp_bias: bool
+    qk_norm: bool
+    sliding_windows: tuple[int | None, ...]  # per layer
+
+    @classmethod
+    def from_hf_config(cls, cfg: Any) -> LlamaArch:
+        model_type = getattr(cfg, "model_type", "llama")
+        if model_type not in MODEL_TYPES:
+            raise ParameterError("model", f"model_type {model_type!r} is not a Llama-family "
+                                 f"model; supported: {', '.join(MODEL_TYPES)}")
+        heads = int(cfg.num_attention_heads)
+        kv_heads = int(getattr(cfg, "num_key_value_heads", None) or heads)
+        if heads % kv_heads:
+            raise ParameterError("config.json:num_key_value_heads",
+                                 f"{kv_heads} does not divide num_attention_heads={heads}")
+        act = getattr(cfg, "hidden_act", "silu")
+        if act != "silu":
+            raise ParameterError("config.json:hidden_act", f"{act!r} is not supported; "
+                                 "supported: 'silu'")
+        attention_bias = bool(getattr(cfg, "attention_bias", False))
+        return cls(
+            model_type=model_type,
+            vocab_size=int(cfg.vocab_size),
+            hidden_size=int(cfg.hidden_size),
+            intermediate_size=int(cfg.intermediate_size),
+            num_layers=int(cfg.num_hidden_layers),
+            num_heads=heads,
+            num_kv_heads=kv_heads,
+            head_dim=int(getattr(cfg, "head_dim", None) or cfg.hidden_size // heads),
+            rms_norm_eps=float(cfg.rms_norm_eps),
+            tie_word_embeddings=bool(getattr(cfg, "tie_word_embeddings", False)),
+            qkv_bias=model_type == "qwen2" or attention_bias,
+            o_bias=model_type != "qwen2" and attention_bias,
+            mlp_bias=bool(getattr(cfg, "mlp_bias", False)),
+            qk_norm=model_type == "qwen3",
+            sliding_windows=_sliding_windows(cfg),
+        )
+
+    @property
+    def group(self) -> int:
+        return self.num_heads // self.num_kv_heads
+
+
+def _sliding_windows(cfg: Any) -> tuple[int | None, ...]:
+    window = getattr(cfg, "sliding_window", None)
+    n = int(cfg.num_hidden_layers)
+    layer_types = getattr(cfg, "layer_types", None)
+    if layer_types is None:  # Mistral: one window for every layer (None: full attention)
+        return (int(window) if window else None,) * n
+    return tuple(int(window) if t == "sliding_attention" and window else None
+                 for t in layer_types)
+
+
+def _param(rngs: nnx.Rngs, shape: tuple[int, ...], dtype: jnp.dtype, spec: P,
+           init: str = "normal") -> nnx.Param:
+    if init == "normal":
+        value = (_INIT_STD * jax.random.normal(rngs.params(), shape, jnp.float32)).astype(dtype)
+    else:
+        value = jnp.zeros(shape, dtype)
+    # Placement happens in the loader (or a jitted init's out_shardings), not here.
+    return nnx.Param(value, out_sharding=spec, eager_sharding=False)
+
+
+class LlamaAttention(nnx.Module):
+    def __init__(self, arch: LlamaArch, layer: int, *, dtype: jnp.dtype, rngs: nnx.Rngs,
+                 attn_backend: AttentionBackend, rope: RotaryEmbedding):
+        kv, g, d, h = arch.num_kv_heads, arch.group, arch.head_dim, arch.hidden_size
+        self.group = g
+        self.qkv_proj = _param(rngs, (kv, g + 2, d, h), dtype, P("model", None, None, None))
+        self.qkv_bias = (_param(rngs, (kv, g + 2, d), dtype, P("model", None, None), "zeros")
+                         if arch.qkv_bias else None)
+        self.o_proj = _param(rngs, (h, arch.num_heads, d), dtype, P(None, "model", None))
+        self.o_bias = _param(rngs, (h,), dtype, P(None), "zeros") if arch.o_bias else None
+        if arch.qk_norm:
+            self.q_norm = RMSNorm(d, eps=arch.rms_norm_eps, dtype=dtype)
+            self.k_norm = RMSNorm(d, eps=arch.rms_norm_eps, dtype=dtype)
+        else:
+            self.q_norm = self.k_norm = None
+        self.rope = rope
+        self.sm_scale = d ** -0.5
+        self.sliding_window = arch.sliding_windows[layer]
+        self.attn_backend = attn_backend
+
+    def __call__(self, x: jax.Array, positions: jax.Array, kv_cache: jax.Array,
+                 md: AttentionMetadata) -> tuple[jax.Array, jax.Array]:
+        qkv = jnp.einsum("th,kgdh->tkgd", x, self.qkv_proj[...])
+        if self.qkv_bias is not None:
+            qkv = qkv + self.qkv_bias[...]
+        t, kv_heads, _, d = qkv.shape
+        q = qkv[:, :, :self.group].reshape(t, kv_heads * self.group, d)
+        k, v = qkv[:, :, self.group], qkv[:, :, self.group + 1]
+        if self.q_norm is not None:
+            q, k = self.q_norm(q), self.k_norm(k)
+        q, k = self.rope(q, positions), self.rope(k, positions)
+        kv_cache = self.attn_backend.write_kv(kv_cache, k, v, md)
+        o = self.attn_backend.attend(q, kv_cache, md, sm_scale=self.sm_scale,
+                                     sliding_window=self.sliding_window)
+        out = jnp.einsum("tnd,hnd->th", o, self.o_proj[...])
+        if self.o_bias is not None:
+            out = out + self.o_bias[...]
+        return out, kv_cache
+
+
+class LlamaMLP(nnx.Module):
+    def __init__(self, arch: LlamaArch, *, dtype: jnp.dtype, rngs: nnx.Rngs):
+        i, h = arch.intermediate_size, arch.hidden_size
+        self.gate_up_proj = _param(rngs, (2, i, h), dtype, P(None, "model", None))
+        self.down_proj = _param(rngs, (h, i), dtype, P(None, "model"))
+        if arch.mlp_bias:
+            self.gate_up_bias = _param(rngs, (2, i), dtype, P(None, "model"), "zeros")
+            self.down_bias = _param(rngs, (h,), dtype, P(None), "zeros")
+        else:
+            self.gate_up_bias = self.down_bias = None
+
+    def __call__(self, x: jax.Array) -> jax.Array:
+        gate_up = jnp.einsum("th,sih->tsi", x, self.gate_up_proj[...])
+        if self.gate_up_bias is not None:
+            gate_up = gate_up + self.gate_up_bias[...]
+        out = jnp.einsum("ti,hi->th", jax.nn.silu(gate_up[:, 0]) * gate_up[:, 1],
+                         self.down_proj[...])
+        if self.down_bias is not None:
+            out = out + self.down_bias[...]
+        return out
+
+
+class LlamaDecoderLayer(nnx.Module):
+    def __init__(self, arch: LlamaArch, layer: int, *, dtype: jnp.dtype, rngs: nnx.Rngs,
+                 attn_backend: AttentionBackend, rope: RotaryEmbedding):
+        self.input_layernorm = RMSNorm(arch.hidden_size, eps=arch.rms_norm_eps, dtype=dtype)
+        self.self_attn = LlamaAttention(arch, layer, dtype=dtype, rngs=rngs,
+                                        attn_backend=attn_backend, rope=rope)
+        self.post_attention_layernorm = RMSNorm(arch.hidden_size, eps=arch.rms_norm_eps,
+                                                dtype=dtype)
+        self.mlp = LlamaMLP(arch, dtype=dtype, rngs=rngs)
+
+    def __call__(self, x: jax.Array, positions: jax.Array, kv_cache: jax.Array,
+                 md: AttentionMetadata) -> tuple[jax.Array, jax.Array]:
+        attn, kv_cache = self.self_attn(self.input_layernorm(x), positions, kv_cache, md)
+        x = x + attn
+        x = x + self.mlp(self.post_attention_layernorm(x))
+        return x, kv_cache
+
+
+class LlamaForCausalLM(nnx.Module):
+    """Llama / Mistral / Qwen2 / Qwen3 causal LM over a ragged, paged batch."""
+
+    def __init__(self, hf_config: Any, *, dtype: str | jnp.dtype, rngs: nnx.Rngs,
+                 attn_backend: AttentionBackend):
+        arch = LlamaArch.from_hf_config(hf_config)
+        dtype = jnp.dtype(dtype)
+        self.arch = arch
+        self.dtype = dtype
+        rope = RotaryEmbedding.from_hf_config(hf_config, arch.head_dim)
+        self.embed_tokens = _param(rngs, (arch.vocab_size, arch.hidden_size), dtype,
+                                   P("model", None))
+        self.layers = nnx.List([
+            LlamaDecoderLayer(arch, i, dtype=dtype, rngs=rngs, attn_backend=attn_backend,
+                              rope=rope)
+            for i in range(arch.num_layers)])
+        self.norm = RMSNorm(arch.hidden_size, eps=arch.rms_norm_eps, dtype=dtype)
+        self.lm_head = (None if arch.tie_word_embeddings else
+                        _param(rngs, (arch.vocab_size, arch.hidden_size), dtype,
+                               P("model", None)))
+
+    def __call__(self, input_ids: jax.Array, positions: jax.Array,
+                 kv_caches: list[jax.Array], md: AttentionMetadata
+                 ) -> tuple[jax.Array, list[jax.Array]]:
+        """Hidden states after the final norm `[T, hidden]` and the updated KV caches."""
+        x = jnp.take(self.embed_tokens[...], input_ids, axis=0)
+        new_caches = []
+        for layer, kv_cache in zip(self.layers, kv_caches, strict=True):
+            x, kv_cache = layer(x, positions, kv_cache, md)
+            new_caches.append(kv_cache)
+        return self.norm(x), new_caches
+
+    def compute_logits(self, hidden: jax.Array) -> jax.Array:
+        """Float32 logits `[N, vocab]` (sharded over vocab on 'model') for hidden `[N, H]`."""
+        head = self.embed_tokens if self.lm_head is None else self.lm_head
+        return jnp.einsum("nh,vh->nv", hidden.astype(self.dtype), head[...],
+                          preferred_element_type=jnp.float32)
+
+    @staticmethod
+    def hf_weight_map(hf_config: Any) -> list[WeightSource]:
+        """Where each parameter comes from in a Hugging Face checkpoint (used by the loader)."""
+        return hf_weight_map(LlamaArch.from_hf_config(hf_config))
+
+    @staticmethod
+    def hf_ignored_tensor(hf_config: Any, name: str) -> bool:
+        """Checkpoint tensors that are present but carry nothing this module needs."""
+        if name.endswith("rotary_emb.inv_freq"):  # rope buffers saved by old exporters
+            return True
+        return name == "lm_head.weight" and bool(getattr(hf_config, "tie_word_embeddings", False))
+
+
+# ---- Hugging Face checkpoint layout -------------------------------------------------------
+
+@dataclass(frozen=True)
+class WeightSource:
+    """How one parameter is built from checkpoint tensors (numpy, on the host)."""
+
+    path: tuple[str | int, ...]  # the parameter's path in the module state
+    tensors: tuple[str, ...]  # HF tensor names it is built from
+    combine: Callable[[list[np.ndarray]], np.ndarray]
+
+
+def _only(ts: list[np.ndarray]) -> np.ndarray:
+    return ts[0]
+
+
+def hf_weight_map(arch: LlamaArch) -> list[WeightSource]:
+    """Every parameter of the module with the HF tensors it comes from."""
+    kv, g, d, h = arch.num_kv_heads, arch.group, arch.head_dim, arch.hidden_size
+
+    def fuse_qkv(ts: list[np.ndarray]) -> np.ndarray:
+        # q rows are head-major (head = kv * G + g), so grouping by kv head is a reshape.
+        q, k, v = ts
+        tail = q.shape[1:]  # (hidden,) for weights, () for biases
+        return np.concatenate([q.reshape(kv, g, d, *tail), k.reshape(kv, 1, d, *tail),
+                               v.reshape(kv, 1, d, *tail)], axis=1)
+
+    def o_heads(ts: list[np.ndarray]) -> np.ndarray:
+        return ts[0].reshape(h, arch.num_heads, d)
+
+    def stack(ts: list[np.ndarray]) -> np.ndarray:
+        return np.stack(ts, axis=0)
+
+    out = [WeightSource(("embed_tokens",), ("model.embed_tokens.weight",), _only),
+           WeightSource(("norm", "weight"), ("model.norm.weight",), _only)]
+    if not arch.tie_word_embeddings:
+        out.append(WeightSource(("lm_head",), ("lm_head.weight",), _only))
+    for i in range(arch.num_layers):
+        pre, at = f"model.layers.{i}.", f"model.layers.{i}.self_attn."
+        path = ("layers", i)
+        out += [
+            WeightSource(path + ("input_layernorm", "weight"),
+                         (pre + "input_layernorm.weight",), _only),
+            WeightSource(path + ("post_attention_layernorm", "weight"),
+                         (pre + "post_attention_layernorm.weight",), _only),
+            WeightSource(path + ("self_attn", "qkv_proj"),
+                         tuple(f"{at}{p}_proj.weight" for p in "qkv"), fuse_qkv),
+            WeightSource(path + ("self_attn", "o_proj"), (at + "o_proj.weight",), o_heads),
+            WeightSource(path + ("mlp", "gate_up_proj"),
+                         (pre + "mlp.gate_proj.weight", pre + "mlp.up_proj.weight"), stack),
+            WeightSource(path + ("mlp", "down_proj"), (pre + "mlp.down_proj.weight",), _only),
+        ]
+        if arch.qkv_bias:
+            out.append(WeightSource(path + ("self_attn", "qkv_bias"),
+                                    tuple(f"{at}{p}_proj.bias" for p in "qkv"), fuse_qkv))
+        if arch.o_bias:
+            out.append(WeightSource(path + ("self_attn", "o_bias"), (at + "o_proj.bias",),
+                                    _only))
+        if arch.qk_norm:
+            out += [WeightSource(path + ("self_attn", f"{n}_norm", "weight"),
+                                 (f"{at}{n}_norm.weight",), _only) for n in "qk"]
+        if arch.mlp_bias:
+            out += [WeightSource(path + ("mlp", "gate_up_bias"),
+                                 (pre + "mlp.gate_proj.bias", pre + "mlp.up_proj.bias"), stack),
+                    WeightSource(path + ("mlp", "down_bias"), (pre + "mlp.down_proj.bias",),
+                                 _only)]
+    return out

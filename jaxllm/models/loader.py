@@ -1,0 +1,202 @@
+"""Builds a model with every weight a `jax.Array` placed on the mesh.
+
+The module is first created abstractly (`nnx.eval_shape`), which yields each
+parameter's shape, dtype and declared sharding without allocating anything.
+Then either
+  * safetensors: each parameter is assembled on the host from memory-mapped
+    checkpoint tensors (split/stacked into the fused layouts, cast to the model
+    dtype) and handed to the devices shard by shard (`make_array_from_callback`),
+    so no weight is materialized twice on the host or ever in full on a device
+    that holds only a shard; or
+  * dummy: a jitted init with `out_shardings` draws the random weights directly
+    on the devices, deterministic from `seed` and independent of the mesh.
+
+Checkpoints: `model.safetensors`, a `model.safetensors.index.json` over several
+shards, or any `*.safetensors` files in the directory; bf16/fp16/fp32 on disk.
+"""
+
+from __future__ import annotations
+
+import glob
+import json
+import os
+from typing import Any, NamedTuple
+
+import jax
+import jax.numpy as jnp
+import ml_dtypes
+import numpy as np
+from flax import nnx
+from jax.sharding import Mesh, NamedSharding
+from tqdm.auto import tqdm
+
+from jaxllm.config import ModelConfig
+from jaxllm.distributed.mesh import param_shardings, validate_tensor_parallel
+from jaxllm.errors import ParameterError
+from jaxllm.models.registry import get_model_class
+
+_ST_DTYPES = {
+    "F64": np.float64, "F32": np.float32, "F16": np.float16, "BF16": ml_dtypes.bfloat16,
+    "F8_E4M3": ml_dtypes.float8_e4m3fn, "F8_E5M2": ml_dtypes.float8_e5m2,
+    "I64": np.int64, "I32": np.int32, "I16": np.int16, "I8": np.int8,
+    "U64": np.uint64, "U32": np.uint32, "U16": np.uint16, "U8": np.uint8, "BOOL": np.bool_,
+}
+
+
+class KVCacheSpec(NamedTuple):
+    """What the runner needs to size and shape the KV cache (whole model, before TP)."""
+
+    num_layers: int
+    num_kv_heads: int
+    head_dim: int
+
+    def bytes_per_token(self, dtype: str | jnp.dtype) -> int:
+        """K and V of one token over all layers; per device divide by tensor_parallel_size."""
+        return 2 * self.num_layers * self.num_kv_heads * self.head_dim * jnp.dtype(dtype).itemsize
+
+
+def kv_cache_spec(hf_config: Any) -> KVCacheSpec:
+    heads = int(hf_config.num_attention_heads)
+    return KVCacheSpec(
+        num_layers=int(hf_config.num_hidden_layers),
+        num_kv_heads=int(getattr(hf_config, "num_key_value_heads", None) or heads),
+        head_dim=int(getattr(hf_config, "head_dim", None) or hf_config.hidden_size // heads))
+
+
+def kv_cache_bytes_per_token(hf_config: Any, dtype: str | jnp.dtype) -> int:
+    return kv_cache_spec(hf_config).bytes_per_token(dtype)
+
+
+def load_model(model_config: ModelConfig, mesh: Mesh, attn_backend: Any) -> nnx.Module:
+    """The model of `model_config`, every weight sharded on `mesh` in `model_config.dtype`."""
+    hf_config = model_config.hf_config
+    cls = get_model_class(model_config.architecture)
+    validate_tensor_parallel(hf_config, mesh.shape["model"])
+    dtype = jnp.dtype(model_config.dtype)
+
+    def create() -> nnx.Module:
+        return cls(hf_config, dtype=dtype, rngs=nnx.Rngs(model_config.seed),
+                   attn_backend=attn_backend)
+
+    graphdef, state = nnx.split(nnx.eval_shape(create))
+    shardings = param_shardings(state, mesh)
+    if model_config.load_format == "dummy":
+        values = jax.jit(lambda: nnx.to_pure_dict(nnx.state(create())),
+                         out_shardings=shardings)()
+    else:
+        values = _load_safetensors(cls, hf_config, model_config.model, state, shardings)
+    nnx.replace_by_pure_dict(state, values)
+    return nnx.merge(graphdef, state)
+
+
+# ---- safetensors ------------------------------------------------------------------------
+
+class SafetensorsCheckpoint:
+    """Tensor name -> memory-mapped numpy view, over every safetensors file of a directory."""
+
+    def __init__(self, model_dir: str):
+        self.model_dir = model_dir
+        self._entries: dict[str, tuple[str, dict]] = {}
+        self._maps: dict[str, tuple[np.memmap, int]] = {}
+        for path in _safetensors_files(model_dir):
+            with open(path, "rb") as f:
+                header_len = int.from_bytes(f.read(8), "little")
+                header = json.loads(f.read(header_len))
+            header.pop("__metadata__", None)
+            for name, entry in header.items():
+                self._entries.setdefault(name, (path, entry))
+
+    def names(self) -> set[str]:
+        return set(self._entries)
+
+    def read(self, name: str) -> np.ndarray:
+        path, entry = self._entries[name]
+        if path not in self._maps:
+            with open(path, "rb") as f:
+                header_len = int.from_bytes(f.read(8), "little")
+            self._maps[path] = (np.memmap(path, dtype=np.uint8, mode="r"), 8 + header_len)
+        data, base = self._maps[path]
+        if entry["dtype"] not in _ST_DTYPES:
+            raise ParameterError("model", f"tensor {name!r} in {path} has unsupported dtype "
+                                 f"{entry['dtype']}")
+        start, end = entry["data_offsets"]
+        dtype = np.dtype(_ST_DTYPES[entry["dtype"]])
+        return data[base + start:base + end].view(dtype).reshape(entry["shape"])
+
+
+def _safetensors_files(model_dir: str) -> list[str]:
+    index = os.path.join(model_dir, "model.safetensors.index.json")
+    if os.path.isfile(index):
+        with open(index) as f:
+            weight_map = json.load(f)["weight_map"]
+        files = [os.path.join(model_dir, name) for name in sorted(set(weight_map.values()))]
+        missing = [p for p in files if not os.path.isfile(p)]
+        if missing:
+            raise ParameterError("model", f"{index} names shard {missing[0]!r}, which is missing")
+        return files
+    single = os.path.join(model_dir, "model.safetensors")
+    if os.path.isfile(single):
+        return [single]
+    files = sorted(glob.glob(os.path.join(model_dir, "*.safetensors")))
+    if not files:
+        raise ParameterError("model", f"no safetensors weights in {model_dir!r} (jaxllm reads "
+                             "*.safetensors only; use load_format='dummy' for random weights)")
+    return files
+
+
+def _load_safetensors(cls: type, hf_config: Any, model_dir: str, state: nnx.State,
+                      shardings: dict) -> dict:
+    ckpt = SafetensorsCheckpoint(model_dir)
+    sources = cls.hf_weight_map(hf_config)
+    variables = dict(nnx.to_flat_state(state))
+    available = ckpt.names()
+    needed = {name for src in sources for name in src.tensors}
+    missing = sorted(needed - available)
+    if missing:
+        more = f" (and {len(missing) - 1} more)" if len(missing) > 1 else ""
+        raise ParameterError("model", f"checkpoint {model_dir!r} is missing tensor "
+                             f"{missing[0]!r}{more}")
+    unexpected = sorted(n for n in available - needed if not cls.hf_ignored_tensor(hf_config, n))
+    if unexpected:
+        more = f" (and {len(unexpected) - 1} more)" if len(unexpected) > 1 else ""
+        raise ParameterError("model", f"checkpoint {model_dir!r} has unexpected tensor "
+                             f"{unexpected[0]!r}{more}, which {cls.__name__} does not use")
+    unsourced = sorted(str(p) for p in set(variables) - {src.path for src in sources})
+    if unsourced:
+        raise RuntimeError(f"{cls.__name__} parameters without a checkpoint source: {unsourced}")
+
+    values: dict = {}
+    with tqdm(total=len(needed), desc="Loading safetensors", unit="tensor") as bar:
+        for src in sources:
+            var = variables[src.path]
+            want = var.get_value()
+            host = src.combine([ckpt.read(name) for name in src.tensors])
+            if tuple(host.shape) != tuple(want.shape):
+                raise ParameterError(
+                    "model", f"tensor(s) {', '.join(src.tensors)} in {model_dir!r} give shape "
+                    f"{tuple(host.shape)}, but config.json implies {tuple(want.shape)}")
+            host = host.astype(want.dtype, copy=False)
+            values[src.path] = _place(host, _lookup(shardings, src.path))
+            bar.update(len(src.tensors))
+    return _nest(values)
+
+
+def _place(host: np.ndarray, sharding: NamedSharding) -> jax.Array:
+    # Each device receives only its own slice of the host array.
+    return jax.make_array_from_callback(host.shape, sharding, lambda idx: host[idx])
+
+
+def _lookup(nested: dict, path: tuple) -> Any:
+    for key in path:
+        nested = nested[key]
+    return nested
+
+
+def _nest(flat: dict[tuple, Any]) -> dict:
+    out: dict = {}
+    for path, value in flat.items():
+        node = out
+        for key in path[:-1]:
+            node = node.setdefault(key, {})
+        node[path[-1]] = value
+    return out

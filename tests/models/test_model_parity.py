@@ -1,0 +1,231 @@
+"""Model logits equal transformers' (float32) over a ragged paged batch; loading is strict.
+
+Each case writes a tiny random checkpoint with `save_pretrained`, loads it with
+jaxllm, runs three prompts of different lengths as ONE ragged prefill through
+the reference attention backend (block size 4, null block 0, padded tokens and
+requests), then one decode token per request against the cache, and compares
+every real row's logits with transformers run per prompt.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+import torch
+from flax import nnx
+from safetensors.torch import load_file, save_file
+from transformers import AutoConfig, AutoModelForCausalLM
+
+from jaxllm.config import ModelConfig
+from jaxllm.distributed.mesh import make_mesh
+from jaxllm.errors import ParameterError
+from jaxllm.layers.attention import AttentionMetadata, get_attention_backend
+from jaxllm.layers.rotary import RotaryEmbedding
+from jaxllm.models.loader import kv_cache_spec, load_model
+from jaxllm.models.registry import get_model_class
+from tests.models.tiny_checkpoints import make_tiny_checkpoint
+
+BLOCK_SIZE = 4
+PROMPT_LENS = (5, 11, 3)
+TOKEN_BUCKET, DECODE_BUCKET, REQUEST_BUCKET, TABLE_WIDTH = 24, 8, 4, 4
+
+CASES = {
+    "llama-gqa-untied": dict(arch="llama", num_key_value_heads=2),
+    "llama-mha-tied": dict(arch="llama", num_key_value_heads=4, tie_word_embeddings=True),
+    "llama3-rope-scaling": dict(arch="llama", rope_parameters=dict(
+        rope_type="llama3", rope_theta=10000.0, factor=8.0, low_freq_factor=1.0,
+        high_freq_factor=4.0, original_max_position_embeddings=16)),
+    "llama-linear-rope-biases": dict(
+        arch="llama", attention_bias=True, mlp_bias=True,
+        rope_parameters=dict(rope_type="linear", rope_theta=10000.0, factor=2.0)),
+    "mistral-sliding-window": dict(arch="mistral", sliding_window=4),
+    "qwen2-bias-tied": dict(arch="qwen2", tie_word_embeddings=True),
+    "qwen3-qk-norm": dict(arch="qwen3", head_dim=32),
+}
+
+
+def model_config(model_dir: str, dtype: str = "float32", load_format: str = "auto",
+                 seed: int = 0) -> ModelConfig:
+    return ModelConfig(model=model_dir, tokenizer=model_dir, dtype=dtype, max_model_len=256,
+                       seed=seed, skip_tokenizer_init=True, load_format=load_format,
+                       served_model_name=model_dir,
+                       hf_config=AutoConfig.from_pretrained(model_dir))
+
+
+def prompts_for(vocab: int, seed: int = 0) -> list[np.ndarray]:
+    rng = np.random.default_rng(seed)
+    return [rng.integers(4, vocab, size=n).astype(np.int32) for n in PROMPT_LENS]
+
+
+def _metadata(q_lens: list[int], kv_lens: list[int], num_tokens: int) -> AttentionMetadata:
+    """Request r owns blocks 1 + r*W ... ; padded tokens write to slot 0 (null block)."""
+    slots = np.zeros(num_tokens, np.int32)
+    tables = np.zeros((REQUEST_BUCKET, TABLE_WIDTH), np.int32)
+    cu = np.zeros(REQUEST_BUCKET + 1, np.int32)
+    lens = np.zeros(REQUEST_BUCKET, np.int32)
+    t = 0
+    for r, (q, kv) in enumerate(zip(q_lens, kv_lens, strict=True)):
+        tables[r] = 1 + r * TABLE_WIDTH + np.arange(TABLE_WIDTH)
+        pos = np.arange(kv - q, kv)
+        slots[t:t + q] = tables[r, pos // BLOCK_SIZE] * BLOCK_SIZE + pos % BLOCK_SIZE
+        t += q
+        cu[r + 1] = t
+        lens[r] = kv
+    cu[len(q_lens) + 1:] = t
+    return AttentionMetadata(slot_mapping=jnp.asarray(slots), kv_lens=jnp.asarray(lens),
+                             page_indices=jnp.asarray(tables), cu_q_lens=jnp.asarray(cu),
+                             num_seqs=jnp.asarray([len(q_lens)], jnp.int32))
+
+
+def run_prefill_and_decode(model: nnx.Module, prompts: list[np.ndarray],
+                           next_tokens: list[int], kv_sharding=None) -> tuple[np.ndarray, ...]:
+    """(prefill logits of the real rows [sum(L), V], decode logits [R, V]) as numpy."""
+    backend = model.layers[0].self_attn.attn_backend
+    arch = model.arch
+    shape = backend.kv_cache_shape(1 + REQUEST_BUCKET * TABLE_WIDTH, BLOCK_SIZE,
+                                   arch.num_kv_heads, arch.head_dim)
+    caches = [jnp.zeros(shape, model.dtype, device=kv_sharding) for _ in range(arch.num_layers)]
+    graphdef, state = nnx.split(model)
+
+    @jax.jit
+    def step(state, ids, positions, caches, md):
+        m = nnx.merge(graphdef, state)
+        hidden, caches = m(ids, positions, caches, md)
+        return m.compute_logits(hidden), caches
+
+    lens = [len(p) for p in prompts]
+    ids = np.zeros(TOKEN_BUCKET, np.int32)
+    positions = np.zeros(TOKEN_BUCKET, np.int32)
+    ids[:sum(lens)] = np.concatenate(prompts)
+    positions[:sum(lens)] = np.concatenate([np.arange(n) for n in lens])
+    logits, caches = step(state, ids, positions, caches, _metadata(lens, lens, TOKEN_BUCKET))
+    prefill = np.asarray(logits)[:sum(lens)]
+
+    ids = np.zeros(DECODE_BUCKET, np.int32)
+    positions = np.zeros(DECODE_BUCKET, np.int32)
+    ids[:len(prompts)] = next_tokens
+    positions[:len(prompts)] = lens
+    md = _metadata([1] * len(prompts), [n + 1 for n in lens], DECODE_BUCKET)
+    logits, _ = step(state, ids, positions, caches, md)
+    return prefill, np.asarray(logits)[:len(prompts)]
+
+
+def hf_logits(model_dir: str, prompts: list[np.ndarray], next_tokens: list[int]):
+    hf = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
+    prefill, decode = [], []
+    with torch.no_grad():
+        for p, nxt in zip(prompts, next_tokens, strict=True):
+            ids = torch.tensor(np.append(p, nxt)[None].astype(np.int64))
+            out = hf(ids).logits[0].numpy()
+            prefill.append(out[:-1])
+            decode.append(out[-1])
+    return np.concatenate(prefill), np.stack(decode)
+
+
+def load(model_dir: str, tp: int = 1, **kw) -> nnx.Module:
+    mc = model_config(model_dir, **kw)
+    return load_model(mc, make_mesh(tp, hf_config=mc.hf_config), get_attention_backend("reference"))
+
+
+@pytest.mark.parametrize("case", list(CASES))
+def test_ragged_prefill_and_decode_logits_match_transformers(case, tmp_path):
+    model_dir = make_tiny_checkpoint(tmp_path, **CASES[case])
+    prompts = prompts_for(256, seed=len(case))
+    next_tokens = [7, 100, 255]
+    got_prefill, got_decode = run_prefill_and_decode(load(model_dir), prompts, next_tokens)
+    want_prefill, want_decode = hf_logits(model_dir, prompts, next_tokens)
+    assert np.abs(want_prefill).max() > 0.5  # the comparison is not between near-zeros
+    np.testing.assert_allclose(got_prefill, want_prefill, rtol=0, atol=1e-4)
+    np.testing.assert_allclose(got_decode, want_decode, rtol=0, atol=1e-4)
+
+
+def _params(model: nnx.Module) -> dict:
+    return jax.tree.map(np.asarray, nnx.to_pure_dict(nnx.state(model)))
+
+
+def test_sharded_checkpoint_with_index_loads_the_same_weights(tmp_path):
+    whole = make_tiny_checkpoint(tmp_path, seed=3)
+    sharded = make_tiny_checkpoint(tmp_path, seed=3, max_shard_size="250KB")
+    with open(os.path.join(sharded, "model.safetensors.index.json")) as f:
+        assert len(set(json.load(f)["weight_map"].values())) == 2
+    jax.tree.map(np.testing.assert_array_equal, _params(load(whole)), _params(load(sharded)))
+
+
+def test_bf16_checkpoint_loads_into_fused_layout_and_runs_in_either_dtype(tmp_path):
+    model_dir = make_tiny_checkpoint(tmp_path, dtype="bfloat16", num_key_value_heads=2)
+    hf = load_file(os.path.join(model_dir, "model.safetensors"))
+    prompts = prompts_for(256)
+    want = hf_logits(model_dir, prompts, [1, 2, 3])  # bf16 weights, float32 compute
+    for dtype, atol in (("float32", 1e-4), ("bfloat16", 0.1)):
+        model = load(model_dir, dtype=dtype)
+        qkv = model.layers[1].self_attn.qkv_proj[...]
+        assert qkv.dtype == jnp.dtype(dtype)
+        # kv head 1 holds q heads 2 and 3, then k head 1, then v head 1 (head_dim 16).
+        pre = "model.layers.1.self_attn."
+        layout = torch.cat([hf[pre + "q_proj.weight"][32:64], hf[pre + "k_proj.weight"][16:32],
+                            hf[pre + "v_proj.weight"][16:32]]).float().numpy().reshape(4, 16, 64)
+        np.testing.assert_array_equal(np.asarray(qkv[1], np.float32), layout)
+        got = run_prefill_and_decode(model, prompts, [1, 2, 3])
+        for g, w in zip(got, want, strict=True):
+            assert g.dtype == np.float32
+            np.testing.assert_allclose(g, w, rtol=0, atol=atol)
+
+
+def test_missing_or_unexpected_tensor_is_named_in_the_error(tmp_path):
+    model_dir = make_tiny_checkpoint(tmp_path)
+    path = os.path.join(model_dir, "model.safetensors")
+    tensors = load_file(path)
+    name = "model.layers.1.mlp.up_proj.weight"
+    save_file({k: v for k, v in tensors.items() if k != name}, path)
+    with pytest.raises(ParameterError, match=f"missing tensor '{name}'"):
+        load(model_dir)
+    save_file({**tensors, "model.layers.9.extra.weight": torch.zeros(2)}, path)
+    with pytest.raises(ParameterError, match="unexpected tensor 'model.layers.9.extra.weight'"):
+        load(model_dir)
+
+
+def test_dummy_weights_are_deterministic_from_the_seed(tmp_path):
+    model_dir = make_tiny_checkpoint(tmp_path)
+    a = _params(load(model_dir, load_format="dummy", seed=1))
+    b = _params(load(model_dir, load_format="dummy", seed=1))
+    c = _params(load(model_dir, load_format="dummy", seed=2))
+    jax.tree.map(np.testing.assert_array_equal, a, b)
+    assert not np.array_equal(a["embed_tokens"], c["embed_tokens"])
+    assert all(np.isfinite(x).all() for x in jax.tree.leaves(a))
+
+
+def test_unsupported_architecture_lists_the_supported_ones():
+    with pytest.raises(ParameterError, match="supported: LlamaForCausalLM"):
+        get_model_class("GPT2LMHeadModel")
+
+
+def test_kv_cache_spec_reads_heads_and_head_dim_from_the_config(tmp_path):
+    cfg = model_config(make_tiny_checkpoint(tmp_path, arch="qwen3", head_dim=32)).hf_config
+    spec = kv_cache_spec(cfg)
+    assert spec == (2, 2, 32)
+    assert spec.bytes_per_token("bfloat16") == 2 * 2 * 2 * 32 * 2
+
+
+@pytest.mark.parametrize("params", [
+    dict(rope_type="llama3", rope_theta=500000.0, factor=8.0, low_freq_factor=1.0,
+         high_freq_factor=4.0, original_max_position_embeddings=8192),
+    dict(rope_type="linear", rope_theta=10000.0, factor=4.0),
+    dict(rope_type="default", rope_theta=1000000.0),
+])
+def test_rope_inverse_frequencies_match_transformers(params):
+    from transformers import LlamaConfig
+    from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
+
+    cfg = LlamaConfig(hidden_size=4096, num_attention_heads=32, max_position_embeddings=131072,
+                      rope_parameters=dict(params))
+    rope = RotaryEmbedding.from_hf_config(cfg, 128)
+    if params["rope_type"] == "default":
+        want = 1.0 / params["rope_theta"] ** (np.arange(0, 128, 2) / 128)
+    else:
+        want = ROPE_INIT_FUNCTIONS[params["rope_type"]](cfg, "cpu")[0].numpy()
+    np.testing.assert_allclose(np.asarray(rope.inv_freq), want, rtol=1e-6)

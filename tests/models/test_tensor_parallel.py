@@ -1,0 +1,87 @@
+"""Tensor parallelism over the fake CPU devices changes placement, never logits."""
+
+from __future__ import annotations
+
+import jax
+import numpy as np
+import pytest
+from flax import nnx
+from jax.sharding import PartitionSpec as P
+
+from jaxllm.distributed.mesh import kv_cache_sharding, make_mesh, param_shardings
+from jaxllm.errors import ParameterError
+from jaxllm.layers.attention import get_attention_backend
+from jaxllm.models.llama import LlamaForCausalLM
+from jaxllm.models.loader import load_model
+from tests.models.test_model_parity import load, model_config, prompts_for, run_prefill_and_decode
+from tests.models.tiny_checkpoints import make_tiny_checkpoint
+
+CASES = {
+    # GQA: 4 q heads over 2 kv heads; each of the 2 shards holds one kv head and its 2 q heads.
+    "tp2-gqa": (2, dict(arch="llama", num_attention_heads=4, num_key_value_heads=2)),
+    "tp2-qwen2-bias": (2, dict(arch="qwen2", num_attention_heads=4, num_key_value_heads=2)),
+    "tp4-qwen3": (4, dict(arch="qwen3", num_attention_heads=8, num_key_value_heads=4,
+                          head_dim=16)),
+}
+
+
+@pytest.mark.parametrize("case", list(CASES))
+def test_tensor_parallel_logits_equal_single_device(case, tmp_path):
+    tp, overrides = CASES[case]
+    model_dir = make_tiny_checkpoint(tmp_path, **overrides)
+    prompts, next_tokens = prompts_for(256, seed=1), [3, 50, 200]
+    want = run_prefill_and_decode(load(model_dir, tp=1), prompts, next_tokens)
+
+    sharded = load(model_dir, tp=tp)
+    kv_sharding = kv_cache_sharding(sharded.embed_tokens.sharding.mesh,
+                                    get_attention_backend("reference"))
+    got = run_prefill_and_decode(sharded, prompts, next_tokens, kv_sharding=kv_sharding)
+    for g, w in zip(got, want, strict=True):
+        np.testing.assert_allclose(g, w, rtol=0, atol=1e-5)
+
+    kv_heads = overrides["num_key_value_heads"]
+    qkv = sharded.layers[0].self_attn.qkv_proj[...]
+    assert qkv.sharding.spec == P("model", None, None, None)
+    assert {s.data.shape[0] for s in qkv.addressable_shards} == {kv_heads // tp}
+    assert len({s.device for s in qkv.addressable_shards}) == tp
+    down = sharded.layers[0].mlp.down_proj[...]
+    assert down.addressable_shards[0].data.shape == (64, 128 // tp)
+
+
+def test_dummy_weights_do_not_depend_on_the_mesh(tmp_path):
+    model_dir = make_tiny_checkpoint(tmp_path)
+    one = nnx.to_pure_dict(nnx.state(load(model_dir, tp=1, load_format="dummy", seed=5)))
+    two = nnx.to_pure_dict(nnx.state(load(model_dir, tp=2, load_format="dummy", seed=5)))
+    assert two["layers"][0]["self_attn"]["qkv_proj"].sharding.spec[0] == "model"
+    jax.tree.map(lambda a, b: np.testing.assert_array_equal(np.asarray(a), np.asarray(b)),
+                 one, two)
+
+
+def test_heads_not_divisible_by_tp_is_a_parameter_error(tmp_path):
+    mc = model_config(make_tiny_checkpoint(tmp_path, num_attention_heads=4,
+                                           num_key_value_heads=2))
+    with pytest.raises(ParameterError, match="num_key_value_heads=2 is not divisible by "
+                                             "tensor_parallel_size=4"):
+        make_mesh(4, hf_config=mc.hf_config)
+    with pytest.raises(ParameterError, match="num_key_value_heads=2"):
+        load_model(mc, make_mesh(4), get_attention_backend("reference"))
+
+
+def test_too_few_devices_is_a_parameter_error():
+    with pytest.raises(ParameterError, match="needs 16 devices, but only 8"):
+        make_mesh(8, data_parallel_size=2)
+
+
+def test_vocab_not_divisible_by_tp_is_replicated_and_logits_still_match(tmp_path):
+    model_dir = make_tiny_checkpoint(tmp_path, vocab_size=251)
+    state = nnx.state(nnx.eval_shape(lambda: LlamaForCausalLM(
+        model_config(model_dir).hf_config, dtype="float32", rngs=nnx.Rngs(0),
+        attn_backend=get_attention_backend("reference"))))
+    shardings = param_shardings(state, make_mesh(2))
+    assert shardings["embed_tokens"].spec == P(None, None)
+    assert shardings["layers"][0]["mlp"]["gate_up_proj"].spec == P(None, "model", None)
+    prompts = prompts_for(251, seed=2)
+    want = run_prefill_and_decode(load(model_dir, tp=1), prompts, [1, 2, 3])
+    got = run_prefill_and_decode(load(model_dir, tp=2), prompts, [1, 2, 3])
+    for g, w in zip(got, want, strict=True):
+        np.testing.assert_allclose(g, w, rtol=0, atol=1e-5)

@@ -1,0 +1,98 @@
+"""Tiny random Hugging Face checkpoints (weights + char-level tokenizer) for tests.
+
+`make_tiny_checkpoint(tmp_path, arch, **overrides)` writes a directory that both
+transformers and jaxllm load: `config.json`, safetensors weights, a
+`generation_config.json` and a fast tokenizer with bos/eos and a chat template.
+Weights are drawn wider than transformers' default init (std 0.1, norms around
+1) so logits spread out and greedy argmax ties are unlikely.
+"""
+
+from __future__ import annotations
+
+import os
+import string
+import tempfile
+
+import torch
+from tokenizers import Regex, Tokenizer, decoders, models, pre_tokenizers, processors
+from transformers import (
+    LlamaConfig,
+    LlamaForCausalLM,
+    MistralConfig,
+    MistralForCausalLM,
+    PreTrainedTokenizerFast,
+    Qwen2Config,
+    Qwen2ForCausalLM,
+    Qwen3Config,
+    Qwen3ForCausalLM,
+)
+
+ARCHS = {
+    "llama": (LlamaConfig, LlamaForCausalLM),
+    "mistral": (MistralConfig, MistralForCausalLM),
+    "qwen2": (Qwen2Config, Qwen2ForCausalLM),
+    "qwen3": (Qwen3Config, Qwen3ForCausalLM),
+}
+SPECIAL_TOKENS = ["<pad>", "<s>", "</s>", "<unk>"]  # ids 0..3
+PAD_ID, BOS_ID, EOS_ID = 0, 1, 2
+CHAT_TEMPLATE = (
+    "{{ bos_token }}{% for message in messages %}<|{{ message['role'] }}|>"
+    "{{ message['content'] }}\n{% endfor %}{% if add_generation_prompt %}<|assistant|>{% endif %}")
+_TORCH_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+
+
+def make_tiny_checkpoint(tmp_path, arch: str = "llama", *, dtype: str = "float32",
+                         seed: int = 0, init_std: float = 0.1,
+                         max_shard_size: str | int | None = None, **overrides) -> str:
+    """Saves a random `arch` model (hidden 64, 2 layers, vocab 256) and returns its directory.
+
+    `overrides` are config fields (vocab_size, num_attention_heads,
+    num_key_value_heads, head_dim, tie_word_embeddings, rope_scaling, ...);
+    `dtype` is the on-disk dtype; `max_shard_size` splits the weights into
+    several safetensors files with an index.
+    """
+    config_cls, model_cls = ARCHS[arch]
+    fields = dict(vocab_size=256, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+                  num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=256,
+                  rms_norm_eps=1e-6, tie_word_embeddings=False, bos_token_id=BOS_ID,
+                  eos_token_id=EOS_ID, pad_token_id=PAD_ID)
+    fields.update(overrides)
+    fields.setdefault("head_dim", fields["hidden_size"] // fields["num_attention_heads"])
+    config = config_cls(**fields)
+    torch.manual_seed(seed)
+    model = model_cls(config).eval()
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if "norm" in name:
+                p.copy_(1.0 + 0.1 * torch.randn_like(p))
+            else:
+                p.normal_(0.0, init_std)
+    model = model.to(_TORCH_DTYPES[dtype])
+    model.config.dtype = dtype
+    out = tempfile.mkdtemp(prefix=f"{arch}-", dir=str(tmp_path))
+    kwargs = {} if max_shard_size is None else {"max_shard_size": max_shard_size}
+    model.save_pretrained(out, **kwargs)
+    make_tiny_tokenizer(config.vocab_size).save_pretrained(out)
+    return out
+
+
+def make_tiny_tokenizer(vocab_size: int = 256) -> PreTrainedTokenizerFast:
+    """Char-level tokenizer: ids 0-3 special, then printable ASCII, then filler tokens."""
+    chars = list(" " + string.ascii_lowercase + string.ascii_uppercase + string.digits
+                 + string.punctuation + "\n")
+    tokens = (SPECIAL_TOKENS + chars)[:vocab_size]
+    tokens += [f"<|extra_{i}|>" for i in range(vocab_size - len(tokens))]
+    tok = Tokenizer(models.WordLevel(vocab={t: i for i, t in enumerate(tokens)},
+                                     unk_token="<unk>"))
+    tok.pre_tokenizer = pre_tokenizers.Split(Regex(r"[\s\S]"), behavior="isolated")
+    tok.decoder = decoders.Fuse()
+    tok.add_special_tokens(SPECIAL_TOKENS)
+    tok.post_processor = processors.TemplateProcessing(
+        single="<s> $A", pair="<s> $A <s> $B", special_tokens=[("<s>", BOS_ID)])
+    return PreTrainedTokenizerFast(
+        tokenizer_object=tok, bos_token="<s>", eos_token="</s>", unk_token="<unk>",
+        pad_token="<pad>", chat_template=CHAT_TEMPLATE)
+
+
+if __name__ == "__main__":  # handy for poking at a checkpoint by hand
+    print(make_tiny_checkpoint(os.getcwd()))
