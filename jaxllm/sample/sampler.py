@@ -1,0 +1,146 @@
+"""The on-device sampler: logits of the scheduled requests -> next tokens (+ logprobs).
+
+Order, as vLLM v1 (`Sampler.forward`):
+
+1. Logprobs, when asked, are of the raw model output (vLLM's default
+   `logprobs_mode="raw_logprobs"`): log_softmax before any processing.
+2. `logit_adjust` (allowed tokens, bad words, logit_bias, min_tokens) is added
+   to the logits, then the penalties (repetition, then frequency and presence).
+3. Greedy rows take the arg-max of those logits.
+4. Other rows: divide by temperature; min-p (relative to the most likely
+   token; vLLM v1 applies it before top-k/top-p, and it commutes with top-k);
+   top-k; top-p on what is left; then Gumbel-max with the row's key, which
+   draws exactly from the softmax of the kept logits.
+
+Everything is fixed-shape and jittable; `SamplingMetadata`'s structure picks
+the compiled variant (see metadata.py).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import jax
+import jax.numpy as jnp
+
+from jaxllm.sample.metadata import Penalties, SamplingMetadata
+from pallas_kernels.sampling import reference as sort_topk
+from pallas_kernels.sampling import topk_topp
+
+# Both chosen by scripts/bench_sampling.py (H100 80GB, jax 0.11.2, 256 x 128256
+# f32 logits, median of 50 runs).
+# Top-k/top-p: "threshold" (sort-free radix search, 4 bits/round) 3.10 ms vs
+# "sort" (reference.py) 4.67 ms, the filter alone. (The whole-sampler rows of
+# that run both traced the sort path, a bench bug since fixed; not measured yet.)
+TOP_K_TOP_P_IMPL = "threshold"
+# Top-20 logprobs: "blocks" (topk_topp.top_k_largest) 0.26 ms vs "lax"
+# (lax.top_k, which XLA lowers to a full sort for k = 20) 2.57 ms.
+TOP_LOGPROBS_IMPL = "blocks"
+
+
+@jax.tree_util.register_dataclass
+@dataclass(frozen=True)
+class SamplerOutput:
+    token_ids: jax.Array  # [R] i32
+    # When num_logprobs = K > 0; column 0 is the sampled token, then the top-K.
+    logprob_token_ids: jax.Array | None = None  # [R, K + 1] i32
+    logprobs: jax.Array | None = None  # [R, K + 1] f32
+    ranks: jax.Array | None = None  # [R] i32, rank of the sampled token (1 = best)
+
+
+def apply_penalties(logits: jax.Array, pen: Penalties) -> jax.Array:
+    """vLLM's penalties: repetition on prompt or output tokens, then frequency and presence."""
+    counts = jnp.asarray(pen.output_counts)
+    seen = jnp.asarray(pen.prompt_mask) | (counts > 0)
+    rep = jnp.asarray(pen.repetition)[:, None]
+    logits = jnp.where(seen, jnp.where(logits > 0, logits / rep, logits * rep), logits)
+    logits = logits - jnp.asarray(pen.frequency)[:, None] * counts.astype(jnp.float32)
+    return logits - jnp.asarray(pen.presence)[:, None] * (counts > 0).astype(jnp.float32)
+
+
+def apply_min_p(logits: jax.Array, min_p: jax.Array) -> jax.Array:
+    """Masks tokens with `p < min_p * p_max` (in log space: `l < l_max + log(min_p)`)."""
+    cut = jnp.max(logits, axis=-1) + jnp.log(min_p)  # -inf when min_p = 0
+    return jnp.where(logits >= cut[:, None], logits, -jnp.inf)
+
+
+def apply_top_k_top_p(logits: jax.Array, top_k: jax.Array, top_p: jax.Array) -> jax.Array:
+    if TOP_K_TOP_P_IMPL == "sort":
+        return sort_topk.apply_top_k_top_p(logits, top_k, top_p)
+    return topk_topp.apply_top_k_top_p(logits, top_k, top_p)
+
+
+def gumbel_noise(rng_keys: jax.Array, vocab_size: int) -> jax.Array:
+    """`[R, V]` Gumbel(0, 1) noise, row r a pure function of `rng_keys[r]`."""
+    keys = jax.random.wrap_key_data(jnp.asarray(rng_keys, jnp.uint32), impl="threefry2x32")
+    return jax.vmap(lambda k: jax.random.gumbel(k, (vocab_size,), jnp.float32))(keys)
+
+
+def _top_largest(x: jax.Array, k: int) -> tuple[jax.Array, jax.Array]:
+    if TOP_LOGPROBS_IMPL == "lax":
+        return jax.lax.top_k(x, k)
+    return topk_topp.top_k_largest(x, k)
+
+
+def gather_logprobs(logprobs: jax.Array, token_ids: jax.Array,
+                    k: int) -> tuple[jax.Array, jax.Array, jax.Array]:
+    """Chosen token + top-k: ids `[N, k+1]`, logprobs `[N, k+1]`, ranks `[N]`.
+
+    The rank counts the tokens at least as likely as the chosen one (vLLM's
+    rule), so it is 1 for the best token when nothing ties with it.
+    """
+    token_ids = token_ids.astype(jnp.int32)
+    chosen = jnp.take_along_axis(logprobs, token_ids[:, None], axis=-1)
+    ranks = jnp.sum(logprobs >= chosen, axis=-1, dtype=jnp.int32)
+    if k == 0:
+        return token_ids[:, None], chosen, ranks
+    top_lp, top_ids = _top_largest(logprobs, k)
+    ids = jnp.concatenate([token_ids[:, None], top_ids.astype(jnp.int32)], axis=-1)
+    return ids, jnp.concatenate([chosen, top_lp], axis=-1), ranks
+
+
+def adjust_logits(logits: jax.Array, md: SamplingMetadata) -> jax.Array:
+    """Step 2: `logit_adjust`, then the penalties; what greedy rows take the arg-max of."""
+    logits = logits.astype(jnp.float32)
+    if md.logit_adjust is not None:
+        logits = logits + jnp.asarray(md.logit_adjust, jnp.float32)
+    if md.penalties is not None:
+        logits = apply_penalties(logits, md.penalties)
+    return logits
+
+
+def filter_logits(logits: jax.Array, md: SamplingMetadata) -> jax.Array:
+    """Step 4 before the draw: temperature, min-p, top-k, top-p (dropped tokens -inf)."""
+    scaled = logits / jnp.asarray(md.temperature, jnp.float32)[:, None]
+    scaled = apply_min_p(scaled, jnp.asarray(md.min_p, jnp.float32))
+    if md.use_top_k_top_p:
+        scaled = apply_top_k_top_p(scaled, jnp.asarray(md.top_k, jnp.int32),
+                                   jnp.asarray(md.top_p, jnp.float32))
+    return scaled
+
+
+def sample(logits: jax.Array, md: SamplingMetadata) -> SamplerOutput:
+    """Samples one token per row of `logits [R, V]`."""
+    logits = logits.astype(jnp.float32)
+    raw_logprobs = jax.nn.log_softmax(logits, axis=-1) if md.num_logprobs else None
+    logits = adjust_logits(logits, md)
+    token_ids = jnp.argmax(logits, axis=-1).astype(jnp.int32)
+    if not md.all_greedy:
+        noise = gumbel_noise(md.rng_keys, logits.shape[-1])
+        drawn = jnp.argmax(filter_logits(logits, md) + noise, axis=-1).astype(jnp.int32)
+        token_ids = jnp.where(jnp.asarray(md.greedy), token_ids, drawn)
+    if not md.num_logprobs:
+        return SamplerOutput(token_ids)
+    ids, lps, ranks = gather_logprobs(raw_logprobs, token_ids, md.num_logprobs)
+    return SamplerOutput(token_ids, ids, lps, ranks)
+
+
+def compute_prompt_logprobs(logits: jax.Array, target_ids: jax.Array,
+                            k: int) -> tuple[jax.Array, jax.Array, jax.Array]:
+    """Prompt logprobs: position t scores `target_ids[t]` under `logits[t]` (raw).
+
+    Returns ids `[T, k+1]` (target first, then the top-k), logprobs
+    `[T, k+1]` and the target's rank `[T]`. `k` must be static under jit.
+    """
+    logprobs = jax.nn.log_softmax(logits.astype(jnp.float32), axis=-1)
+    return gather_logprobs(logprobs, target_ids, k)
