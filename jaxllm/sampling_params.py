@@ -95,7 +95,8 @@ class SamplingParams(
         if self.min_tokens < 0:
             bad("min_tokens", f"must be non-negative, got {self.min_tokens}")
         if self.max_tokens is not None and self.min_tokens > self.max_tokens:
-            bad("min_tokens", f"must be at most max_tokens={self.max_tokens}, got {self.min_tokens}")
+            bad("min_tokens",
+                f"must be at most max_tokens={self.max_tokens}, got {self.min_tokens}")
         if self.logprobs is not None and not 0 <= self.logprobs <= MAX_LOGPROBS:
             bad("logprobs", f"must be in [0, {MAX_LOGPROBS}], got {self.logprobs}")
         if self.prompt_logprobs is not None and not 0 <= self.prompt_logprobs <= MAX_LOGPROBS:

@@ -12,8 +12,12 @@ import time
 from jaxllm.config import EngineConfig
 from jaxllm.core.request import Request, RequestStatus
 from jaxllm.core.scheduler import Scheduler
-from jaxllm.engine.messages import EngineCoreOutput, EngineCoreOutputs, EngineCoreRequest, \
-    FinishReason
+from jaxllm.engine.messages import (
+    EngineCoreOutput,
+    EngineCoreOutputs,
+    EngineCoreRequest,
+    FinishReason,
+)
 
 logger = logging.getLogger(__name__)
 

@@ -37,7 +37,7 @@ class EngineCoreClient(ABC):
     @abstractmethod
     def reset_prefix_cache(self) -> bool: ...
 
-    def shutdown(self) -> None:
+    def shutdown(self) -> None:  # noqa: B027 - optional hook, nothing to release by default
         pass
 
 

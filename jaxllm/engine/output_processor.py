@@ -13,10 +13,20 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from jaxllm.engine.detokenizer import IncrementalDetokenizer
-from jaxllm.engine.messages import EngineCoreOutput, EngineCoreOutputs, EngineCoreRequest, \
-    FinishReason, LogprobsLists
-from jaxllm.outputs import CompletionOutput, Logprob, PoolingOutput, PoolingRequestOutput, \
-    RequestOutput
+from jaxllm.engine.messages import (
+    EngineCoreOutput,
+    EngineCoreOutputs,
+    EngineCoreRequest,
+    FinishReason,
+    LogprobsLists,
+)
+from jaxllm.outputs import (
+    CompletionOutput,
+    Logprob,
+    PoolingOutput,
+    PoolingRequestOutput,
+    RequestOutput,
+)
 from jaxllm.sampling_params import RequestOutputKind
 
 

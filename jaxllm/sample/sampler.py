@@ -32,10 +32,16 @@ from pallas_kernels.sampling import topk_topp
 # Top-k/top-p: "threshold" (sort-free radix search, 4 bits/round) 3.10 ms vs
 # "sort" (reference.py) 4.67 ms, the filter alone. (The whole-sampler rows of
 # that run both traced the sort path, a bench bug since fixed; not measured yet.)
-TOP_K_TOP_P_IMPL = "threshold"
+# On the CPU (tests, development) the sort compiles several times faster and
+# speed does not matter, so "auto" takes the sort there.
+TOP_K_TOP_P_IMPL = "auto"
 # Top-20 logprobs: "blocks" (topk_topp.top_k_largest) 0.26 ms vs "lax"
 # (lax.top_k, which XLA lowers to a full sort for k = 20) 2.57 ms.
-TOP_LOGPROBS_IMPL = "blocks"
+TOP_LOGPROBS_IMPL = "auto"
+
+
+def _on_cpu() -> bool:
+    return jax.default_backend() == "cpu"
 
 
 @jax.tree_util.register_dataclass
@@ -65,7 +71,7 @@ def apply_min_p(logits: jax.Array, min_p: jax.Array) -> jax.Array:
 
 
 def apply_top_k_top_p(logits: jax.Array, top_k: jax.Array, top_p: jax.Array) -> jax.Array:
-    if TOP_K_TOP_P_IMPL == "sort":
+    if TOP_K_TOP_P_IMPL == "sort" or (TOP_K_TOP_P_IMPL == "auto" and _on_cpu()):
         return sort_topk.apply_top_k_top_p(logits, top_k, top_p)
     return topk_topp.apply_top_k_top_p(logits, top_k, top_p)
 
@@ -77,7 +83,7 @@ def gumbel_noise(rng_keys: jax.Array, vocab_size: int) -> jax.Array:
 
 
 def _top_largest(x: jax.Array, k: int) -> tuple[jax.Array, jax.Array]:
-    if TOP_LOGPROBS_IMPL == "lax":
+    if TOP_LOGPROBS_IMPL == "lax" or (TOP_LOGPROBS_IMPL == "auto" and _on_cpu()):
         return jax.lax.top_k(x, k)
     return topk_topp.top_k_largest(x, k)
 
@@ -119,19 +125,35 @@ def filter_logits(logits: jax.Array, md: SamplingMetadata) -> jax.Array:
     return scaled
 
 
-def sample(logits: jax.Array, md: SamplingMetadata) -> SamplerOutput:
-    """Samples one token per row of `logits [R, V]`."""
-    logits = logits.astype(jnp.float32)
-    raw_logprobs = jax.nn.log_softmax(logits, axis=-1) if md.num_logprobs else None
-    logits = adjust_logits(logits, md)
+def draw(logits: jax.Array, md: SamplingMetadata) -> jax.Array:
+    """Step 3-4 on already adjusted logits: arg-max for greedy rows, a draw for others."""
     token_ids = jnp.argmax(logits, axis=-1).astype(jnp.int32)
-    if not md.all_greedy:
-        noise = gumbel_noise(md.rng_keys, logits.shape[-1])
-        drawn = jnp.argmax(filter_logits(logits, md) + noise, axis=-1).astype(jnp.int32)
-        token_ids = jnp.where(jnp.asarray(md.greedy), token_ids, drawn)
+    if md.all_greedy:
+        return token_ids
+    noise = gumbel_noise(md.rng_keys, logits.shape[-1])
+    drawn = jnp.argmax(filter_logits(logits, md) + noise, axis=-1).astype(jnp.int32)
+    return jnp.where(jnp.asarray(md.greedy), token_ids, drawn)
+
+
+def sampled_logprobs(logits: jax.Array, token_ids: jax.Array,
+                     k: int) -> tuple[jax.Array, jax.Array, jax.Array]:
+    """Step 1, after the draw: logprobs of the raw logits for the chosen token + top-k."""
+    return gather_logprobs(jax.nn.log_softmax(logits.astype(jnp.float32), axis=-1),
+                           token_ids, k)
+
+
+def sample(logits: jax.Array, md: SamplingMetadata) -> SamplerOutput:
+    """Samples one token per row of `logits [R, V]`.
+
+    The model runner jits the three stages (`adjust_logits`, `draw`,
+    `sampled_logprobs`) separately, so that compiled variants add up instead
+    of multiplying; this composition is the same computation in one piece.
+    """
+    logits = logits.astype(jnp.float32)
+    token_ids = draw(adjust_logits(logits, md), md)
     if not md.num_logprobs:
         return SamplerOutput(token_ids)
-    ids, lps, ranks = gather_logprobs(raw_logprobs, token_ids, md.num_logprobs)
+    ids, lps, ranks = sampled_logprobs(logits, token_ids, md.num_logprobs)
     return SamplerOutput(token_ids, ids, lps, ranks)
 
 

@@ -15,6 +15,7 @@ Compiled shapes (all made at start-up, see `precompile`):
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import logging
 import os
@@ -33,7 +34,14 @@ from jaxllm.distributed.mesh import make_mesh
 from jaxllm.engine.messages import LogprobsLists
 from jaxllm.layers.attention import AttentionMetadata, get_attention_backend
 from jaxllm.models.loader import kv_cache_spec, load_model
-from jaxllm.sample.sampler import compute_prompt_logprobs, sample
+from jaxllm.sample.metadata import SamplingMetadata, variant_metadata
+from jaxllm.sample.sampler import (
+    SamplerOutput,
+    adjust_logits,
+    compute_prompt_logprobs,
+    draw,
+    sampled_logprobs,
+)
 from jaxllm.sampling_params import MAX_LOGPROBS
 from jaxllm.worker.buckets import Buckets
 from jaxllm.worker.input_batch import InputBatch
@@ -53,6 +61,55 @@ def enable_compilation_cache(path: str | None) -> str:
     jax.config.update("jax_compilation_cache_dir", path)
     jax.config.update("jax_persistent_cache_min_compile_time_secs", 0.5)
     return path
+
+
+# The sampler in three stages, jitted apart so that compiled variants add up
+# (3 adjust + 3 draw + 1 logprobs per request bucket) instead of multiplying.
+_jit_adjust = jax.jit(adjust_logits)
+_jit_draw = jax.jit(draw)
+_jit_logprobs = jax.jit(functools.partial(sampled_logprobs, k=MAX_LOGPROBS))
+
+
+def _adjust_part(md: SamplingMetadata) -> SamplingMetadata | None:
+    if md.penalties is None and md.logit_adjust is None:
+        return None
+    return dataclasses.replace(md, num_logprobs=0, all_greedy=False, use_top_k_top_p=False)
+
+
+def _draw_part(md: SamplingMetadata) -> SamplingMetadata:
+    return dataclasses.replace(md, penalties=None, logit_adjust=None, num_logprobs=0)
+
+
+def run_sampler(logits: jax.Array, md: SamplingMetadata) -> SamplerOutput:
+    adj = _adjust_part(md)
+    adjusted = logits if adj is None else _jit_adjust(logits, adj)
+    token_ids = _jit_draw(adjusted, _draw_part(md))
+    if not md.num_logprobs:
+        return SamplerOutput(token_ids)
+    return SamplerOutput(token_ids, *_jit_logprobs(logits, token_ids))
+
+
+@functools.cache
+def _step_functions(graphdef: Any) -> tuple[Any, Any, Any]:
+    """The jitted forward/logits/prompt-logprobs for one model graph.
+
+    Cached per graph so that engines built on the same model in one process
+    share compiled executables (the graph is closed over, not hashed per call).
+    """
+
+    def forward(state, kv_caches, input_ids, positions, md):
+        model = nnx.merge(graphdef, state)
+        hidden, kv_caches = model(input_ids, positions, kv_caches, md)
+        return kv_caches, hidden
+
+    def logits(state, hidden, logits_indices):
+        return nnx.merge(graphdef, state).compute_logits(hidden[logits_indices])
+
+    def prompt_logprobs(state, hidden, targets):
+        model = nnx.merge(graphdef, state)
+        return compute_prompt_logprobs(model.compute_logits(hidden), targets, MAX_LOGPROBS)
+
+    return (jax.jit(forward, donate_argnums=(1,)), jax.jit(logits), jax.jit(prompt_logprobs))
 
 
 class ModelRunner:
@@ -128,52 +185,43 @@ class ModelRunner:
 
         shape = self.attn_backend.kv_cache_shape(num_blocks, self.block_size, self.num_kv_heads,
                                                  self.head_dim)
-        sharding = kv_cache_sharding(self.mesh, len(shape))
+        sharding = kv_cache_sharding(self.mesh, self.attn_backend)
         make = jax.jit(lambda: [jnp.zeros(shape, self.dtype) for _ in range(self.num_layers)],
                        out_shardings=[sharding] * self.num_layers)
         return make()
 
     def _build_functions(self) -> None:
-        graphdef = self.graphdef
-
-        def forward(state, kv_caches, input_ids, positions, md):
-            model = nnx.merge(graphdef, state)
-            hidden, kv_caches = model(input_ids, positions, kv_caches, md)
-            return kv_caches, hidden
-
-        def sample_fn(state, hidden, logits_indices, smd):
-            model = nnx.merge(graphdef, state)
-            logits = model.compute_logits(hidden[logits_indices])
-            return sample(logits, smd)
-
-        def prompt_logprobs_fn(state, hidden, targets):
-            model = nnx.merge(graphdef, state)
-            return compute_prompt_logprobs(model.compute_logits(hidden), targets, MAX_LOGPROBS)
-
-        self._forward = jax.jit(forward, donate_argnums=(1,))
-        self._sample = jax.jit(sample_fn)
-        self._prompt_logprobs = jax.jit(prompt_logprobs_fn)
+        fns = _step_functions(self.graphdef)
+        self._forward, self._logits, self._prompt_logprobs = fns
 
     # ------------------------------------------------------------- precompile
 
     def precompile(self) -> None:
         """Compiles every bucket now, so that serving never compiles."""
         b = self.buckets
-        variants = self.input_batch.sampling.metadata_variants()
         jobs: list[tuple[str, Any]] = [("forward", t) for t in b.token_buckets]
-        jobs += [("sample", (t, r, v)) for t, r in b.shape_pairs() for v in range(len(variants))]
+        jobs += [("logits", pair) for pair in b.shape_pairs()]
+        jobs += [("sample", r) for r in b.request_buckets]
         jobs += [("prompt_logprobs", t) for t in b.token_buckets]
         t0 = time.perf_counter()
-        hidden = {}
+        hidden, logits = {}, {}
         for kind, arg in tqdm(jobs, desc="Precompiling buckets", unit="shape",
                               disable=os.environ.get("JAXLLM_NO_PROGRESS") == "1"):
             if kind == "forward":
                 inputs = self._dummy_inputs(arg)
                 self.kv_caches, hidden[arg] = self._forward(self.state, self.kv_caches, *inputs)
+            elif kind == "logits":
+                t, r = arg
+                logits[r] = self._logits(self.state, hidden[t], np.zeros(r, np.int32))
             elif kind == "sample":
-                t, r, v = arg
-                smd = variants[v](r)
-                self._sample(self.state, hidden[t], np.zeros(r, np.int32), smd)
+                seen = set()
+                for md in variant_metadata(arg, self.vocab_size):
+                    for fn, part in ((_jit_adjust, _adjust_part(md)), (_jit_draw, _draw_part(md))):
+                        key = (fn, jax.tree_util.tree_structure(part))
+                        if part is not None and key not in seen:
+                            seen.add(key)
+                            out = fn(logits[arg], part)
+                _jit_logprobs(logits[arg], out)  # `out`: token ids of the last draw
             else:
                 self._prompt_logprobs(self.state, hidden[arg], np.zeros(arg, np.int32))
         jax.block_until_ready(self.kv_caches)
@@ -230,7 +278,7 @@ class ModelRunner:
         self.kv_caches, hidden = self._forward(self.state, self.kv_caches, input_ids,
                                                positions, md)
         smd = ib.sampling.make_metadata(rows, r_pad, self.seed, self._step_count)
-        out = self._sample(self.state, hidden, logits_indices, smd)
+        out = run_sampler(self._logits(self.state, hidden, logits_indices), smd)
         prompt_lp = self._maybe_prompt_logprobs(req_ids, rows, nsched, computed, cu, hidden,
                                                 input_ids, t_pad)
         self._step_count += 1
@@ -242,7 +290,7 @@ class ModelRunner:
         ib.append_sampled(rows[done], sampled[done])
         sampled_lists = [[int(t)] if d else [] for t, d in zip(sampled, done, strict=True)]
         logprobs = None
-        if getattr(out, "logprobs", None) is not None and smd.num_logprobs:
+        if out.logprobs is not None:
             logprobs = LogprobsLists(np.asarray(out.logprob_token_ids)[:n].tolist(),
                                      np.asarray(out.logprobs)[:n].tolist(),
                                      np.asarray(out.ranks)[:n].tolist())

@@ -1,0 +1,342 @@
+"""The OpenAI-compatible HTTP server: FastAPI routes over AsyncLLM, run by uvicorn.
+
+Reliability rules (DESIGN.md section 4): every error answers OpenAI's error
+body with the right status; a client that goes away aborts its request (a
+stream is cancelled by Starlette, a plain request by `_until_disconnect`); a
+dead engine core turns /health to 503 and fails requests at once; SIGTERM
+stops accepting connections, lets in-flight requests finish for up to
+`--shutdown-timeout` seconds, then stops the engine core.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import contextlib
+import json
+import logging
+import signal
+from collections.abc import AsyncIterator, Awaitable
+from dataclasses import dataclass, field
+from typing import Any
+
+from fastapi import FastAPI, Request
+from fastapi.exceptions import RequestValidationError
+from fastapi.responses import JSONResponse, Response, StreamingResponse
+from starlette.exceptions import HTTPException as StarletteHTTPException
+
+import jaxllm
+from jaxllm.engine.async_llm import AsyncLLM
+from jaxllm.entrypoints.openai.protocol import (
+    ChatCompletionRequest,
+    CompletionRequest,
+    DetokenizeRequest,
+    DetokenizeResponse,
+    ModelCard,
+    ModelList,
+    TokenizeRequest,
+    TokenizeResponse,
+)
+from jaxllm.entrypoints.openai.serving_chat import OpenAIServingChat
+from jaxllm.entrypoints.openai.serving_completion import OpenAIServingCompletion
+from jaxllm.entrypoints.openai.serving_engine import HTTPError, error_body
+from jaxllm.errors import EngineDeadError, ParameterError
+from jaxllm.metrics.loggers import LoggingStatLogger, PrometheusStatLogger
+
+logger = logging.getLogger("jaxllm.api_server")
+
+DEFAULT_MAX_REQUEST_BYTES = 32 * 1024 * 1024
+
+
+@dataclass
+class ServerOptions:
+    host: str = "127.0.0.1"
+    port: int = 8000
+    api_key: str | None = None
+    served_model_names: list[str] = field(default_factory=list)
+    chat_template: str | None = None
+    max_request_bytes: int = DEFAULT_MAX_REQUEST_BYTES
+    log_stats_interval: float = 10.0
+    log_stats: bool = True
+    shutdown_timeout: float = 30.0
+    uvicorn_log_level: str = "info"
+    access_log: bool = True
+
+
+def error_response(status: int, message: str, param: str | None = None) -> JSONResponse:
+    return JSONResponse(error_body(status, message, param).model_dump(), status_code=status)
+
+
+class _BodyTooLarge(StarletteHTTPException):
+    """An HTTPException, so that FastAPI's body reader passes it through untouched."""
+
+
+class GuardMiddleware:
+    """API-key check on /v1 routes and a cap on the request body size (pure ASGI)."""
+
+    def __init__(self, app: Any, api_key: str | None, max_bytes: int):
+        self.app = app
+        self.expected = f"Bearer {api_key}".encode() if api_key else None
+        self.max_bytes = max_bytes
+
+    async def __call__(self, scope: dict, receive: Any, send: Any) -> None:
+        if scope["type"] != "http":
+            return await self.app(scope, receive, send)
+        headers = dict(scope.get("headers") or [])
+        if self.expected is not None and scope["path"].startswith("/v1") \
+                and scope.get("method") != "OPTIONS" \
+                and headers.get(b"authorization") != self.expected:
+            resp = error_response(401, "Invalid or missing API key "
+                                  "(send 'Authorization: Bearer <key>').")
+            return await resp(scope, receive, send)
+        length = headers.get(b"content-length")
+        if length is not None and length.isdigit() and int(length) > self.max_bytes:
+            return await self._too_large(scope, receive, send)
+        received = 0
+
+        async def limited_receive() -> dict:
+            nonlocal received
+            message = await receive()
+            if message["type"] == "http.request":
+                received += len(message.get("body", b""))
+                if received > self.max_bytes:
+                    raise _BodyTooLarge(413)
+            return message
+
+        await self.app(scope, limited_receive, send)
+
+    async def _too_large(self, scope: dict, receive: Any, send: Any) -> None:
+        resp = error_response(413, f"the request body is larger than {self.max_bytes} bytes")
+        await resp(scope, receive, send)
+
+
+async def _until_disconnect(request: Request, work: Awaitable[Any]) -> Any:
+    """Runs `work`, cancelling it (and so aborting its requests) if the client leaves."""
+
+    async def wait_disconnect() -> None:
+        while (await request.receive())["type"] != "http.disconnect":
+            pass
+
+    task = asyncio.ensure_future(work)
+    watcher = asyncio.ensure_future(wait_disconnect())
+    try:
+        done, _ = await asyncio.wait({task, watcher}, return_when=asyncio.FIRST_COMPLETED)
+    except asyncio.CancelledError:
+        task.cancel()
+        raise
+    finally:
+        watcher.cancel()
+    if task in done:
+        return task.result()
+    task.cancel()
+    with contextlib.suppress(asyncio.CancelledError, Exception):
+        await task
+    return Response(status_code=499)  # nobody reads it; the client is gone
+
+
+def _validation_param(err: dict) -> str | None:
+    loc = [str(p) for p in err.get("loc", ()) if p != "body"]
+    # Drop pydantic's union-member tags such as 'str' or 'list[int]'.
+    loc = [p for p in loc if not any(c in p for c in "[]") and p not in ("str", "int")]
+    return ".".join(loc) or None
+
+
+def build_app(engine: AsyncLLM, options: ServerOptions,
+              prometheus: PrometheusStatLogger) -> FastAPI:
+    names = options.served_model_names or [engine.model_config.served_model_name]
+    completion = OpenAIServingCompletion(engine, names, options.chat_template)
+    chat = OpenAIServingChat(engine, names, options.chat_template)
+    app = FastAPI(title="jaxllm OpenAI-compatible server", version=jaxllm.__version__)
+    app.state.engine = engine
+
+    @app.exception_handler(RequestValidationError)
+    async def on_validation_error(_: Request, exc: RequestValidationError) -> JSONResponse:
+        errors = exc.errors()
+        first = errors[0] if errors else {}
+        param = _validation_param(first)
+        msg = first.get("msg", "invalid request")
+        return error_response(400, f"{param}: {msg}" if param else msg, param)
+
+    @app.exception_handler(ParameterError)
+    async def on_parameter_error(_: Request, exc: ParameterError) -> JSONResponse:
+        return error_response(400, str(exc), exc.field)
+
+    @app.exception_handler(HTTPError)
+    async def on_http_error(_: Request, exc: HTTPError) -> JSONResponse:
+        return error_response(exc.status, exc.message, exc.param)
+
+    @app.exception_handler(EngineDeadError)
+    async def on_engine_dead(_: Request, exc: EngineDeadError) -> JSONResponse:
+        return error_response(503, f"the engine is not running: {exc}")
+
+    @app.exception_handler(StarletteHTTPException)
+    async def on_starlette_error(_: Request, exc: StarletteHTTPException) -> JSONResponse:
+        if exc.status_code == 413:
+            return error_response(413, f"the request body is larger than "
+                                  f"{options.max_request_bytes} bytes")
+        return error_response(exc.status_code, str(exc.detail))
+
+    @app.exception_handler(Exception)
+    async def on_unexpected(_: Request, exc: Exception) -> JSONResponse:
+        logger.exception("unhandled error")
+        return error_response(500, f"internal error: {type(exc).__name__}: {exc}")
+
+    @app.get("/health")
+    async def health() -> Response:
+        if engine.errored:
+            return error_response(503, f"the engine is not running: {engine.dead_error}")
+        return Response(status_code=200)
+
+    @app.get("/version")
+    async def version() -> dict:
+        return {"version": jaxllm.__version__}
+
+    @app.get("/metrics")
+    async def metrics() -> Response:
+        return Response(prometheus.expose(), media_type="text/plain; version=0.0.4")
+
+    @app.get("/v1/models")
+    async def models() -> ModelList:
+        mc = engine.model_config
+        return ModelList(data=[ModelCard(id=n, root=mc.model, max_model_len=mc.max_model_len)
+                               for n in names])
+
+    def respond(result: Any) -> Response:
+        if isinstance(result, AsyncIterator):
+            return StreamingResponse(result, media_type="text/event-stream")
+        if isinstance(result, Response):
+            return result
+        return Response(result.model_dump_json(), media_type="application/json")
+
+    @app.post("/v1/completions")
+    async def completions(body: CompletionRequest, raw: Request) -> Any:
+        if body.stream:
+            return respond(await completion.create_completion(body))
+        return respond(await _until_disconnect(raw, completion.create_completion(body)))
+
+    @app.post("/v1/chat/completions")
+    async def chat_completions(body: ChatCompletionRequest, raw: Request) -> Any:
+        if body.stream:
+            return respond(await chat.create_chat_completion(body))
+        return respond(await _until_disconnect(raw, chat.create_chat_completion(body)))
+
+    @app.post("/tokenize")
+    async def tokenize(body: TokenizeRequest) -> TokenizeResponse:
+        completion.check_model(body.model)
+        tok = completion.tokenizer
+        if tok is None:
+            raise HTTPError(400, "the server runs without a tokenizer", "prompt")
+        if body.messages is not None:
+            req = ChatCompletionRequest(messages=body.messages, chat_template=body.chat_template,
+                                        add_generation_prompt=body.add_generation_prompt,
+                                        continue_final_message=body.continue_final_message)
+            text, _ = chat.render(req)
+            ids = tok(text, add_special_tokens=bool(body.add_special_tokens)).input_ids
+        elif body.prompt is not None:
+            add = True if body.add_special_tokens is None else body.add_special_tokens
+            ids = tok(body.prompt, add_special_tokens=add).input_ids
+        else:
+            raise HTTPError(400, "give either 'prompt' or 'messages'", "prompt")
+        strs = tok.convert_ids_to_tokens(ids) if body.return_token_strs else None
+        return TokenizeResponse(count=len(ids), max_model_len=engine.model_config.max_model_len,
+                                tokens=ids, token_strs=strs)
+
+    @app.post("/detokenize")
+    async def detokenize(body: DetokenizeRequest) -> DetokenizeResponse:
+        completion.check_model(body.model)
+        tok = completion.tokenizer
+        if tok is None:
+            raise HTTPError(400, "the server runs without a tokenizer", "tokens")
+        vocab = engine.model_config.vocab_size
+        bad = [t for t in body.tokens if not 0 <= t < vocab]
+        if bad:
+            raise HTTPError(400, f"token id {bad[0]} is outside [0, {vocab})", "tokens")
+        return DetokenizeResponse(prompt=tok.decode(body.tokens))
+
+    app.add_middleware(GuardMiddleware, api_key=options.api_key,  # type: ignore[arg-type]
+                       max_bytes=options.max_request_bytes)
+    return app
+
+
+def load_chat_template(value: str | None) -> str | None:
+    """--chat-template takes a file path or the template text itself."""
+    if value is None:
+        return None
+    try:
+        with open(value) as f:
+            return f.read()
+    except OSError:
+        if any(c in value for c in "{}%"):
+            return value
+        raise ParameterError("chat_template", f"no file at {value!r} and not a Jinja "
+                             "template") from None
+
+
+async def serve(engine: AsyncLLM, options: ServerOptions, ready: Any = None) -> None:
+    """Runs uvicorn until SIGINT/SIGTERM; then drains and stops the engine core."""
+    import uvicorn
+
+    prometheus = PrometheusStatLogger(options.served_model_names[0]
+                                      if options.served_model_names
+                                      else engine.model_config.served_model_name)
+    log_stats = LoggingStatLogger(options.log_stats_interval)
+    engine.stat_loggers.append(prometheus)
+    if options.log_stats:
+        engine.stat_loggers.append(log_stats)
+    app = build_app(engine, options, prometheus)
+
+    async def log_periodically() -> None:
+        while True:
+            await asyncio.sleep(options.log_stats_interval)
+            log_stats.log()
+
+    config = uvicorn.Config(app, host=options.host, port=options.port,
+                            log_level=options.uvicorn_log_level, access_log=options.access_log,
+                            timeout_graceful_shutdown=options.shutdown_timeout, lifespan="off",
+                            timeout_keep_alive=5)
+    server = uvicorn.Server(config)
+    stat_task = asyncio.ensure_future(log_periodically()) if options.log_stats else None
+    engine.start()
+    try:
+        await server.serve()
+    finally:
+        if stat_task is not None:
+            stat_task.cancel()
+        if engine.num_unfinished_requests:
+            logger.info("failing %d unfinished requests", engine.num_unfinished_requests)
+        engine.shutdown()
+        logger.info("server stopped")
+
+
+def _exit_on_sigterm(*_: Any) -> None:
+    raise SystemExit(0)
+
+
+def run_server(args: argparse.Namespace) -> int:
+    """`jaxllm serve`: build the engine (in its own process) and serve until a signal."""
+    from jaxllm.entrypoints.cli import engine_args_from
+
+    engine_args = engine_args_from(args)
+    options = ServerOptions(
+        host=args.host, port=args.port, api_key=args.api_key,
+        served_model_names=[args.served_model_name] if args.served_model_name else [],
+        chat_template=load_chat_template(args.chat_template),
+        max_request_bytes=args.max_request_bytes, log_stats_interval=args.log_stats_interval,
+        log_stats=not args.disable_log_stats, shutdown_timeout=args.shutdown_timeout,
+        uvicorn_log_level=args.uvicorn_log_level,
+        access_log=not args.disable_uvicorn_access_log)
+    logger.info("jaxllm %s serving %s", jaxllm.__version__,
+                json.dumps({k: v for k, v in vars(engine_args).items() if v is not None},
+                           default=str))
+    # uvicorn re-raises the SIGTERM it caught once its graceful stop is done: exit cleanly.
+    signal.signal(signal.SIGTERM, _exit_on_sigterm)
+
+    async def main() -> None:
+        engine = AsyncLLM.from_engine_args(engine_args)
+        await serve(engine, options)
+
+    try:
+        asyncio.run(main())
+    except KeyboardInterrupt:
+        pass
+    return 0

@@ -1,0 +1,120 @@
+"""`jaxllm serve [MODEL]`: vLLM's flag names, plus `--config FILE.yaml`.
+
+Precedence: flags on the command line > values in the YAML file > defaults.
+To tell a flag given on the command line from its default, every serve flag
+defaults to a sentinel; the real defaults are applied in `resolve_args`.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+from typing import Any
+
+from jaxllm.entrypoints.cli import add_engine_args
+from jaxllm.errors import ParameterError
+
+_UNSET: Any = type("Unset", (), {"__repr__": lambda self: "<unset>"})()
+# Left with its real default: cli.main() reads it before the command runs.
+_KEEP_DEFAULT = {"gpu_memory_utilization", "func", "command"}
+DEMO_MODEL_NAME = "demo-model"
+
+
+def add_serve_parser(subparsers: Any) -> argparse.ArgumentParser:
+    from jaxllm.entrypoints.openai.api_server import DEFAULT_MAX_REQUEST_BYTES
+
+    p = subparsers.add_parser(
+        "serve", help="OpenAI-compatible HTTP server",
+        description="Serve MODEL (a Hugging Face checkpoint directory; default: the embedded "
+                    "demo model) over an OpenAI-compatible HTTP API.")
+    p.add_argument("model_tag", nargs="?", default=None, metavar="MODEL",
+                   help="checkpoint directory (same as --model)")
+    p.add_argument("--config", default=None,
+                   help="YAML file of flag values (keys as flag names, with - or _)")
+    p.add_argument("--host", default="127.0.0.1", help="address to bind (default 127.0.0.1)")
+    p.add_argument("--port", type=int, default=8000)
+    p.add_argument("--api-key", default=None,
+                   help="require 'Authorization: Bearer KEY' on /v1 routes "
+                        "(default: $JAXLLM_API_KEY)")
+    p.add_argument("--chat-template", default=None,
+                   help="Jinja chat template, as a file path or inline text")
+    p.add_argument("--max-request-bytes", type=int, default=DEFAULT_MAX_REQUEST_BYTES,
+                   help="larger request bodies get 413")
+    p.add_argument("--shutdown-timeout", type=float, default=30.0,
+                   help="seconds in-flight requests get to finish after SIGTERM")
+    p.add_argument("--log-stats-interval", type=float, default=10.0,
+                   help="seconds between the one-line stat logs")
+    p.add_argument("--uvicorn-log-level", default="info",
+                   choices=["critical", "error", "warning", "info", "debug", "trace"])
+    p.add_argument("--disable-uvicorn-access-log", action="store_true", default=False)
+    add_engine_args(p)
+    # The server logs its stats by default (the offline API does not).
+    p.set_defaults(disable_log_stats=False)
+    defaults = {a.dest: a.default for a in p._actions if a.dest != "help"}
+    p.set_defaults(**{d: _UNSET for d in defaults if d not in _KEEP_DEFAULT},
+                   func=cmd_serve, _serve_defaults=defaults)
+    return p
+
+
+def load_yaml_config(path: str, known: set[str]) -> dict[str, Any]:
+    import yaml
+
+    try:
+        with open(path) as f:
+            data = yaml.safe_load(f) or {}
+    except OSError as e:
+        raise ParameterError("config", f"cannot read {path!r}: {e}") from e
+    except yaml.YAMLError as e:
+        raise ParameterError("config", f"{path!r} is not valid YAML: {e}") from e
+    if not isinstance(data, dict):
+        raise ParameterError("config", f"{path!r} must hold a mapping of flag names to values")
+    out: dict[str, Any] = {}
+    for key, value in data.items():
+        dest = str(key).replace("-", "_")
+        if dest == "model_tag":
+            dest = "model"
+        if dest not in known or dest in ("config", "func"):
+            raise ParameterError(f"config:{key}", f"unknown option in {path!r}")
+        if dest in ("token_buckets", "request_buckets") and isinstance(value, str):
+            value = [int(x) for x in value.split(",")]
+        out[dest] = value
+    return out
+
+
+def resolve_args(ns: argparse.Namespace) -> argparse.Namespace:
+    """Command line > --config YAML > defaults; MODEL and --model are one setting."""
+    defaults: dict[str, Any] = ns._serve_defaults
+    config_path = ns.config if ns.config is not _UNSET else None
+    from_file = load_yaml_config(config_path, set(defaults)) if config_path else {}
+    resolved = argparse.Namespace()
+    for dest, default in defaults.items():
+        value = getattr(ns, dest, _UNSET)
+        if value is _UNSET:
+            value = from_file.get(dest, default)
+        setattr(resolved, dest, value)
+    tag = resolved.model_tag
+    if tag is not None:
+        if resolved.model is not None and resolved.model != tag:
+            raise ParameterError("model", f"given twice: {tag!r} and --model {resolved.model!r}")
+        resolved.model = tag
+    if resolved.gpu_memory_utilization is None and "gpu_memory_utilization" in from_file:
+        resolved.gpu_memory_utilization = from_file["gpu_memory_utilization"]
+    if resolved.gpu_memory_utilization:
+        resolved.hbm_utilization = resolved.gpu_memory_utilization
+    if resolved.api_key is None:
+        resolved.api_key = os.environ.get("JAXLLM_API_KEY") or None
+    if resolved.served_model_name is None:
+        resolved.served_model_name = resolved.model or DEMO_MODEL_NAME
+    return resolved
+
+
+def cmd_serve(ns: argparse.Namespace) -> int:
+    from jaxllm.entrypoints.openai.api_server import run_server
+
+    try:
+        args = resolve_args(ns)
+        return run_server(args)
+    except ParameterError as e:
+        print(f"jaxllm serve: error: {e}", file=sys.stderr)
+        return 2

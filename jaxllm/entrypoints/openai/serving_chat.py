@@ -1,0 +1,151 @@
+"""/v1/chat/completions: render the chat template, generate, answer or stream deltas."""
+
+from __future__ import annotations
+
+import time
+from collections.abc import AsyncIterator
+from typing import Any
+
+from jaxllm.entrypoints.openai.protocol import (
+    ChatChoiceLogprobs,
+    ChatCompletionChoice,
+    ChatCompletionRequest,
+    ChatCompletionResponse,
+    ChatCompletionStreamResponse,
+    ChatLogprob,
+    ChatLogprobContent,
+    ChatResponseMessage,
+    ChatStreamChoice,
+    DeltaMessage,
+)
+from jaxllm.entrypoints.openai.serving_engine import (
+    OpenAIServing,
+    error_body,
+    raise_if_failed,
+    random_id,
+    sse,
+    usage,
+)
+from jaxllm.errors import EngineDeadError, ParameterError
+from jaxllm.outputs import Logprob, RequestOutput
+
+
+def _chat_logprob(tid: int, lp: Logprob) -> ChatLogprob:
+    tok = lp.decoded_token if lp.decoded_token is not None else f"token_id:{tid}"
+    return ChatLogprob(token=tok, logprob=max(lp.logprob, -9999.0),
+                       bytes=list(tok.encode("utf-8", errors="replace")))
+
+
+def chat_logprobs(token_ids: list[int], logprobs: list[dict[int, Logprob]],
+                  k: int) -> ChatChoiceLogprobs:
+    content = []
+    for tid, entry in zip(token_ids, logprobs, strict=False):
+        chosen = entry.get(tid) or Logprob(float("-inf"))
+        ranked = sorted(entry.items(), key=lambda kv: kv[1].rank or 0)[:k]
+        base = _chat_logprob(tid, chosen)
+        content.append(ChatLogprobContent(
+            token=base.token, logprob=base.logprob, bytes=base.bytes,
+            top_logprobs=[_chat_logprob(t, lp) for t, lp in ranked]))
+    return ChatChoiceLogprobs(content=content)
+
+
+class OpenAIServingChat(OpenAIServing):
+    def render(self, req: ChatCompletionRequest) -> tuple[str, list[int]]:
+        """The prompt text and its token ids (the template carries the special tokens)."""
+        if self.tokenizer is None:
+            raise ParameterError("messages", "the server runs without a tokenizer "
+                                 "(--skip-tokenizer-init); use /v1/completions with token ids")
+        text = self.engine.input_processor.apply_chat_template(
+            req.messages_as_dicts(), req.chat_template or self.chat_template,
+            req.add_generation_prompt, continue_final_message=req.continue_final_message,
+            **(req.chat_template_kwargs or {}))
+        return text, self.tokenizer(text, add_special_tokens=False).input_ids
+
+    async def create_chat_completion(self, req: ChatCompletionRequest
+                                     ) -> ChatCompletionResponse | AsyncIterator[str]:
+        model = self.check_model(req.model)
+        req.check()
+        text, ids = self.render(req)
+        top = (req.top_logprobs or 0) if req.logprobs else None
+        params = req.to_sampling_params(req.effective_max_tokens(), top, self.default_sampling())
+        request_id = random_id("chatcmpl")
+        requests = self.add_requests(request_id, [{"prompt": text, "prompt_token_ids": ids}],
+                                     params, req.priority)
+        echo = self._echo_text(req)
+        if req.stream:
+            return self._stream(req, request_id, model, requests, echo)
+        (final,) = await self.collect(requests)
+        return self._response(req, request_id, model, final, echo)
+
+    @staticmethod
+    def _echo_text(req: ChatCompletionRequest) -> str:
+        # As in vLLM: echo repeats the last message when it is the assistant's own.
+        if not req.echo:
+            return ""
+        last = req.messages_as_dicts()[-1]
+        return last["content"] if last["role"] == "assistant" else ""
+
+    def _response(self, req: ChatCompletionRequest, request_id: str, model: str,
+                  out: RequestOutput, echo: str) -> ChatCompletionResponse:
+        raise_if_failed(out)
+        choices = []
+        for comp in out.outputs:
+            logprobs = None
+            if req.logprobs and comp.logprobs is not None:
+                logprobs = chat_logprobs(comp.token_ids, comp.logprobs, req.top_logprobs or 0)
+            choices.append(ChatCompletionChoice(
+                index=comp.index, message=ChatResponseMessage(content=echo + comp.text),
+                logprobs=logprobs, finish_reason=comp.finish_reason,
+                stop_reason=comp.stop_reason,
+                token_ids=comp.token_ids if req.return_token_ids else None))
+        num_generated = sum(len(c.token_ids) for c in out.outputs)
+        return ChatCompletionResponse(id=request_id, model=model, choices=choices,
+                                      usage=usage(len(out.prompt_token_ids), num_generated))
+
+    async def _stream(self, req: ChatCompletionRequest, request_id: str, model: str,
+                      requests: list, echo: str) -> AsyncIterator[str]:
+        created = int(time.time())
+        opts = req.stream_options
+        include_usage = bool(opts and opts.include_usage)
+        continuous = bool(opts and opts.continuous_usage_stats)
+        prompt_tokens = 0
+        generated: dict[int, int] = {}
+
+        def chunk(choices: list[ChatStreamChoice], with_usage: bool = False) -> str:
+            body: dict[str, Any] = {}
+            if with_usage:
+                body["usage"] = usage(prompt_tokens, sum(generated.values()))
+            return sse(ChatCompletionStreamResponse(
+                id=request_id, created=created, model=model, choices=choices,
+                **body).model_dump_json())
+
+        try:
+            # The role comes first, in a chunk of its own for every choice.
+            for i in range(req.n):
+                yield chunk([ChatStreamChoice(
+                    index=i, delta=DeltaMessage(role="assistant", content=echo))])
+            async for _, out in self.iterate(requests):
+                prompt_tokens = len(out.prompt_token_ids)
+                for comp in out.outputs:
+                    generated[comp.index] = generated.get(comp.index, 0) + len(comp.token_ids)
+                    if comp.finish_reason == "error":
+                        yield sse(error_body(400, f"the request failed in the engine: "
+                                             f"{comp.stop_reason}", "prompt").model_dump_json())
+                        continue
+                    if not comp.text and not comp.token_ids and comp.finish_reason is None:
+                        continue
+                    logprobs = None
+                    if req.logprobs and comp.logprobs is not None:
+                        logprobs = chat_logprobs(comp.token_ids, comp.logprobs,
+                                                 req.top_logprobs or 0)
+                    choice = ChatStreamChoice(
+                        index=comp.index, delta=DeltaMessage(content=comp.text),
+                        logprobs=logprobs, finish_reason=comp.finish_reason,
+                        stop_reason=comp.stop_reason,
+                        token_ids=comp.token_ids if req.return_token_ids else None)
+                    yield chunk([choice], continuous)
+            if include_usage:
+                yield chunk([], with_usage=True)
+        except EngineDeadError as e:
+            yield sse(error_body(503, str(e)).model_dump_json())
+        yield sse("[DONE]")
