@@ -112,6 +112,17 @@ def _step_functions(graphdef: Any) -> tuple[Any, Any, Any]:
     return (jax.jit(forward, donate_argnums=(1,)), jax.jit(logits), jax.jit(prompt_logprobs))
 
 
+@dataclasses.dataclass(frozen=True)
+class StepRecord:
+    """What one step computed, for rooflines and padding-waste reports."""
+
+    num_tokens: int
+    padded_tokens: int
+    num_reqs: int
+    kv_tokens: int  # sum of context lengths read by attention
+    attn_pairs: int  # sum over requests of (query, key) pairs under the causal mask
+
+
 class ModelRunner:
     def __init__(self, config: EngineConfig):
         self.config = config
@@ -139,6 +150,8 @@ class ModelRunner:
         self.input_batch = InputBatch(sc.max_num_seqs, mc.max_model_len,
                                       self.buckets.max_blocks_per_req, self.vocab_size)
         self._step_count = 0
+        # Benchmarks set this to a list to get one StepRecord per executed step.
+        self.step_log: list[StepRecord] | None = None
         self._build_functions()
 
     # ------------------------------------------------------------------ set-up
@@ -282,6 +295,11 @@ class ModelRunner:
         prompt_lp = self._maybe_prompt_logprobs(req_ids, rows, nsched, computed, cu, hidden,
                                                 input_ids, t_pad)
         self._step_count += 1
+        if self.step_log is not None:
+            kv = kv_lens[:n].astype(np.int64)
+            q = nsched.astype(np.int64)
+            self.step_log.append(StepRecord(t_real, t_pad, n, int(kv.sum()),
+                                            int((q * kv - q * (q - 1) // 2).sum())))
 
         sampled = np.asarray(out.token_ids)[:n]
         # A prompt chunk that stops short of the prompt's end samples nothing.
