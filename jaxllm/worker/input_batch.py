@@ -12,7 +12,7 @@ import numpy as np
 
 from jaxllm.core.sched_output import NewRequestData
 from jaxllm.sample.metadata import SamplingRows
-from jaxllm.sampling_params import SamplingParams
+from jaxllm.sampling_params import PoolingParams, SamplingParams
 
 
 class InputBatch:
@@ -30,6 +30,7 @@ class InputBatch:
         self.num_blocks = np.zeros(max_num_reqs, np.int32)
         self.sampling = SamplingRows(max_num_reqs, vocab_size)
         self.params: list[SamplingParams | None] = [None] * max_num_reqs
+        self.pooling: list[PoolingParams | None] = [None] * max_num_reqs
 
     @property
     def num_reqs(self) -> int:
@@ -50,6 +51,7 @@ class InputBatch:
         self.num_blocks[row] = 0
         self.append_blocks(row, new.block_ids)
         self.params[row] = new.sampling_params
+        self.pooling[row] = new.pooling_params
         if new.sampling_params is not None:
             self.sampling.add(row, new.sampling_params, new.prompt_token_ids,
                               new.output_token_ids)
@@ -77,10 +79,12 @@ class InputBatch:
                 arr[row] = arr[last]
             self.block_table[row] = self.block_table[last]
             self.params[row] = self.params[last]
+            self.pooling[row] = self.pooling[last]
             if self.params[last] is not None:
                 self.sampling.move(last, row)
         self.req_ids.pop()
         self.params[last] = None
+        self.pooling[last] = None
 
     def append_sampled(self, rows: np.ndarray, token_ids: np.ndarray) -> None:
         """Records one sampled token for each of `rows` (vectorized)."""

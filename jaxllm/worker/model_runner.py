@@ -305,8 +305,9 @@ class ModelRunner:
         # A prompt chunk that stops short of the prompt's end samples nothing.
         done = computed + nsched >= ib.num_tokens[rows]
         ib.num_computed_tokens[rows] = computed + nsched
-        ib.append_sampled(rows[done], sampled[done])
-        sampled_lists = [[int(t)] if d else [] for t, d in zip(sampled, done, strict=True)]
+        gen = done & np.fromiter((ib.params[r] is not None for r in rows), bool, n)
+        ib.append_sampled(rows[gen], sampled[gen])
+        sampled_lists = [[int(t)] if g else [] for t, g in zip(sampled, gen, strict=True)]
         logprobs = None
         if out.logprobs is not None:
             logprobs = LogprobsLists(np.asarray(out.logprob_token_ids)[:n].tolist(),
@@ -315,7 +316,9 @@ class ModelRunner:
         return ModelRunnerOutput(req_ids=req_ids,
                                  req_id_to_index={r: i for i, r in enumerate(req_ids)},
                                  sampled_token_ids=sampled_lists, logprobs=logprobs,
-                                 prompt_logprobs=prompt_lp)
+                                 prompt_logprobs=prompt_lp,
+                                 pooler_output=self._pool(req_ids, rows, done, hidden,
+                                                          logits_indices))
 
     def _update_states(self, so: SchedulerOutput) -> None:
         ib = self.input_batch
@@ -331,6 +334,22 @@ class ModelRunner:
             if blocks:
                 ib.append_blocks(row, blocks)
             ib.num_computed_tokens[row] = ncomp
+
+    def _pool(self, req_ids, rows, done, hidden, logits_indices) -> dict[str, list[float]]:
+        """Last-token pooling for embedding requests whose prompt is complete."""
+        ib = self.input_batch
+        want = [i for i, row in enumerate(rows) if ib.pooling[row] is not None and done[i]]
+        if not want:
+            return {}
+        # Rare path: one host copy of the step's hidden states, no extra compilation.
+        vecs = np.asarray(hidden, np.float32)[logits_indices[want]]
+        out = {}
+        for j, i in enumerate(want):
+            v = vecs[j]
+            if ib.pooling[rows[i]].normalize:
+                v = v / max(float(np.linalg.norm(v)), 1e-12)
+            out[req_ids[i]] = v.tolist()
+        return out
 
     def _maybe_prompt_logprobs(self, req_ids, rows, nsched, computed, cu, hidden, input_ids,
                                t_pad) -> dict[str, LogprobsLists]:

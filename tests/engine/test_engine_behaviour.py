@@ -177,3 +177,70 @@ def test_unknown_model_directory_and_malformed_config_name_the_problem(tmp_path,
 def test_unknown_engine_argument_is_a_type_error(model_dir):
     with pytest.raises(TypeError, match="max_num_seq"):
         LLM(model_dir, max_num_seq=4)
+
+
+def test_embed_returns_the_normalized_last_hidden_state(model_dir, prompts):
+    import numpy as np
+    import torch
+    from transformers import AutoModel
+
+    llm = LLM(model_dir, **BASE)
+    outs = llm.embed([{"prompt_token_ids": p} for p in prompts[:3]], use_tqdm=False)
+    hf = AutoModel.from_pretrained(model_dir, dtype=torch.float32)
+    for out, p in zip(outs, prompts[:3], strict=True):
+        with torch.no_grad():
+            ref = hf(torch.tensor([p])).last_hidden_state[0, -1].numpy()
+        ref = ref / np.linalg.norm(ref)
+        assert np.abs(np.array(out.outputs.embedding) - ref).max() < 1e-4
+
+
+def test_n_samples_stop_strings_logprobs_and_prompt_logprobs(model_dir, prompts):
+    llm = LLM(model_dir, **BASE)
+    (out,) = llm.generate({"prompt_token_ids": prompts[0]},
+                          SamplingParams(n=3, temperature=1.0, seed=7, max_tokens=5,
+                                         logprobs=2, prompt_logprobs=1, ignore_eos=True),
+                          use_tqdm=False)
+    assert [c.index for c in out.outputs] == [0, 1, 2]
+    assert len({tuple(c.token_ids) for c in out.outputs}) > 1
+    for c in out.outputs:
+        assert len(c.token_ids) == 5 and len(c.logprobs) == 5
+        for tok, lp in zip(c.token_ids, c.logprobs, strict=True):
+            assert tok in lp and len(lp) <= 3
+        assert c.cumulative_logprob == sum(lp[t].logprob for t, lp in zip(
+            c.token_ids, c.logprobs, strict=True))
+    assert out.prompt_logprobs[0] is None
+    assert len(out.prompt_logprobs) == len(prompts[0])
+    for tok, lp in zip(prompts[0][1:], out.prompt_logprobs[1:], strict=True):
+        assert tok in lp
+    # Stop strings are found in detokenized text and cut it.
+    text = llm.generate({"prompt_token_ids": prompts[1]}, GREEDY, use_tqdm=False)[0]
+    full = text.outputs[0].text
+    stop = full[5:7]
+    cut = llm.generate({"prompt_token_ids": prompts[1]},
+                       SamplingParams(temperature=0.0, max_tokens=24, ignore_eos=True,
+                                      stop=[stop]), use_tqdm=False)[0].outputs[0]
+    assert cut.finish_reason == "stop" and cut.stop_reason == stop
+    assert cut.text == full[:full.index(stop)]
+
+
+def test_token_ids_in_and_out_without_a_tokenizer(model_dir, prompts, reference):
+    llm = LLM(model_dir, **BASE, skip_tokenizer_init=True)
+    out = llm.generate({"prompt_token_ids": prompts[0]}, GREEDY, use_tqdm=False)[0]
+    assert out.outputs[0].token_ids == reference[0] and out.outputs[0].text == ""
+    with pytest.raises(ParameterError):
+        llm.generate("text needs a tokenizer", GREEDY, use_tqdm=False)
+
+
+def test_tensor_parallel_2_gives_the_tp1_greedy_tokens(model_dir, prompts, reference):
+    llm = LLM(model_dir, **BASE, enable_prefix_caching=False, tensor_parallel_size=2)
+    assert _tokens(llm, prompts) == reference
+
+
+def test_chat_applies_the_template(model_dir):
+    llm = LLM(model_dir, **BASE)
+    tok = llm.get_tokenizer()
+    msgs = [{"role": "user", "content": "abc"}]
+    out = llm.chat(msgs, GREEDY, use_tqdm=False)[0]
+    want = tok.apply_chat_template(msgs, add_generation_prompt=True, tokenize=False)
+    assert out.prompt == want
+    assert out.prompt_token_ids == tok(want, add_special_tokens=False).input_ids
