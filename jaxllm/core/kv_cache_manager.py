@@ -90,6 +90,11 @@ class KVCacheManager:
         num_total = num_computed + num_new_tokens
         num_required = -(-num_total // self.block_size)
         num_new_blocks = max(0, num_required - len(req_blocks) - len(new_computed_blocks))
+        if num_new_blocks == 0 and not new_computed_blocks and req_blocks and (
+                not self.enable_caching or min(num_total // self.block_size,
+                                               len(request.block_hashes))
+                <= self._num_cached_blocks.get(req_id, 0)):
+            return []  # the common decode step: room in the last block, nothing to cache
         # Hits that sit cached-free in the free queue stop being free once taken.
         num_evictable_hits = sum(1 for b in new_computed_blocks if b.ref_cnt == 0)
         if num_new_blocks > self.block_pool.get_num_free_blocks() - num_evictable_hits:
