@@ -339,8 +339,10 @@ class MPClient(EngineCoreClient):
 
     def _monitor_engine(self) -> None:
         multiprocessing.connection.wait([self.proc.sentinel, self._wake_r])
-        if self._closing or self.proc.exitcode is None:
+        if self._closing:
             return
+        # The sentinel fires as the process closes its files, a moment before it can be reaped.
+        self.proc.join(timeout=1.0)
         logger.error("the engine core process died (exit code %s)", self.proc.exitcode)
         self._mark_dead(self.engine_error or
                         f"the engine core process died (exit code {self.proc.exitcode})")

@@ -206,6 +206,10 @@ class ChatCompletionRequest(SamplingFields):
                                      f"got {self.top_logprobs}")
             if not self.logprobs:
                 raise ParameterError("top_logprobs", "needs logprobs=true")
+        for name in ("max_tokens", "max_completion_tokens"):
+            value = getattr(self, name)
+            if value is not None and value < 1:
+                raise ParameterError(name, f"must be at least 1, got {value}")
         if self.tools:
             raise ParameterError("tools", "tool calling is not supported")
         if self.response_format is not None and self.response_format.type != "text":

@@ -1,0 +1,1 @@
+"""Serving metrics: the periodic log line and the Prometheus exposition."""

@@ -1,0 +1,186 @@
+"""Stat loggers fed by AsyncLLM's output handler.
+
+Two sources: `SchedulerStats` (one per engine step: queue lengths, KV usage,
+cumulative prefix-cache and preemption counts, tokens of the step) and
+per-request timings (time to first token when it arrives, the rest when the
+request finishes). `LoggingStatLogger` prints vLLM's one-line summary every few
+seconds; `PrometheusStatLogger` backs `/metrics`.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from dataclasses import dataclass
+
+import prometheus_client as prom
+
+from jaxllm.engine.messages import SchedulerStats
+
+logger = logging.getLogger("jaxllm.stats")
+
+TTFT_BUCKETS = [0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0, 2.5,
+                5.0, 7.5, 10.0, 20.0, 40.0, 80.0, 160.0, 640.0]
+TPOT_BUCKETS = [0.001, 0.005, 0.01, 0.025, 0.05, 0.075, 0.1, 0.15, 0.2, 0.3, 0.4, 0.5, 0.75,
+                1.0, 2.5, 5.0, 10.0, 20.0, 80.0]
+E2E_BUCKETS = [0.1, 0.3, 0.5, 0.8, 1.0, 1.5, 2.0, 2.5, 5.0, 10.0, 15.0, 20.0, 30.0, 40.0, 60.0,
+               120.0, 240.0, 480.0, 960.0, 1920.0, 7680.0]
+
+
+@dataclass
+class FinishedRequestStats:
+    finish_reason: str
+    e2e_latency: float
+    num_prompt_tokens: int
+    num_generation_tokens: int
+    decode_time: float  # first token -> last token
+
+    @property
+    def time_per_output_token(self) -> float | None:
+        if self.num_generation_tokens < 2:
+            return None
+        return self.decode_time / (self.num_generation_tokens - 1)
+
+
+class StatLogger:
+    """Interface: AsyncLLM calls these from its output handler (one thread)."""
+
+    def record_scheduler(self, stats: SchedulerStats) -> None:
+        pass
+
+    def record_first_token(self, ttft: float) -> None:
+        pass
+
+    def record_finished(self, stats: FinishedRequestStats) -> None:
+        pass
+
+
+class _Cumulative:
+    """Turns the core's cumulative counts into increments."""
+
+    def __init__(self) -> None:
+        self.last: dict[str, int] = {}
+
+    def delta(self, name: str, value: int) -> int:
+        prev = self.last.get(name, 0)
+        self.last[name] = value
+        return value - prev if value >= prev else value  # a restarted core counts from 0
+
+
+class LoggingStatLogger(StatLogger):
+    """Logs throughput, queue lengths, KV usage and prefix-cache hit rate every `interval` s."""
+
+    def __init__(self, interval: float = 10.0):
+        self.interval = interval
+        self.last_log = time.monotonic()
+        self.prompt_tokens = 0
+        self.generation_tokens = 0
+        self.stats = SchedulerStats()
+        self.cumulative = _Cumulative()
+        self.queries = 0
+        self.hits = 0
+        self._logged_idle = False
+
+    def record_scheduler(self, stats: SchedulerStats) -> None:
+        self.stats = stats
+        self.prompt_tokens += stats.num_prompt_tokens
+        self.generation_tokens += stats.num_generation_tokens
+        self.queries += self.cumulative.delta("queries", stats.prefix_cache_queries)
+        self.hits += self.cumulative.delta("hits", stats.prefix_cache_hits)
+
+    def log(self) -> str | None:
+        now = time.monotonic()
+        elapsed = max(now - self.last_log, 1e-9)
+        s = self.stats
+        idle = not (self.prompt_tokens or self.generation_tokens or s.num_running_reqs
+                    or s.num_waiting_reqs)
+        if idle and self._logged_idle:
+            self.last_log = now
+            return None  # one idle line, then quiet until there is traffic again
+        self._logged_idle = idle
+        hit_rate = self.hits / self.queries if self.queries else 0.0
+        line = (f"Avg prompt throughput: {self.prompt_tokens / elapsed:.1f} tokens/s, "
+                f"Avg generation throughput: {self.generation_tokens / elapsed:.1f} tokens/s, "
+                f"Running: {s.num_running_reqs} reqs, Waiting: {s.num_waiting_reqs} reqs, "
+                f"KV cache usage: {100 * s.kv_cache_usage:.1f}%, "
+                f"Prefix cache hit rate: {100 * hit_rate:.1f}%")
+        logger.info(line)
+        self.last_log = now
+        self.prompt_tokens = self.generation_tokens = 0
+        self.queries = self.hits = 0
+        return line
+
+
+class PrometheusStatLogger(StatLogger):
+    """Metrics named like vLLM's (`vllm:` becomes `jaxllm:`), in a private registry."""
+
+    def __init__(self, model_name: str, registry: prom.CollectorRegistry | None = None):
+        prom.disable_created_metrics()  # the *_created series only add noise
+        self.registry = registry or prom.CollectorRegistry()
+        labels = ["model_name"]
+        r = self.registry
+        self.cumulative = _Cumulative()
+
+        def gauge(name: str, doc: str) -> prom.Gauge:
+            return prom.Gauge(name, doc, labels, registry=r).labels(model_name)
+
+        def counter(name: str, doc: str) -> prom.Counter:
+            return prom.Counter(name, doc, labels, registry=r).labels(model_name)
+
+        def histogram(name: str, doc: str, buckets: list[float]) -> prom.Histogram:
+            return prom.Histogram(name, doc, labels, buckets=buckets,
+                                  registry=r).labels(model_name)
+
+        self.running = gauge("jaxllm:num_requests_running", "Requests in the running batch.")
+        self.waiting = gauge("jaxllm:num_requests_waiting", "Requests waiting to be scheduled.")
+        self.kv_usage = gauge("jaxllm:kv_cache_usage_perc",
+                              "Fraction of KV-cache blocks in use (1 = full).")
+        self.prefix_queries = counter("jaxllm:prefix_cache_queries",
+                                      "Prompt tokens looked up in the prefix cache.")
+        self.prefix_hits = counter("jaxllm:prefix_cache_hits",
+                                   "Prompt tokens found in the prefix cache.")
+        self.prefix_hit_rate = gauge("jaxllm:prefix_cache_hit_rate",
+                                     "Prefix-cache hits / queries since start.")
+        self.preemptions = counter("jaxllm:num_preemptions", "Requests preempted.")
+        self.prompt_tokens = counter("jaxllm:prompt_tokens", "Prefill tokens processed.")
+        self.generation_tokens = counter("jaxllm:generation_tokens", "Tokens generated.")
+        self.ttft = histogram("jaxllm:time_to_first_token_seconds",
+                              "Time from arrival to the first output token.", TTFT_BUCKETS)
+        self.tpot = histogram("jaxllm:time_per_output_token_seconds",
+                              "Mean time between output tokens of a request.", TPOT_BUCKETS)
+        self.e2e = histogram("jaxllm:e2e_request_latency_seconds",
+                             "Time from arrival to the last output.", E2E_BUCKETS)
+        self._success = prom.Counter("jaxllm:request_success", "Finished requests by reason.",
+                                     ["model_name", "finished_reason"], registry=r)
+        self.model_name = model_name
+        self.total_queries = 0
+        self.total_hits = 0
+
+    def record_scheduler(self, stats: SchedulerStats) -> None:
+        self.running.set(stats.num_running_reqs)
+        self.waiting.set(stats.num_waiting_reqs)
+        self.kv_usage.set(stats.kv_cache_usage)
+        q = self.cumulative.delta("queries", stats.prefix_cache_queries)
+        h = self.cumulative.delta("hits", stats.prefix_cache_hits)
+        self.prefix_queries.inc(q)
+        self.prefix_hits.inc(h)
+        self.total_queries += q
+        self.total_hits += h
+        if self.total_queries:
+            self.prefix_hit_rate.set(self.total_hits / self.total_queries)
+        self.preemptions.inc(self.cumulative.delta("preemptions", stats.num_preemptions))
+        self.prompt_tokens.inc(stats.num_prompt_tokens)
+        self.generation_tokens.inc(stats.num_generation_tokens)
+
+    def record_first_token(self, ttft: float) -> None:
+        self.ttft.observe(ttft)
+
+    def record_finished(self, stats: FinishedRequestStats) -> None:
+        self.e2e.observe(stats.e2e_latency)
+        tpot = stats.time_per_output_token
+        if tpot is not None:
+            self.tpot.observe(tpot)
+        self._success.labels(self.model_name, stats.finish_reason).inc()
+
+    def expose(self) -> bytes:
+        return prom.generate_latest(self.registry)

@@ -1,0 +1,151 @@
+"""The engine core in its own process: transport, results, aborts, failures.
+
+One multi-process engine for the module; the test that kills it runs last.
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+import signal
+import time
+
+import msgspec
+import pytest
+
+from jaxllm import LLM, SamplingParams
+from jaxllm.config import EngineArgs
+from jaxllm.engine.core_mp import Codec, SyncMPClient
+from jaxllm.engine.llm_engine import LLMEngine
+from jaxllm.engine.messages import (
+    EngineCoreOutput,
+    EngineCoreOutputs,
+    EngineCoreRequest,
+    EngineCoreRequestType,
+    FinishReason,
+    LogprobsLists,
+    SchedulerStats,
+)
+from jaxllm.errors import EngineDeadError
+from jaxllm.sampling_params import RequestOutputKind
+from tests.engine.hf_reference import random_prompts
+from tests.models.tiny_checkpoints import make_tiny_checkpoint
+
+BASE = dict(dtype="float32", max_model_len=128, max_num_seqs=8, block_size=8, seed=0,
+            token_buckets=[16, 64], request_buckets=[4, 8], max_num_batched_tokens=64)
+
+
+@pytest.fixture(scope="module")
+def model_dir(tmp_path_factory):
+    return make_tiny_checkpoint(tmp_path_factory.mktemp("ckpt"), arch="llama")
+
+
+@pytest.fixture(scope="module")
+def mp_engine(model_dir):
+    engine = LLMEngine.from_engine_args(EngineArgs(model=model_dir, **BASE), multiprocess=True)
+    yield engine
+    engine.shutdown()
+    assert not engine.engine_core.proc.is_alive()
+
+
+def _request(rid: str, ids: list[int], max_tokens: int = 8, **kw) -> EngineCoreRequest:
+    params = SamplingParams(temperature=0.0, max_tokens=max_tokens, ignore_eos=True, **kw)
+    params.all_stop_token_ids = []
+    return EngineCoreRequest(request_id=rid, prompt_token_ids=ids, sampling_params=params,
+                             arrival_time=time.time())
+
+
+def test_codec_round_trips_requests_and_outputs():
+    codec = Codec()
+    req = _request("r1", [5, 6, 7], stop=["x"], logprobs=2, seed=3)
+    kind, back = codec.decode_input(EngineCoreRequestType.ADD.value, codec.encode(req))
+    assert kind == EngineCoreRequestType.ADD and back == req
+    outs = EngineCoreOutputs(
+        outputs=[EngineCoreOutput("r1", [9], LogprobsLists([[9, 3]], [[-0.1, -2.0]], [1]),
+                                  finish_reason=FinishReason.LENGTH)],
+        scheduler_stats=SchedulerStats(num_running_reqs=1, kv_cache_usage=0.5))
+    decoded = codec.outputs_decoder.decode(codec.encode(outs))
+    assert decoded == outs and decoded.outputs[0].finish_reason is FinishReason.LENGTH
+    with pytest.raises(msgspec.ValidationError):
+        codec.decode_input(EngineCoreRequestType.ABORT.value, codec.encode([1, 2]))
+
+
+def test_multiprocess_engine_gives_the_same_greedy_tokens_as_in_process(model_dir, mp_engine):
+    with open(os.path.join(model_dir, "config.json")) as f:
+        vocab = msgspec.json.decode(f.read())["vocab_size"]
+    prompts = random_prompts(vocab, [5, 17, 30, 9], seed=1)
+    params = SamplingParams(temperature=0.0, max_tokens=12, ignore_eos=True,
+                            output_kind=RequestOutputKind.FINAL_ONLY)
+    inproc = LLM(model_dir, **BASE).generate([{"prompt_token_ids": p} for p in prompts],
+                                              params, use_tqdm=False)
+    for i, p in enumerate(prompts):
+        mp_engine.add_request(str(i), {"prompt_token_ids": p}, params)
+    results = {}
+    while mp_engine.has_unfinished_requests():
+        for out in mp_engine.step():
+            results[out.request_id] = out.outputs[0].token_ids
+    assert [results[str(i)] for i in range(len(prompts))] == \
+        [o.outputs[0].token_ids for o in inproc]
+
+
+def test_utility_calls_answer_and_unknown_methods_fail(mp_engine):
+    client: SyncMPClient = mp_engine.engine_core
+    assert client.reset_prefix_cache() is True
+    assert client.call_utility("ping", timeout=10) is True
+    with pytest.raises(RuntimeError, match="unknown utility"):
+        client.call_utility("shutdown_everything", timeout=10)
+
+
+def test_abort_frees_blocks_and_the_idle_core_reports_it(mp_engine):
+    client: SyncMPClient = mp_engine.engine_core
+    client.add_request(_request("long", [10, 11, 12, 13], max_tokens=100))
+    stats = None
+    while stats is None or stats.num_running_reqs == 0:
+        stats = client.get_output().scheduler_stats
+    assert stats.kv_cache_usage > 0
+    client.abort_requests(["long"])
+    deadline = time.monotonic() + 10
+    while stats.num_running_reqs or stats.kv_cache_usage:
+        assert time.monotonic() < deadline
+        stats = client.get_output().scheduler_stats or stats
+    assert stats.num_running_reqs == 0 and stats.kv_cache_usage == 0
+
+
+def test_rejected_request_comes_back_as_an_error_output(mp_engine):
+    client: SyncMPClient = mp_engine.engine_core
+    client.add_request(_request("huge", list(range(8, 8 + client.max_request_tokens))))
+    deadline = time.monotonic() + 10
+    while True:
+        outs = [o for o in client.get_output().outputs if o.request_id == "huge"]
+        if outs:
+            break
+        assert time.monotonic() < deadline
+    assert outs[0].finish_reason == FinishReason.ERROR
+
+
+def test_startup_failure_is_reported_with_the_cause(model_dir, tmp_path):
+    broken = tmp_path / "broken"
+    shutil.copytree(model_dir, broken)
+    for name in os.listdir(broken):
+        if name.endswith(".safetensors"):
+            os.remove(broken / name)
+    config = EngineArgs(model=str(broken), **{**BASE, "precompile": False}) \
+        .create_engine_config()
+    with pytest.raises(RuntimeError, match="failed to start"):
+        SyncMPClient(config)
+
+
+def test_killed_engine_fails_waiters_and_new_requests_fast(mp_engine):
+    # Runs last in the module: it kills the shared engine.
+    client: SyncMPClient = mp_engine.engine_core
+    client.add_request(_request("victim", [10, 11, 12], max_tokens=100))
+    os.kill(client.pid, signal.SIGKILL)
+    t0 = time.monotonic()
+    with pytest.raises(EngineDeadError):
+        while True:
+            client.get_output()
+    assert time.monotonic() - t0 < 5
+    with pytest.raises(EngineDeadError):
+        client.add_request(_request("late", [10, 11]))
+    with pytest.raises(EngineDeadError):
+        client.get_output()

@@ -1,0 +1,116 @@
+"""A server whose engine-core process dies: /health turns 503, requests fail fast.
+
+The server is started from a `--config` YAML file, which these tests also check.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import threading
+import time
+
+import httpx
+import openai
+import pytest
+import yaml
+
+from tests.entrypoints.server import RemoteServer, pid_alive
+from tests.models.tiny_checkpoints import make_tiny_checkpoint
+
+
+@pytest.fixture(scope="module")
+def server(tmp_path_factory):
+    tmp = tmp_path_factory.mktemp("death")
+    model = make_tiny_checkpoint(tmp, arch="llama")
+    config = tmp / "serve.yaml"
+    config.write_text(yaml.safe_dump({
+        "model": model, "dtype": "float32", "max-model-len": 256, "max_num_seqs": 4,
+        "max-num-batched-tokens": 64, "block-size": 8, "token-buckets": "16,64",
+        "request-buckets": [4], "served-model-name": "from-config"}))
+    srv = RemoteServer(["--config", str(config), "--served-model-name", "from-cli"])
+    yield srv
+    srv.stop()
+
+
+def test_config_file_applies_and_command_line_flags_win(server):
+    models = httpx.get(server.url + "/v1/models").json()["data"]
+    assert [(m["id"], m["max_model_len"]) for m in models] == [("from-cli", 256)]
+
+
+def test_killing_the_engine_fails_requests_fast_and_health_turns_503(server):
+    client = openai.OpenAI(base_url=server.url + "/v1", api_key="none", max_retries=0,
+                           timeout=60)
+    outcome: dict = {}
+    started = threading.Event()
+
+    def stream():
+        try:
+            for _ in client.completions.create(model="from-cli", prompt="keep going",
+                                               max_tokens=240, stream=True,
+                                               extra_body={"ignore_eos": True}):
+                started.set()
+            outcome["result"] = "finished"
+        except openai.APIError as e:
+            outcome["result"] = e
+        outcome["at"] = time.monotonic()
+
+    t = threading.Thread(target=stream)
+    t.start()
+    assert started.wait(60)
+    assert server.engine_pid is not None
+    os.kill(server.engine_pid, signal.SIGKILL)
+    killed_at = time.monotonic()
+
+    t.join(10)
+    assert not t.is_alive(), "the in-flight stream hangs"
+    assert isinstance(outcome["result"], openai.APIError)
+    assert outcome["at"] - killed_at < 5
+
+    deadline = killed_at + 5
+    while httpx.get(server.url + "/health").status_code != 503:
+        assert time.monotonic() < deadline, "/health still 200"
+        time.sleep(0.1)
+
+    t0 = time.monotonic()
+    with pytest.raises(openai.APIStatusError) as e:
+        client.chat.completions.create(model="from-cli", max_tokens=4,
+                                       messages=[{"role": "user", "content": "hi"}])
+    assert e.value.status_code == 503 and time.monotonic() - t0 < 2
+    with pytest.raises(openai.APIStatusError) as e:
+        client.completions.create(model="from-cli", prompt="x", max_tokens=4, stream=True)
+    assert e.value.status_code == 503
+    assert server.proc.poll() is None  # the frontend itself stays up and answers
+
+
+def test_sigkill_of_the_server_leaves_no_engine_process(tmp_path):
+    """The engine core watches its parent and exits when the frontend is killed."""
+    import subprocess
+    import sys
+
+    model = make_tiny_checkpoint(tmp_path, arch="llama")
+    script = (
+        "import sys, time\n"
+        "from jaxllm.config import EngineArgs\n"
+        "from jaxllm.engine.core_mp import SyncMPClient\n"
+        "if __name__ == '__main__':\n"
+        f"    cfg = EngineArgs(model={model!r}, dtype='float32', max_model_len=64,\n"
+        "                     precompile=False, max_num_seqs=4,\n"
+        "                     max_num_batched_tokens=64).create_engine_config()\n"
+        "    c = SyncMPClient(cfg)\n"
+        "    print(c.pid, flush=True)\n"
+        "    time.sleep(600)\n")
+    env = dict(os.environ, JAX_PLATFORMS="cpu")
+    proc = subprocess.Popen([sys.executable, "-c", script], stdout=subprocess.PIPE, env=env,
+                            cwd=os.getcwd())
+    try:
+        engine_pid = int(proc.stdout.readline())
+        assert pid_alive(engine_pid)
+        proc.kill()
+        proc.wait()
+        deadline = time.monotonic() + 5
+        while pid_alive(engine_pid):
+            assert time.monotonic() < deadline, "engine core outlived its parent"
+            time.sleep(0.1)
+    finally:
+        proc.kill()
