@@ -18,7 +18,7 @@ from jaxllm.errors import ParameterError
 _UNSET: Any = type("Unset", (), {"__repr__": lambda self: "<unset>"})()
 # Left with its real default: cli.main() reads it before the command runs.
 _KEEP_DEFAULT = {"gpu_memory_utilization", "func", "command"}
-DEMO_MODEL_NAME = "demo-model"
+DEMO_MODEL_NAME = "demo"
 
 
 def add_serve_parser(subparsers: Any) -> argparse.ArgumentParser:
