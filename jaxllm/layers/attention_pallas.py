@@ -1,0 +1,111 @@
+"""Pallas attention backends (TPU: Mosaic, GPU: Triton) and the KV layout they share.
+
+Both kernels read the cache head-major inside each page,
+`[num_pages, 2 * num_kv_heads, page_size, head_dim]` (K of kv head h at 2h, V
+at 2h + 1), so one (page, head) is a contiguous `page_size x head_dim` tile: a
+single DMA on TPU, coalesced rows on GPU. `write_kv` scatters this step's K/V
+into that layout; with the cache donated to the jitted step XLA updates it in
+place (tests/kernels/test_attention_backends.py checks the alias and the buffer).
+
+Tensor parallelism: `attend` and `write_kv` take one shard's plain arrays. A
+Pallas call is not partitioned by XLA, so under a mesh the caller runs them
+inside `shard_map` over the kv-head axis: `q`, `k`, `v` split on their head
+axis (1), the cache split on axis 1 (each shard then holds whole K/V pairs of
+its heads; `num_kv_heads` must be a multiple of the axis size) and the metadata
+replicated. `shard_map_attend` below does exactly that.
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+from jax.sharding import PartitionSpec as P
+
+from jaxllm.layers.attention import AttentionBackend, AttentionMetadata
+
+
+def paged_kv_cache_shape(num_blocks: int, block_size: int, num_kv_heads: int,
+                         head_dim: int) -> tuple[int, int, int, int]:
+    return (num_blocks, 2 * num_kv_heads, block_size, head_dim)
+
+
+def write_kv_paged(kv_cache: jax.Array, k: jax.Array, v: jax.Array,
+                   slot_mapping: jax.Array) -> jax.Array:
+    """Stores `[T, Hkv, D]` K/V at `slot_mapping` (page * page_size + offset).
+
+    Padding tokens point at the reserved scratch page 0, so they never touch live KV.
+    """
+    _, two_h, page_size, _ = kv_cache.shape
+    kv = jnp.stack([k, v], axis=2).reshape(k.shape[0], two_h, k.shape[-1])
+    page = (slot_mapping // page_size)[:, None]
+    off = (slot_mapping % page_size)[:, None]
+    head = jnp.arange(two_h, dtype=slot_mapping.dtype)[None, :]
+    return kv_cache.at[page, head, off].set(kv.astype(kv_cache.dtype), mode="drop",
+                                             unique_indices=False)
+
+
+class _PallasBackend(AttentionBackend):
+    """Shared layout and KV update of the two Pallas bodies."""
+
+    def kv_cache_shape(self, num_blocks: int, block_size: int, num_kv_heads: int,
+                       head_dim: int) -> tuple[int, ...]:
+        return paged_kv_cache_shape(num_blocks, block_size, num_kv_heads, head_dim)
+
+    def write_kv(self, kv_cache: jax.Array, k: jax.Array, v: jax.Array,
+                 md: AttentionMetadata) -> jax.Array:
+        return write_kv_paged(kv_cache, k, v, md.slot_mapping)
+
+
+class PallasTPUBackend(_PallasBackend):
+    """Mosaic TPU kernel; `interpret=True` runs it in TPU interpret mode on any host."""
+
+    name = "pallas_tpu"
+
+    def attend(self, q: jax.Array, kv_cache: jax.Array, md: AttentionMetadata, *,
+               sm_scale: float, sliding_window: int | None = None,
+               soft_cap: float | None = None) -> jax.Array:
+        from pallas_kernels.ragged_paged_attention import tpu
+
+        return tpu.ragged_paged_attention(
+            q, kv_cache, md.kv_lens, md.page_indices, md.cu_q_lens, md.num_seqs,
+            sm_scale=sm_scale, sliding_window=sliding_window, soft_cap=soft_cap,
+            interpret=self.interpret)
+
+
+class PallasGPUBackend(_PallasBackend):
+    """Triton GPU kernel; `interpret=True` runs it in Pallas interpret mode on any host."""
+
+    name = "pallas_gpu"
+
+    def attend(self, q: jax.Array, kv_cache: jax.Array, md: AttentionMetadata, *,
+               sm_scale: float, sliding_window: int | None = None,
+               soft_cap: float | None = None) -> jax.Array:
+        from pallas_kernels.ragged_paged_attention import gpu
+
+        return gpu.ragged_paged_attention(
+            q, kv_cache, md.kv_lens, md.page_indices, md.cu_q_lens, md.num_seqs,
+            sm_scale=sm_scale, sliding_window=sliding_window, soft_cap=soft_cap,
+            interpret=self.interpret)
+
+
+def shard_map_attend(backend: AttentionBackend, mesh: jax.sharding.Mesh, axis: str):
+    """`attend(q, kv_cache, md, **kw)` over a mesh, kv heads split along `axis`.
+
+    Works for every backend: the reference layout keeps heads on axis 2, the
+    Pallas layout on axis 1; either way whole (K, V) pairs land on one shard.
+    """
+    cache_spec = P(None, None, axis, None) if type(backend) is AttentionBackend else P(
+        None, axis, None, None)
+    shard_map = getattr(jax, "shard_map", None)
+    if shard_map is None:  # jax < 0.7
+        from jax.experimental.shard_map import shard_map
+
+    def run(q, kv_cache, md, **kw):
+        def body(q, kv_cache, md):
+            return backend.attend(q, kv_cache, md, **kw)
+
+        md_spec = jax.tree.map(lambda _: P(), md)
+        return shard_map(body, mesh=mesh, in_specs=(P(None, axis, None), cache_spec, md_spec),
+                         out_specs=P(None, axis, None), check_vma=False)(q, kv_cache, md)
+
+    return run

@@ -1,0 +1,361 @@
+"""Ragged paged attention as a Pallas GPU kernel (Triton lowering).
+
+Same semantics as `reference.py` (the oracle); only the KV cache layout differs.
+
+Layout. The cache is head-major inside each page:
+`[num_pages, 2 * num_kv_heads, page_size, head_dim]`, K of kv head h at 2h and V
+at 2h + 1. One (page, head) block is `page_size * head_dim` contiguous elements,
+so a KV tile is `page_size`-row runs of whole 128..512-byte rows: every load is
+coalesced whatever the number of heads (one head per shard under TP included).
+
+Work decomposition. The wrapper cuts every request's query rows into blocks of
+`block_q` tokens ("items", at most `cdiv(T, block_q) + R + 1` of them, padding
+tokens included) with a few vectorised jnp ops. A program handles one
+(item, kv head, kv split): its Q tile is the `block_q * G` rows (token, query
+head of the group) of that kv head, so GQA shares each K/V tile across the G
+query heads and a decode item still feeds the tensor cores a 16-row tile. It
+walks the item's KV blocks in three runs: window-edge blocks (masked), fully
+visible blocks (no mask arithmetic), causal-diagonal / `kv_len`-tail blocks
+(masked). Softmax is online, in float32, in base 2.
+
+Split-KV. With `num_kv_splits = S > 1` every program only walks its 1/S of the
+item's KV blocks and writes an unnormalised partial (normalised output plus
+log-sum-exp, float32); a small jnp combine merges them. The wrapper turns it on
+for decode-shaped calls (few tokens) where (items x kv heads) alone would not
+fill the GPU.
+
+Padding. Rows past `cu_q_lens[num_seqs]` are written as zeros by padding items;
+requests at index >= num_seqs own no item and are never read.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+import inspect
+import math
+
+import jax
+import jax.numpy as jnp
+from jax import lax
+from jax.experimental import pallas as pl
+from jax.experimental.pallas import triton as plt
+
+MASK_VALUE = -0.7 * float(jnp.finfo(jnp.float32).max)
+LOG2E = math.log2(math.e)
+
+# jax <= 0.4.x spelled loads as load(ref, idx, ...); newer ones take a ref view.
+_LOAD_TAKES_IDX = "idx" in inspect.signature(plt.load).parameters
+
+
+def _load(ref, idx, *, mask=None, other=None, eviction_policy=None):
+    if _LOAD_TAKES_IDX:
+        return plt.load(ref, idx, mask=mask, other=other, eviction_policy=eviction_policy)
+    return plt.load(ref.at[idx], mask=mask, other=other, eviction_policy=eviction_policy)
+
+
+def _store(ref, idx, val, *, mask=None):
+    if _LOAD_TAKES_IDX:
+        return plt.store(ref, idx, val, mask=mask)
+    return plt.store(ref.at[idx], val, mask=mask)
+
+
+def _compiler_params(num_warps: int, num_stages: int):
+    cls = getattr(plt, "CompilerParams", None) or getattr(pl, "TritonCompilerParams", None)
+    if cls is not None:
+        return cls(num_warps=num_warps, num_stages=num_stages)
+    return dict(triton=dict(num_warps=num_warps, num_stages=num_stages))
+
+
+def kv_cache_shape(num_pages: int, page_size: int, num_kv_heads: int,
+                   head_dim: int) -> tuple[int, int, int, int]:
+    return (num_pages, 2 * num_kv_heads, page_size, head_dim)
+
+
+def write_kv(kv_cache: jax.Array, k: jax.Array, v: jax.Array,
+             slot_mapping: jax.Array) -> jax.Array:
+    """Stores `[T, Hkv, D]` K/V at `slot_mapping` (page * page_size + offset); in place
+    when the cache is donated. Padding tokens point at the reserved scratch page 0."""
+    _, two_h, page_size, _ = kv_cache.shape
+    kv = jnp.stack([k, v], axis=2).reshape(k.shape[0], two_h, k.shape[-1])
+    page = (slot_mapping // page_size)[:, None]
+    off = (slot_mapping % page_size)[:, None]
+    head = jnp.arange(two_h, dtype=slot_mapping.dtype)[None, :]
+    return kv_cache.at[page, head, off].set(kv.astype(kv_cache.dtype), mode="drop",
+                                             unique_indices=False)
+
+
+@dataclasses.dataclass(frozen=True)
+class BlockSizes:
+    """Tunables. `block_q` is in tokens (the tile has block_q * G rows)."""
+
+    block_q: int
+    block_kv: int
+    num_kv_splits: int = 1
+    num_warps: int = 4
+    num_stages: int = 2
+    # Stream K/V through L2 with evict-first (each tile is read once per program).
+    kv_evict_first: bool = False
+
+
+def default_block_sizes(num_tokens: int, num_seqs_max: int, group: int, head_dim: int,
+                        page_size: int, max_pages: int, num_kv_heads: int) -> BlockSizes:
+    """Static choice from the bucket's shapes (the kernel never sees q_lens at trace time)."""
+    decode_like = num_tokens <= num_seqs_max
+    if decode_like:
+        # 16 rows: the smallest tensor-core tile; memory-bound anyway. Small KV
+        # tiles with a deep pipeline measured best on the H100 (BENCHMARKS.md).
+        block_q = max(1, 16 // group)
+        block_kv = 32 if head_dim <= 128 else 16
+        items = num_tokens
+        # Fill ~4 programs per SM on a 132-SM part.
+        splits = max(1, min(16, 528 // max(1, items * num_kv_heads)))
+        max_blocks = max(1, (max_pages * page_size) // block_kv)
+        splits = 1 << (min(splits, max_blocks).bit_length() - 1)
+        return BlockSizes(block_q, block_kv, splits, num_warps=4, num_stages=4)
+    rows = 128 if head_dim <= 128 else 64
+    block_q = max(1, rows // group)
+    block_kv = 128 if head_dim <= 128 else 32
+    return BlockSizes(block_q, block_kv, 1, num_warps=8 if head_dim >= 128 else 4,
+                      num_stages=3 if head_dim <= 128 else 2)
+
+
+def work_items(cu_q_lens: jax.Array, num_seqs: jax.Array, num_tokens: int,
+               block_q: int) -> tuple[jax.Array, jax.Array]:
+    """(request, first token) per item; request -1 marks a zero-fill padding item,
+    -2 an unused grid slot. Sized statically: cdiv(T, bq) + R + 1 bounds the count.
+
+    Depends only on the step's metadata: under one jit every layer's call computes
+    the same values and XLA keeps one copy; callers may also pass it in (`items`).
+    """
+    num_req = cu_q_lens.shape[0] - 1
+    n = jnp.reshape(num_seqs, (-1,))[0]
+    ridx = jnp.arange(num_req, dtype=jnp.int32)
+    q_lens = jnp.where(ridx < n, cu_q_lens[1:] - cu_q_lens[:-1], 0)
+    nblk = (q_lens + block_q - 1) // block_q
+    cum = jnp.cumsum(nblk)
+    num_real = cum[-1]
+    t_real = cu_q_lens[n]
+    num_pad = (num_tokens - t_real + block_q - 1) // block_q
+    num_items = pl.cdiv(num_tokens, block_q) + min(num_req, num_tokens) + 1
+    i = jnp.arange(num_items, dtype=jnp.int32)
+    req = jnp.minimum(jnp.searchsorted(cum, i, side="right").astype(jnp.int32), num_req - 1)
+    j = i - (cum[req] - nblk[req])
+    tok_real = cu_q_lens[req] + j * block_q
+    tok_pad = t_real + (i - num_real) * block_q
+    is_real = i < num_real
+    is_pad = (~is_real) & (i < num_real + num_pad)
+    item_req = jnp.where(is_real, req, jnp.where(is_pad, -1, -2)).astype(jnp.int32)
+    item_tok = jnp.where(is_real, tok_real, jnp.where(is_pad, tok_pad, 0)).astype(jnp.int32)
+    # Reversed: a request's last query blocks (the most KV) start first, which
+    # evens out the tail of a prefill-heavy grid.
+    return item_req[::-1], item_tok[::-1]
+
+
+def _kernel(item_req_ref, item_tok_ref, cu_ref, kvlen_ref, pidx_ref, q_ref, kv_ref,
+            *out_refs, block_q: int, block_kv: int, group: int, num_q_heads: int, kv_heads: int,
+            page_size: int, pages_per_seq: int, num_tokens: int, num_splits: int,
+            kv_evict_first: bool,
+            sm_scale: float, sliding_window: int | None, soft_cap: float | None):
+    o_ref = out_refs[0]
+    lse_ref = out_refs[1] if num_splits > 1 else None
+    item, h, split = pl.program_id(0), pl.program_id(1), pl.program_id(2)
+    rows = block_q * group
+    head_dim = q_ref.shape[-1]
+    r = item_req_ref[item]
+    t0 = item_tok_ref[item]
+
+    row = lax.broadcasted_iota(jnp.int32, (rows,), 0)
+    row_tok = t0 + row // group
+    # Flat row of (token, query head) in q/out viewed as [T * Hq, D].
+    row_flat = row_tok * num_q_heads + h * group + row % group
+    d_iota = lax.broadcasted_iota(jnp.int32, (rows, head_dim), 1)
+    out_base = split * (num_tokens * num_q_heads) if num_splits > 1 else 0
+
+    # Gathers/scatters index every dim with an array (interpret mode has no
+    # discharge rule for array + slice indexers).
+    row_2d = jnp.broadcast_to((out_base + row_flat)[:, None], (rows, head_dim))
+
+    def write(o, lse, valid):
+        mask2 = jnp.broadcast_to(valid[:, None], (rows, head_dim))
+        _store(o_ref, (row_2d, d_iota), o.astype(o_ref.dtype), mask=mask2)
+        if lse_ref is not None:
+            _store(lse_ref, (out_base + row_flat,), lse, mask=valid)
+
+    @pl.when(r == -1)
+    def _zero_fill():
+        valid = row_tok < jnp.minimum(t0 + block_q, num_tokens)
+        write(jnp.zeros((rows, head_dim), jnp.float32),
+              jnp.full((rows,), -jnp.inf, jnp.float32), valid)
+
+    @pl.when(r >= 0)
+    def _attend():
+        rr = jnp.maximum(r, 0)
+        q_beg = cu_ref[rr]
+        q_end = cu_ref[rr + 1]
+        kv_len = kvlen_ref[rr]
+        t1 = jnp.minimum(t0 + block_q, q_end)
+        p_first = kv_len - (q_end - q_beg) + (t0 - q_beg)
+        p_last = p_first + (t1 - t0) - 1
+        row_valid = row_tok < t1
+        row_pos = p_first + row // group
+
+        q_mask = jnp.broadcast_to(row_valid[:, None], (rows, head_dim))
+        q_rows = jnp.broadcast_to(row_flat[:, None], (rows, head_dim))
+        q = _load(q_ref, (q_rows, d_iota), mask=q_mask, other=0.0)
+
+        key_lo = 0 if sliding_window is None else jnp.maximum(p_first - sliding_window + 1, 0)
+        blk_lo = key_lo // block_kv
+        blk_hi = (p_last + block_kv) // block_kv  # cdiv(p_last + 1, block_kv)
+        # Blocks needing no mask: all keys <= p_first (so < kv_len) and, with a
+        # window, all keys > p_last - W.
+        if sliding_window is None:
+            full_lo = blk_lo
+        else:
+            full_lo = (jnp.maximum(p_last - sliding_window + 1, 0) + block_kv - 1) // block_kv
+        full_hi = (p_first + 1) // block_kv
+        a = jnp.clip(full_lo, blk_lo, blk_hi)
+        b = jnp.clip(full_hi, a, blk_hi)
+        if num_splits > 1:
+            per = (blk_hi - blk_lo + num_splits - 1) // num_splits
+            s_lo = jnp.minimum(blk_lo + split * per, blk_hi)
+            s_hi = jnp.minimum(s_lo + per, blk_hi)
+        else:
+            s_lo, s_hi = blk_lo, blk_hi
+
+        kv_iota = lax.broadcasted_iota(jnp.int32, (block_kv,), 0)
+        kd_iota = lax.broadcasted_iota(jnp.int32, (block_kv, head_dim), 1)
+        is_f32 = q_ref.dtype == jnp.float32
+        precision = lax.Precision.HIGHEST if is_f32 else None
+        scale = sm_scale if soft_cap is not None else sm_scale * LOG2E
+        evict = "evict_first" if kv_evict_first else None
+
+        def block(bi, carry, masked: bool):
+            acc, m_i, l_i = carry
+            kpos = bi * block_kv + kv_iota
+            col = jnp.minimum(kpos // page_size, pages_per_seq - 1)
+            in_len = kpos < kv_len
+            if masked:
+                page = _load(pidx_ref, (rr * pages_per_seq + col,), mask=in_len, other=0)
+            else:
+                page = _load(pidx_ref, (rr * pages_per_seq + col,))
+            krow = (page * (2 * kv_heads) + 2 * h) * page_size + kpos % page_size
+            krow = jnp.broadcast_to(krow[:, None], (block_kv, head_dim))
+            if masked:
+                ld_mask = jnp.broadcast_to(in_len[:, None], (block_kv, head_dim))
+                k = _load(kv_ref, (krow, kd_iota), mask=ld_mask, other=0.0, eviction_policy=evict)
+                v = _load(kv_ref, (krow + page_size, kd_iota), mask=ld_mask, other=0.0,
+                          eviction_policy=evict)
+            else:
+                k = _load(kv_ref, (krow, kd_iota), eviction_policy=evict)
+                v = _load(kv_ref, (krow + page_size, kd_iota), eviction_policy=evict)
+            s = lax.dot_general(q, k, (((1,), (1,)), ((), ())), precision=precision,
+                                preferred_element_type=jnp.float32)
+            s = s * scale
+            if soft_cap is not None:
+                s = (soft_cap * LOG2E) * jnp.tanh(s / soft_cap)
+            if masked:
+                mask = (kpos[None, :] <= row_pos[:, None]) & in_len[None, :]
+                if sliding_window is not None:
+                    mask &= kpos[None, :] > row_pos[:, None] - sliding_window
+                s = jnp.where(mask, s, MASK_VALUE)
+            m_new = jnp.maximum(m_i, jnp.max(s, axis=1))
+            alpha = jnp.exp2(m_i - m_new)
+            p = jnp.exp2(s - m_new[:, None])
+            l_new = alpha * l_i + jnp.sum(p, axis=1)
+            pv = lax.dot_general(p.astype(v.dtype), v, (((1,), (0,)), ((), ())),
+                                 precision=precision, preferred_element_type=jnp.float32)
+            return acc * alpha[:, None] + pv, m_new, l_new
+
+        carry = (jnp.zeros((rows, head_dim), jnp.float32),
+                 jnp.full((rows,), MASK_VALUE, jnp.float32),
+                 jnp.zeros((rows,), jnp.float32))
+        masked_body = functools.partial(block, masked=True)
+        plain_body = functools.partial(block, masked=False)
+        # Window edge, fully visible run, causal diagonal / kv_len tail.
+        carry = lax.fori_loop(jnp.maximum(blk_lo, s_lo), jnp.minimum(a, s_hi), masked_body, carry)
+        carry = lax.fori_loop(jnp.maximum(a, s_lo), jnp.minimum(b, s_hi), plain_body, carry)
+        carry = lax.fori_loop(jnp.maximum(b, s_lo), jnp.minimum(blk_hi, s_hi), masked_body,
+                              carry)
+        acc, m_i, l_i = carry
+        has = l_i > 0.0
+        inv = jnp.where(has, 1.0 / jnp.where(has, l_i, 1.0), 0.0)
+        lse = jnp.where(has, m_i + jnp.log2(jnp.where(has, l_i, 1.0)), -jnp.inf)
+        write(acc * inv[:, None], lse, row_valid)
+
+
+def ragged_paged_attention(
+    q: jax.Array,
+    kv_cache: jax.Array,
+    kv_lens: jax.Array,
+    page_indices: jax.Array,
+    cu_q_lens: jax.Array,
+    num_seqs: jax.Array,
+    *,
+    sm_scale: float,
+    sliding_window: int | None = None,
+    soft_cap: float | None = None,
+    block_sizes: BlockSizes | None = None,
+    items: tuple[jax.Array, jax.Array] | None = None,
+    interpret: bool = False,
+) -> jax.Array:
+    """Ragged paged attention; `kv_cache` is `[P, 2 * Hkv, page_size, D]` (see module doc)."""
+    num_tokens, num_q_heads, head_dim = q.shape
+    num_pages, two_h, page_size, _ = kv_cache.shape
+    num_kv_heads = two_h // 2
+    group = num_q_heads // num_kv_heads
+    num_req, pages_per_seq = page_indices.shape
+    if num_q_heads % num_kv_heads:
+        raise ValueError(f"{num_q_heads=} is not a multiple of {num_kv_heads=}")
+    for name, val in (("group", group), ("page_size", page_size), ("head_dim", head_dim)):
+        if val & (val - 1):
+            raise ValueError(f"{name}={val} must be a power of two for the Triton lowering")
+    bs = block_sizes or default_block_sizes(num_tokens, num_req, group, head_dim, page_size,
+                                            pages_per_seq, num_kv_heads)
+    if (bs.block_q * group) < 16 or bs.block_kv < 16:
+        raise ValueError(f"tile too small for tensor cores: {bs}")
+
+    if items is None:
+        items = work_items(cu_q_lens, num_seqs, num_tokens, bs.block_q)
+    item_req, item_tok = items
+    num_items = item_req.shape[0]
+    splits = bs.num_kv_splits
+
+    kernel = functools.partial(
+        _kernel, kv_heads=num_kv_heads, block_q=bs.block_q, block_kv=bs.block_kv, group=group,
+        num_q_heads=num_q_heads, page_size=page_size, pages_per_seq=pages_per_seq,
+        num_tokens=num_tokens, num_splits=splits, kv_evict_first=bs.kv_evict_first,
+        sm_scale=float(sm_scale),
+        sliding_window=sliding_window, soft_cap=soft_cap)
+    rows = num_tokens * num_q_heads
+    if splits == 1:
+        out_shape = [jax.ShapeDtypeStruct((rows, head_dim), q.dtype)]
+    else:
+        out_shape = [jax.ShapeDtypeStruct((splits * rows, head_dim), jnp.float32),
+                     jax.ShapeDtypeStruct((splits * rows,), jnp.float32)]
+    outs = pl.pallas_call(
+        kernel,
+        out_shape=out_shape,
+        grid=(num_items, num_kv_heads, splits),
+        compiler_params=_compiler_params(bs.num_warps, bs.num_stages),
+        interpret=interpret,
+        name="ragged_paged_attention_gpu",
+    )(item_req, item_tok, cu_q_lens.astype(jnp.int32), kv_lens.astype(jnp.int32),
+      page_indices.astype(jnp.int32).reshape(-1), q.reshape(rows, head_dim),
+      kv_cache.reshape(num_pages * two_h * page_size, head_dim))
+    if splits == 1:
+        return outs[0].reshape(num_tokens, num_q_heads, head_dim)
+    o = outs[0].reshape(splits, rows, head_dim)
+    lse = outs[1].reshape(splits, rows)
+    return _combine(o, lse).astype(q.dtype).reshape(num_tokens, num_q_heads, head_dim)
+
+
+def _combine(o: jax.Array, lse: jax.Array) -> jax.Array:
+    """Merges split-KV partials (normalised outputs + base-2 log-sum-exp)."""
+    mx = jnp.max(lse, axis=0)
+    mx = jnp.where(jnp.isfinite(mx), mx, 0.0)
+    w = jnp.exp2(lse - mx[None])
+    tot = jnp.sum(w, axis=0)
+    out = jnp.sum(w[..., None] * o, axis=0)
+    return jnp.where(tot[:, None] > 0, out / jnp.where(tot > 0, tot, 1.0)[:, None], 0.0)
+
