@@ -25,7 +25,10 @@ class LLM:
         unknown = set(kwargs) - EngineArgs.field_names()
         if unknown:
             raise TypeError(f"LLM() got unexpected engine arguments: {sorted(unknown)}")
-        self.llm_engine = LLMEngine.from_engine_args(EngineArgs(model=model, **kwargs))
+        from jaxllm.engine.core_mp import multiprocess_default
+
+        self.llm_engine = LLMEngine.from_engine_args(EngineArgs(model=model, **kwargs),
+                                                     multiprocess=multiprocess_default())
         self._counter = itertools.count()
 
     def get_tokenizer(self) -> Any:

@@ -135,6 +135,15 @@ def test_startup_failure_is_reported_with_the_cause(model_dir, tmp_path):
         SyncMPClient(config)
 
 
+def test_multiprocessing_for_llm_is_opt_in_through_the_environment(monkeypatch):
+    from jaxllm.engine.core_mp import multiprocess_default
+
+    monkeypatch.delenv("JAXLLM_ENABLE_MULTIPROCESSING", raising=False)
+    assert multiprocess_default() is False
+    monkeypatch.setenv("JAXLLM_ENABLE_MULTIPROCESSING", "1")
+    assert multiprocess_default() is True
+
+
 def test_killed_engine_fails_waiters_and_new_requests_fast(mp_engine):
     # Runs last in the module: it kills the shared engine.
     client: SyncMPClient = mp_engine.engine_core
@@ -149,3 +158,4 @@ def test_killed_engine_fails_waiters_and_new_requests_fast(mp_engine):
         client.add_request(_request("late", [10, 11]))
     with pytest.raises(EngineDeadError):
         client.get_output()
+

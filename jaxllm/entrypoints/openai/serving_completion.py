@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import time
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
 
 from jaxllm.engine.input_processor import PromptType
 from jaxllm.entrypoints.openai.protocol import (
@@ -46,15 +46,18 @@ def _token_str(tid: int, lp: Logprob) -> str:
 
 
 def completion_logprobs(token_ids: list[int], logprobs: list[dict[int, Logprob] | None],
-                        k: int, offset: int) -> CompletionLogprobs:
+                        k: int, offset: int,
+                        decode: Callable[[int], str] | None = None) -> CompletionLogprobs:
     """OpenAI's legacy logprobs: chosen token, its logprob, the top k, text offsets."""
     out = CompletionLogprobs()
     for tid, entry in zip(token_ids, logprobs, strict=False):
         if entry is None:  # the first prompt token has no logprob
-            out.tokens.append(f"token_id:{tid}")
+            tok = decode(tid) if decode is not None else f"token_id:{tid}"
+            out.tokens.append(tok)
             out.token_logprobs.append(None)
             out.top_logprobs.append(None)
             out.text_offset.append(offset)
+            offset += len(tok)
             continue
         chosen = entry.get(tid)
         tok = _token_str(tid, chosen) if chosen else f"token_id:{tid}"
@@ -71,6 +74,11 @@ def completion_logprobs(token_ids: list[int], logprobs: list[dict[int, Logprob] 
 
 
 class OpenAIServingCompletion(OpenAIServing):
+    def _decode(self, token_id: int) -> str:
+        if self.tokenizer is None:
+            return f"token_id:{token_id}"
+        return self.tokenizer.decode([token_id], skip_special_tokens=True)
+
     async def create_completion(self, req: CompletionRequest
                                 ) -> CompletionResponse | AsyncIterator[str]:
         model = self.check_model(req.model)
@@ -102,7 +110,7 @@ class OpenAIServingCompletion(OpenAIServing):
                                                    req.logprobs, len(prefix))
                     if req.echo and out.prompt_logprobs is not None:
                         echoed = completion_logprobs(out.prompt_token_ids, out.prompt_logprobs,
-                                                     req.logprobs, 0)
+                                                     req.logprobs, 0, self._decode)
                         logprobs = _concat(echoed, logprobs)
                 choice = CompletionChoice(index=i * req.n + comp.index, text=prefix + text,
                                           logprobs=logprobs, finish_reason=comp.finish_reason,
@@ -140,8 +148,8 @@ class OpenAIServingCompletion(OpenAIServing):
                             offset + (len(out.prompt or "") if first and req.echo else 0))
                         if first and req.echo and out.prompt_logprobs is not None:
                             logprobs = _concat(completion_logprobs(
-                                out.prompt_token_ids, out.prompt_logprobs, req.logprobs, 0),
-                                logprobs)
+                                out.prompt_token_ids, out.prompt_logprobs, req.logprobs, 0,
+                                self._decode), logprobs)
                     offsets[idx] = offset + len(text)
                     completion_tokens[idx] = completion_tokens.get(idx, 0) + len(comp.token_ids)
                     if not text and not comp.token_ids and comp.finish_reason is None:
