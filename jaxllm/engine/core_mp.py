@@ -412,14 +412,35 @@ class MPClient(EngineCoreClient):
         if request_ids and not (self.engine_dead or self._closing):
             self._send(EngineCoreRequestType.ABORT, self.codec.encode(list(request_ids)))
 
-    def _handle_output_frames(self, frames: list) -> EngineCoreOutputs | UtilityResult:
+    def _dispatch(self, frames: list) -> None:
+        """One output-socket message: resolve a utility call, or hand on the outputs."""
         kind, payload = frames
         if bytes(kind) == UTILITY_RESULT:
-            return self.codec.result_decoder.decode(payload)
+            result = self.codec.result_decoder.decode(payload)
+            fut = self._pending.pop(result.call_id, None)
+            if fut is not None and not fut.done():
+                if result.ok:
+                    fut.set_result(result.result)
+                else:
+                    fut.set_exception(RuntimeError(result.result))
+            return
         outputs = self.codec.outputs_decoder.decode(payload)
+        self._put_output(outputs)
         if outputs.engine_error is not None:
-            self.engine_error = f"engine core error: {outputs.engine_error}"
-        return outputs
+            self._mark_dead(f"engine core error: {outputs.engine_error}")
+
+    def _put_output(self, outputs: EngineCoreOutputs) -> None:
+        raise NotImplementedError
+
+    def _send_utility(self, fut: Any, method: str, args: tuple) -> None:
+        call_id = next(self._call_ids)
+        self._pending[call_id] = fut
+        try:
+            self._send(EngineCoreRequestType.UTILITY,
+                       self.codec.encode(UtilityCall(call_id, method, list(args))))
+        except BaseException:
+            self._pending.pop(call_id, None)
+            raise
 
     def is_alive(self) -> bool:
         return not self.engine_dead and self.proc.is_alive()
@@ -486,17 +507,12 @@ class SyncMPClient(MPClient):
             try:
                 if not poller.poll(200):
                     continue
-                msg = self._handle_output_frames(self.output_socket.recv_multipart())
+                self._dispatch(self.output_socket.recv_multipart())
             except zmq.ZMQError:
                 return  # the socket closed under us during shutdown
-            if isinstance(msg, UtilityResult):
-                fut = self._pending.pop(msg.call_id, None)
-                if fut is not None:
-                    _resolve(fut, msg)
-            else:
-                self._outputs.put(msg)
-                if msg.engine_error is not None:
-                    self._mark_dead(self.engine_error)
+
+    def _put_output(self, outputs: EngineCoreOutputs) -> None:
+        self._outputs.put(outputs)
 
     def _on_engine_dead(self) -> None:
         self._outputs.put(self.dead_error())
@@ -516,14 +532,7 @@ class SyncMPClient(MPClient):
 
     def call_utility(self, method: str, *args: Any, timeout: float | None = None) -> Any:
         fut: Future = Future()
-        call_id = next(self._call_ids)
-        self._pending[call_id] = fut
-        try:
-            self._send(EngineCoreRequestType.UTILITY,
-                       self.codec.encode(UtilityCall(call_id, method, list(args))))
-        except BaseException:
-            self._pending.pop(call_id, None)
-            raise
+        self._send_utility(fut, method, args)
         if self.engine_dead and not fut.done():  # died between the check and the send
             fut.set_exception(self.dead_error())
         return fut.result(timeout)
@@ -558,15 +567,11 @@ class AsyncMPClient(MPClient):
                 frames = await self.output_socket.recv_multipart()
             except (zmq.ZMQError, asyncio.CancelledError):
                 return
-            msg = self._handle_output_frames(frames)
-            if isinstance(msg, UtilityResult):
-                fut = self._pending.pop(msg.call_id, None)
-                if fut is not None and not fut.done():
-                    _resolve(fut, msg)
-            else:
-                self._outputs.put_nowait(msg)
-                if msg.engine_error is not None:
-                    self._mark_dead(self.engine_error)
+            self._dispatch(frames)
+
+    def _put_output(self, outputs: EngineCoreOutputs) -> None:
+        assert self._outputs is not None
+        self._outputs.put_nowait(outputs)
 
     def _on_engine_dead(self) -> None:
         # Called from the monitor thread (or the reader task): hop onto the loop.
@@ -596,25 +601,11 @@ class AsyncMPClient(MPClient):
     def get_output(self) -> EngineCoreOutputs:
         raise NotImplementedError("AsyncMPClient: use `await get_output_async()`")
 
-    async def add_request_async(self, request: EngineCoreRequest) -> None:
-        self._ensure_reader()
-        self.add_request(request)
-
-    async def abort_requests_async(self, request_ids: list[str]) -> None:
-        self.abort_requests(request_ids)
-
     async def call_utility_async(self, method: str, *args: Any) -> Any:
         self._ensure_reader()
         assert self._loop is not None
         fut = self._loop.create_future()
-        call_id = next(self._call_ids)
-        self._pending[call_id] = fut
-        try:
-            self._send(EngineCoreRequestType.UTILITY,
-                       self.codec.encode(UtilityCall(call_id, method, list(args))))
-        except BaseException:
-            self._pending.pop(call_id, None)
-            raise
+        self._send_utility(fut, method, args)
         return await fut
 
     def reset_prefix_cache(self) -> bool:
@@ -627,17 +618,4 @@ class AsyncMPClient(MPClient):
         if self._reader is not None and not self._reader.done():
             self._reader.cancel()
         super().shutdown()
-
-    def _close_sockets(self) -> None:
-        self.input_socket.close(linger=0)
-        self.output_socket.close(linger=0)
-        # The asyncio context shadows the sync one; terminating the latter is enough.
-        self.ctx.term()
-
-
-def _resolve(fut: Future | asyncio.Future, result: UtilityResult) -> None:
-    if result.ok:
-        fut.set_result(result.result)
-    else:
-        fut.set_exception(RuntimeError(result.result))
 
