@@ -270,7 +270,7 @@ def test_disconnect_mid_stream_aborts_and_frees_blocks(server):
 def test_client_timeout_on_a_plain_request_aborts_it(server):
     before = wait_idle(server)
     impatient = openai.OpenAI(base_url=server.url + "/v1", api_key=API_KEY, max_retries=0,
-                              timeout=0.5)
+                              timeout=0.3)
     with pytest.raises(openai.APITimeoutError):
         impatient.completions.create(model=MODEL, prompt="go on", max_tokens=LONG,
                                      **GREEDY)
