@@ -48,14 +48,21 @@ def kv_cache_shape(num_pages: int, page_size: int, num_kv_heads: int,
 def write_kv(kv_cache: jax.Array, k: jax.Array, v: jax.Array,
              slot_mapping: jax.Array) -> jax.Array:
     """Stores `[T, Hkv, D]` K/V at `slot_mapping` (page * page_size + offset); in place
-    when the cache is donated. Padding tokens point at the reserved scratch page 0."""
-    _, two_h, page_size, _ = kv_cache.shape
-    kv = jnp.stack([k, v], axis=2).reshape(k.shape[0], two_h, k.shape[-1])
-    page = (slot_mapping // page_size)[:, None]
-    off = (slot_mapping % page_size)[:, None]
+    when the cache is donated.
+
+    One row scatter over the cache viewed as `[P * 2H * page_size, D]`, declared
+    unique: only padding tokens share a slot (the reserved scratch page 0, never
+    read as live KV), and the unique form measured 3.8x faster for 8192 tokens on
+    the H100 than the general scatter (BENCHMARKS.md).
+    """
+    num_pages, two_h, page_size, head_dim = kv_cache.shape
+    kv = jnp.stack([k, v], axis=2).reshape(k.shape[0] * two_h, head_dim)
     head = jnp.arange(two_h, dtype=slot_mapping.dtype)[None, :]
-    return kv_cache.at[page, head, off].set(kv.astype(kv_cache.dtype), mode="drop",
-                                             unique_indices=False)
+    rows = (((slot_mapping // page_size)[:, None] * two_h + head) * page_size
+            + (slot_mapping % page_size)[:, None]).reshape(-1)
+    flat = kv_cache.reshape(num_pages * two_h * page_size, head_dim)
+    flat = flat.at[rows].set(kv.astype(kv_cache.dtype), mode="drop", unique_indices=True)
+    return flat.reshape(kv_cache.shape)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -213,8 +220,10 @@ def block_request_ranges(cu_q_lens: jax.Array, num_seqs: jax.Array, num_blocks: 
     start = jnp.arange(num_blocks, dtype=jnp.int32) * block_q
     last = jnp.minimum(start + block_q, t_real) - 1
     ends = cu_q_lens[1:]
-    lo = jnp.searchsorted(ends, start, side="right").astype(jnp.int32)
-    hi = jnp.minimum(jnp.searchsorted(ends, last, side="right").astype(jnp.int32) + 1, n)
+    # compare_all: one fused comparison instead of a loop of tiny kernels.
+    lo = jnp.searchsorted(ends, start, side="right", method="compare_all").astype(jnp.int32)
+    hi = jnp.searchsorted(ends, last, side="right", method="compare_all").astype(jnp.int32)
+    hi = jnp.minimum(hi + 1, n)
     live = start < t_real
     return jnp.where(live, lo, 0), jnp.where(live, hi, 0)
 

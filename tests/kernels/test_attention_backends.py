@@ -1,0 +1,109 @@
+"""Attention backend selection, the in-place KV update, and the Pallas backends end to end.
+
+The Pallas backends run in interpret mode; whatever their cache layout, writing a
+batch's K/V and attending must give the reference backend's answer.
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from jax.sharding import Mesh
+
+from jaxllm.layers.attention import AttentionBackend, AttentionMetadata, get_attention_backend
+from jaxllm.layers.attention_pallas import (
+    PallasGPUBackend,
+    PallasTPUBackend,
+    shard_map_attend,
+)
+
+BLOCK, NUM_BLOCKS, HKV, GROUP, D = 8, 12, 2, 2, 32
+
+
+def test_auto_picks_reference_on_cpu_and_names_override():
+    assert type(get_attention_backend("auto")) is AttentionBackend
+    tpu = get_attention_backend("pallas_tpu", interpret=True)
+    gpu = get_attention_backend("pallas_gpu", interpret=True)
+    assert isinstance(tpu, PallasTPUBackend) and tpu.interpret
+    assert isinstance(gpu, PallasGPUBackend) and gpu.interpret
+    with pytest.raises(ValueError, match="attention_backend"):
+        get_attention_backend("flash")
+
+
+@pytest.mark.parametrize("backend", [PallasTPUBackend(True), PallasGPUBackend(True)])
+def test_pallas_layout_is_head_major_pages(backend):
+    assert backend.kv_cache_shape(NUM_BLOCKS, BLOCK, HKV, D) == (NUM_BLOCKS, 2 * HKV, BLOCK, D)
+
+
+def _step(seqs, seed=0):
+    """Metadata, q and every context position's K/V for requests (q_len, kv_len)."""
+    rng = np.random.default_rng(seed)
+    pages = rng.permutation(np.arange(1, NUM_BLOCKS))
+    width = max(-(-kv // BLOCK) for _, kv in seqs)
+    table = np.zeros((len(seqs) + 1, width), np.int32)  # one padded request
+    slots, k = [], 0
+    for r, (_, kv) in enumerate(seqs):
+        n = -(-kv // BLOCK)
+        table[r, :n] = pages[k:k + n]
+        k += n
+        slots += [table[r, p // BLOCK] * BLOCK + p % BLOCK for p in range(kv)]
+    cu = np.zeros(len(seqs) + 2, np.int32)
+    cu[1:len(seqs) + 1] = np.cumsum([q for q, _ in seqs])
+    cu[-1] = cu[-2]
+    kv_lens = np.asarray([kv for _, kv in seqs] + [0], np.int32)
+    num_tokens = int(cu[-1]) + 2  # two padding tokens
+    md = AttentionMetadata(slot_mapping=jnp.zeros(num_tokens, jnp.int32),
+                           kv_lens=jnp.asarray(kv_lens), page_indices=jnp.asarray(table),
+                           cu_q_lens=jnp.asarray(cu),
+                           num_seqs=jnp.asarray([len(seqs)], jnp.int32))
+    q = jnp.asarray(rng.standard_normal((num_tokens, HKV * GROUP, D)), jnp.float32)
+    kk = jnp.asarray(rng.standard_normal((len(slots), HKV, D)), jnp.float32)
+    vv = jnp.asarray(rng.standard_normal((len(slots), HKV, D)), jnp.float32)
+    return md, q, kk, vv, jnp.asarray(slots, jnp.int32)
+
+
+def _write_then_attend(backend, md, q, k, v, slots, **kw):
+    cache = jnp.zeros(backend.kv_cache_shape(NUM_BLOCKS, BLOCK, HKV, D), jnp.float32)
+    write_md = AttentionMetadata(slots, md.kv_lens, md.page_indices, md.cu_q_lens, md.num_seqs)
+    cache = backend.write_kv(cache, k, v, write_md)
+    return backend.attend(q, cache, md, **kw)
+
+
+@pytest.mark.parametrize("backend", [PallasTPUBackend(True), PallasGPUBackend(True)])
+def test_pallas_backend_matches_reference_end_to_end(backend):
+    md, q, k, v, slots = _step([(9, 9), (1, 14), (5, 21)])
+    kw = dict(sm_scale=D**-0.5, sliding_window=11)
+    with jax.default_matmul_precision("highest"):
+        want = _write_then_attend(AttentionBackend(), md, q, k, v, slots, **kw)
+    got = _write_then_attend(backend, md, q, k, v, slots, **kw)
+    np.testing.assert_allclose(np.asarray(got), np.asarray(want), atol=1e-5, rtol=1e-5)
+
+
+@pytest.mark.parametrize("backend", [AttentionBackend(), PallasTPUBackend(True),
+                                     PallasGPUBackend(True)])
+def test_write_kv_updates_the_donated_cache_in_place(backend):
+    md, _, k, v, slots = _step([(3, 10)])
+    md = AttentionMetadata(slots, md.kv_lens, md.page_indices, md.cu_q_lens, md.num_seqs)
+    cache = jnp.zeros(backend.kv_cache_shape(NUM_BLOCKS, BLOCK, HKV, D), jnp.float32)
+    step = jax.jit(backend.write_kv, donate_argnums=0)
+    hlo = step.lower(cache, k, v, md).compile().as_text()
+    assert "input_output_alias" in hlo
+    before = cache.unsafe_buffer_pointer()
+    cache = step(cache, k, v, md)
+    assert cache.unsafe_buffer_pointer() == before
+
+
+@pytest.mark.parametrize("backend", [AttentionBackend(), PallasGPUBackend(True)])
+def test_shard_map_attend_over_kv_heads_matches_unsharded(backend):
+    md, q, k, v, slots = _step([(6, 6), (1, 17)], seed=1)
+    kw = dict(sm_scale=D**-0.5)
+    cache = jnp.zeros(backend.kv_cache_shape(NUM_BLOCKS, BLOCK, HKV, D), jnp.float32)
+    cache = backend.write_kv(cache, k, v, AttentionMetadata(
+        slots, md.kv_lens, md.page_indices, md.cu_q_lens, md.num_seqs))
+    with jax.default_matmul_precision("highest"):
+        want = backend.attend(q, cache, md, **kw)
+        mesh = Mesh(np.asarray(jax.devices()[:HKV]), ("model",))
+        got = shard_map_attend(backend, mesh, "model")(q, cache, md, **kw)
+    np.testing.assert_allclose(np.asarray(got), np.asarray(want), atol=1e-5, rtol=1e-5)
