@@ -81,6 +81,8 @@ class EngineConfig:
     token_buckets: list[int] | None = None
     request_buckets: list[int] | None = None
     precompile: bool = True
+    # Dispatch step N+1 before step N's sampled tokens reach the host.
+    async_scheduling: bool = True
 
 
 @dataclass
@@ -114,6 +116,7 @@ class EngineArgs:
     token_buckets: list[int] | None = None
     request_buckets: list[int] | None = None
     precompile: bool = True
+    async_scheduling: bool = True
     trust_remote_code: bool = False  # accepted for vLLM compatibility; never executes code
     disable_log_stats: bool = True
     enforce_eager: bool = False  # accepted for vLLM compatibility (no eager mode in JAX)
@@ -159,7 +162,7 @@ class EngineArgs:
             attention_backend=self.attention_backend,
             compilation_cache_dir=self.compilation_cache_dir,
             token_buckets=self.token_buckets, request_buckets=self.request_buckets,
-            precompile=self.precompile)
+            precompile=self.precompile, async_scheduling=self.async_scheduling)
 
     def _model_config(self) -> ModelConfig:
         from transformers import AutoConfig

@@ -55,10 +55,10 @@ def main(argv: list[str] | None = None) -> dict:
     runner = engine.engine_core.engine_core.model_runner
     rng = np.random.default_rng(0)
     hidden = np.zeros((max(n, 2048), 64), np.float32)
-    runner._forward = lambda state, kv, ids, pos, md: (kv, hidden)
+    runner._forward = lambda state, kv, ids, pos, md, prev, src: (kv, hidden)
     runner._logits = lambda state, h, idx: None
-    mr.run_sampler = lambda logits, md: SamplerOutput(
-        rng.integers(3, 32000, md.temperature.shape[0]).astype(np.int32))
+    mr.run_sampler = lambda logits, md, size: SamplerOutput(
+        rng.integers(3, 32000, size).astype(np.int32))
     runner.kv_caches = [None]  # never touched by the stubs
 
     # Streaming deltas, as the server asks for them.

@@ -71,6 +71,9 @@ class Request:
         self.output_token_ids: list[int] = []
         self.all_token_ids: list[int] = list(self.prompt_token_ids)
         self.num_computed_tokens = 0
+        # Tokens scheduled to be sampled whose ids have not come back yet
+        # (at most one: async scheduling runs one step ahead).
+        self.num_output_placeholders = 0
         # Prefix-cache hit (tokens) at the first schedule; -1 until then, as in vLLM.
         self.num_cached_tokens = -1
         self.num_preemptions = 0

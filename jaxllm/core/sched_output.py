@@ -46,6 +46,9 @@ class SchedulerOutput:
     # the runner drops their rows.
     finished_req_ids: set[str]
     preempted_req_ids: set[str] = field(default_factory=set)
+    # Requests whose scheduled tokens reach their end, so the step samples a
+    # token for them (each holds one output placeholder until it arrives).
+    sampling_req_ids: set[str] = field(default_factory=set)
 
     @classmethod
     def empty(cls) -> SchedulerOutput:

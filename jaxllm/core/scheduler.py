@@ -52,6 +52,7 @@ class Scheduler:
         self.finished_req_ids: set[str] = set()
 
         self.num_preemptions = 0
+        self._num_history_reqs = 0
         self._last_num_prompt_tokens = 0
         self._last_num_generation_tokens = 0
 
@@ -78,6 +79,17 @@ class Scheduler:
             request.attach_block_hasher(self._block_hasher)
         self.requests[request.request_id] = request
         self.waiting.add(request)
+        if _reads_output_history(request):
+            self._num_history_reqs += 1
+
+    def needs_output_history(self) -> bool:
+        """Whether some request's sampling reads its own previous outputs.
+
+        Penalties, bad words and min_tokens are built on the host from the
+        tokens generated so far, so such a step cannot be scheduled before the
+        step in flight has returned its tokens.
+        """
+        return self._num_history_reqs > 0
 
     def finish_requests(self, request_ids: str | Iterable[str],
                         finished_status: RequestStatus) -> None:
@@ -97,6 +109,8 @@ class Scheduler:
 
     def _free_request(self, request: Request) -> None:
         self.kv_cache_manager.free(request)
+        if _reads_output_history(request):
+            self._num_history_reqs -= 1
         self.finished_req_ids.add(request.request_id)
         del self.requests[request.request_id]
 
@@ -117,8 +131,17 @@ class Scheduler:
         return (request.arrival_time,)
 
     def _wanted_tokens(self, request: Request, num_computed: int) -> int:
-        """Tokens the request would compute this step, before the budget cuts them."""
-        num_new = request.num_tokens - num_computed
+        """Tokens the request would compute this step, before the budget cuts them.
+
+        A token still in flight (async scheduling) counts as known: its id is
+        fed to the next step on the device. A request whose in-flight token is
+        its last allowed one is not scheduled again.
+        """
+        pending = request.num_output_placeholders
+        if pending and (request.num_output_tokens + pending >= request.max_tokens
+                        or request.num_tokens + pending >= self.max_request_tokens):
+            return 0
+        num_new = request.num_tokens + pending - num_computed
         if 0 < self.long_prefill_token_threshold < num_new:
             num_new = self.long_prefill_token_threshold
         return num_new
@@ -227,11 +250,15 @@ class Scheduler:
 
     def _update_after_schedule(self, output: SchedulerOutput) -> None:
         num_prompt_tokens = 0
+        sampling = output.sampling_req_ids
         for req_id, num_new in output.num_scheduled_tokens.items():
             request = self.requests[req_id]
             before = request.num_computed_tokens
             num_prompt_tokens += max(0, min(before + num_new, request.num_prompt_tokens) - before)
-            request.num_computed_tokens = before + num_new
+            request.num_computed_tokens = after = before + num_new
+            if after >= request.num_tokens + request.num_output_placeholders:
+                sampling.add(req_id)
+                request.num_output_placeholders += 1
         self._last_num_prompt_tokens = num_prompt_tokens
 
     # ------------------------------------------------------------------ update
@@ -246,6 +273,8 @@ class Scheduler:
             request = self.requests.get(req_id)
             if request is None or request.is_finished():
                 continue  # aborted while the step ran
+            if req_id in scheduler_output.sampling_req_ids:
+                request.num_output_placeholders -= 1
             index = runner.req_id_to_index.get(req_id)
             sampled = runner.sampled_token_ids[index] if index is not None else []
 
@@ -323,3 +352,8 @@ class Scheduler:
             num_preemptions=self.num_preemptions,
             num_prompt_tokens=self._last_num_prompt_tokens,
             num_generation_tokens=self._last_num_generation_tokens)
+
+
+def _reads_output_history(request: Request) -> bool:
+    p = request.sampling_params
+    return p is not None and bool(p.needs_penalties or p.bad_words_token_ids or p.min_tokens)

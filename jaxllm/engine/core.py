@@ -2,15 +2,24 @@
 
 `step()` = schedule -> execute_model -> update_from_output. The core never
 tokenizes or detokenizes; it speaks EngineCoreRequest in, EngineCoreOutputs out.
+
+With async scheduling (the default) a step runs one ahead: it schedules and
+dispatches step N+1, then waits for step N's tokens and processes them while
+N+1 runs on the device. Tokens sampled by N feed N+1 on the device; the
+scheduler holds one output placeholder per token in flight. When a running
+request's sampling reads its own output history (penalties, bad words,
+min_tokens), the core finishes the step in flight before scheduling the next.
 """
 
 from __future__ import annotations
 
 import logging
 import time
+from typing import TYPE_CHECKING
 
 from jaxllm.config import EngineConfig
 from jaxllm.core.request import Request, RequestStatus
+from jaxllm.core.sched_output import SchedulerOutput
 from jaxllm.core.scheduler import Scheduler
 from jaxllm.engine.messages import (
     EngineCoreOutput,
@@ -18,6 +27,9 @@ from jaxllm.engine.messages import (
     EngineCoreRequest,
     FinishReason,
 )
+
+if TYPE_CHECKING:
+    from jaxllm.worker.model_runner import StepHandle
 
 logger = logging.getLogger(__name__)
 
@@ -32,6 +44,8 @@ class EngineCore:
         if config.precompile:
             self.model_runner.precompile()
         self.scheduler = Scheduler(config)
+        self.async_scheduling = config.async_scheduling
+        self._inflight: tuple[SchedulerOutput, StepHandle | None] | None = None
         self.startup_seconds = time.perf_counter() - t0
         logger.info("engine core ready: %d KV blocks of %d tokens, started in %.1fs",
                     config.cache_config.num_blocks - 1, config.cache_config.block_size,
@@ -57,17 +71,42 @@ class EngineCore:
             self.scheduler.finish_requests(request_ids, RequestStatus.FINISHED_ABORTED)
 
     def step(self) -> EngineCoreOutputs:
+        if self.async_scheduling:
+            return self._step_ahead()
         if not self.scheduler.has_unfinished_requests():
-            return EngineCoreOutputs(scheduler_stats=self.scheduler.make_stats(),
-                                     timestamp=time.monotonic())
+            return self._no_outputs()
         scheduler_output = self.scheduler.schedule()
         runner_output = self.model_runner.execute_model(scheduler_output)
         outputs = self.scheduler.update_from_output(scheduler_output, runner_output)
         outputs.timestamp = time.monotonic()
         return outputs
 
+    def _step_ahead(self) -> EngineCoreOutputs:
+        outputs = None
+        if self._inflight is not None and self.scheduler.needs_output_history():
+            outputs = self._finish_inflight()
+        dispatched = None
+        if self.scheduler.has_unfinished_requests():
+            so = self.scheduler.schedule()
+            dispatched = (so, self.model_runner.dispatch(so))
+        if self._inflight is not None:
+            outputs = self._finish_inflight()
+        self._inflight = dispatched
+        return outputs if outputs is not None else self._no_outputs()
+
+    def _finish_inflight(self) -> EngineCoreOutputs:
+        so, handle = self._inflight
+        self._inflight = None
+        outputs = self.scheduler.update_from_output(so, self.model_runner.collect(handle))
+        outputs.timestamp = time.monotonic()
+        return outputs
+
+    def _no_outputs(self) -> EngineCoreOutputs:
+        return EngineCoreOutputs(scheduler_stats=self.scheduler.make_stats(),
+                                 timestamp=time.monotonic())
+
     def has_unfinished_requests(self) -> bool:
-        return self.scheduler.has_unfinished_requests()
+        return self._inflight is not None or self.scheduler.has_unfinished_requests()
 
     def reset_prefix_cache(self) -> bool:
         return self.scheduler.reset_prefix_cache()

@@ -232,11 +232,13 @@ class SamplingRows:
     # ---- per-step metadata ---------------------------------------------------
 
     def make_metadata(self, rows: np.ndarray, padded_size: int, engine_seed: int,
-                      step: int = 0) -> SamplingMetadata:
+                      step: int = 0, out_index: np.ndarray | None = None) -> SamplingMetadata:
         """Metadata for batch rows `rows` (batch row j = request row rows[j]), padded.
 
         `step` does not enter the keys (they depend only on the request and its
         output index, see the module docstring); it is accepted for the runner.
+        `out_index` is the output index each row samples now; by default the
+        number of outputs recorded, which lags when a step is still in flight.
         """
         del step
         rows = np.asarray(rows, np.int64).reshape(-1)
@@ -252,7 +254,8 @@ class SamplingRows:
         greedy = self._greedy[rows]
         top_k, top_p = self._top_k[rows], self._top_p[rows]
         keys = rng_key_data(self._seeded[rows], self._seed[rows], engine_seed,
-                            self._stream[rows], self._num_out[rows])
+                            self._stream[rows],
+                            self._num_out[rows] if out_index is None else out_index)
         all_greedy = bool(greedy.all())
         return SamplingMetadata(
             temperature=pad(self._temperature[rows], 1.0, np.float32),

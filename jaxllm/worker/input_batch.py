@@ -28,6 +28,10 @@ class InputBatch:
         self.num_computed_tokens = np.zeros(max_num_reqs, np.int32)
         self.block_table = np.zeros((max_num_reqs, max_blocks_per_req), np.int32)
         self.num_blocks = np.zeros(max_num_reqs, np.int32)
+        # Async scheduling: sampled tokens dispatched but not yet on the host,
+        # and the row of the latest one in its step's device output.
+        self.num_pending = np.zeros(max_num_reqs, np.int32)
+        self.inflight_index = np.full(max_num_reqs, -1, np.int32)
         self.sampling = SamplingRows(max_num_reqs, vocab_size)
         self.params: list[SamplingParams | None] = [None] * max_num_reqs
         self.pooling: list[PoolingParams | None] = [None] * max_num_reqs
@@ -49,6 +53,8 @@ class InputBatch:
         self.num_prompt_tokens[row] = len(new.prompt_token_ids)
         self.num_computed_tokens[row] = new.num_computed_tokens
         self.num_blocks[row] = 0
+        self.num_pending[row] = 0
+        self.inflight_index[row] = -1
         self.append_blocks(row, new.block_ids)
         self.params[row] = new.sampling_params
         self.pooling[row] = new.pooling_params
@@ -75,7 +81,7 @@ class InputBatch:
             n = self.num_tokens[last]
             self.token_ids[row, :n] = self.token_ids[last, :n]
             for arr in (self.num_tokens, self.num_prompt_tokens, self.num_computed_tokens,
-                        self.num_blocks):
+                        self.num_blocks, self.num_pending, self.inflight_index):
                 arr[row] = arr[last]
             self.block_table[row] = self.block_table[last]
             self.params[row] = self.params[last]

@@ -63,11 +63,21 @@ def enable_compilation_cache(path: str | None) -> str:
     return path
 
 
+def _draw_padded(logits: jax.Array, md: SamplingMetadata, size: int) -> jax.Array:
+    """`draw`, padded to `size` rows: the next step's forward reads it by row."""
+    token_ids = draw(logits, md)
+    return jnp.zeros(size, jnp.int32).at[:token_ids.shape[0]].set(token_ids)
+
+
+def _logprobs_padded(logits: jax.Array, token_ids: jax.Array) -> tuple:
+    return sampled_logprobs(logits, token_ids[:logits.shape[0]], k=MAX_LOGPROBS)
+
+
 # The sampler in three stages, jitted apart so that compiled variants add up
 # (3 adjust + 3 draw + 1 logprobs per request bucket) instead of multiplying.
 _jit_adjust = jax.jit(adjust_logits)
-_jit_draw = jax.jit(draw)
-_jit_logprobs = jax.jit(functools.partial(sampled_logprobs, k=MAX_LOGPROBS))
+_jit_draw = jax.jit(_draw_padded, static_argnames="size")
+_jit_logprobs = jax.jit(_logprobs_padded)
 
 
 def _adjust_part(md: SamplingMetadata) -> SamplingMetadata | None:
@@ -80,10 +90,11 @@ def _draw_part(md: SamplingMetadata) -> SamplingMetadata:
     return dataclasses.replace(md, penalties=None, logit_adjust=None, num_logprobs=0)
 
 
-def run_sampler(logits: jax.Array, md: SamplingMetadata) -> SamplerOutput:
+def run_sampler(logits: jax.Array, md: SamplingMetadata, size: int) -> SamplerOutput:
+    """Samples one token per row of `logits`; token ids come back padded to `size`."""
     adj = _adjust_part(md)
     adjusted = logits if adj is None else _jit_adjust(logits, adj)
-    token_ids = _jit_draw(adjusted, _draw_part(md))
+    token_ids = _jit_draw(adjusted, _draw_part(md), size=size)
     if not md.num_logprobs:
         return SamplerOutput(token_ids)
     return SamplerOutput(token_ids, *_jit_logprobs(logits, token_ids))
@@ -97,7 +108,10 @@ def _step_functions(graphdef: Any) -> tuple[Any, Any, Any]:
     share compiled executables (the graph is closed over, not hashed per call).
     """
 
-    def forward(state, kv_caches, input_ids, positions, md):
+    def forward(state, kv_caches, input_ids, positions, md, prev_tokens, src):
+        # Tokens sampled by the previous step that the host has not seen yet
+        # (async scheduling) are read from its device output: src >= 0 names the row.
+        input_ids = jnp.where(src >= 0, prev_tokens[jnp.maximum(src, 0)], input_ids)
         model = nnx.merge(graphdef, state)
         hidden, kv_caches = model(input_ids, positions, kv_caches, md)
         return kv_caches, hidden
@@ -110,6 +124,20 @@ def _step_functions(graphdef: Any) -> tuple[Any, Any, Any]:
         return compute_prompt_logprobs(model.compute_logits(hidden), targets, MAX_LOGPROBS)
 
     return (jax.jit(forward, donate_argnums=(1,)), jax.jit(logits), jax.jit(prompt_logprobs))
+
+
+@dataclasses.dataclass
+class StepHandle:
+    """A dispatched step whose results are still (possibly) on the device."""
+
+    req_ids: list[str]
+    gen: np.ndarray  # [n] bool: a token is sampled for the request
+    sampled: SamplerOutput  # token ids padded to max_num_seqs rows
+    hidden: jax.Array
+    logits_indices: np.ndarray
+    pool_indices: list[int]  # requests whose pooled state is due
+    pool_normalize: list[bool]
+    prompt_lp: tuple | None  # (device (ids, logprobs, ranks), {req_id: slice})
 
 
 @dataclasses.dataclass(frozen=True)
@@ -150,6 +178,10 @@ class ModelRunner:
         self.input_batch = InputBatch(sc.max_num_seqs, mc.max_model_len,
                                       self.buckets.max_blocks_per_req, self.vocab_size)
         self._step_count = 0
+        s = self.buckets.max_num_seqs
+        # The last dispatched step's sampled ids (device, [max_num_seqs]).
+        self._no_prev = jnp.zeros(s, jnp.int32)
+        self._last_sampled = self._no_prev
         # Benchmarks set this to a list to get one StepRecord per executed step.
         self.step_log: list[StepRecord] | None = None
         self._build_functions()
@@ -222,7 +254,9 @@ class ModelRunner:
                               disable=os.environ.get("JAXLLM_NO_PROGRESS") == "1"):
             if kind == "forward":
                 inputs = self._dummy_inputs(arg)
-                self.kv_caches, hidden[arg] = self._forward(self.state, self.kv_caches, *inputs)
+                self.kv_caches, hidden[arg] = self._forward(self.state, self.kv_caches, *inputs,
+                                                            self._no_prev,
+                                                            np.full(arg, -1, np.int32))
             elif kind == "logits":
                 t, r = arg
                 logits[r] = self._logits(self.state, hidden[t], np.zeros(r, np.int32))
@@ -233,7 +267,8 @@ class ModelRunner:
                         key = (fn, jax.tree_util.tree_structure(part))
                         if part is not None and key not in seen:
                             seen.add(key)
-                            out = fn(logits[arg], part)
+                            out = (fn(logits[arg], part) if fn is _jit_adjust else
+                                   fn(logits[arg], part, size=b.max_num_seqs))
                 _jit_logprobs(logits[arg], out)  # `out`: token ids of the last draw
             else:
                 self._prompt_logprobs(self.state, hidden[arg], np.zeros(arg, np.int32))
@@ -251,9 +286,18 @@ class ModelRunner:
     # ------------------------------------------------------------------- step
 
     def execute_model(self, so: SchedulerOutput) -> ModelRunnerOutput:
+        """One step, start to finish (`dispatch` then `collect`)."""
+        return self.collect(self.dispatch(so))
+
+    def dispatch(self, so: SchedulerOutput) -> StepHandle | None:
+        """Prepares the step's inputs and launches it; returns without waiting.
+
+        A scheduled token the host does not know yet (sampled by the step
+        still in flight) is taken from that step's device output.
+        """
         self._update_states(so)
         if so.total_num_scheduled_tokens == 0:
-            return ModelRunnerOutput.empty()
+            return None
         ib = self.input_batch
         req_ids = sorted(so.num_scheduled_tokens, key=ib.req_id_to_row.__getitem__)
         rows = np.fromiter((ib.req_id_to_row[r] for r in req_ids), np.int32, len(req_ids))
@@ -272,15 +316,23 @@ class ModelRunner:
         req_of_tok = np.repeat(np.arange(n, dtype=np.int32), nsched)
         computed = ib.num_computed_tokens[rows]
         positions = np.zeros(t_pad, np.int32)
-        positions[:t_real] = computed[req_of_tok] + (np.arange(t_real) - cu[req_of_tok])
+        pos = positions[:t_real]
+        pos[:] = computed[req_of_tok] + (np.arange(t_real) - cu[req_of_tok])
         tok_rows = rows[req_of_tok]
         input_ids = np.zeros(t_pad, np.int32)
-        input_ids[:t_real] = ib.token_ids[tok_rows, positions[:t_real]]
+        input_ids[:t_real] = ib.token_ids[tok_rows, np.minimum(pos, self.max_model_len - 1)]
+        src = np.full(t_pad, -1, np.int32)
+        unknown = pos >= ib.num_tokens[tok_rows]
+        prev_tokens = self._no_prev
+        if unknown.any():
+            src[:t_real][unknown] = ib.inflight_index[tok_rows[unknown]]
+            if (src[:t_real][unknown] < 0).any():
+                raise RuntimeError("a scheduled token is neither known nor in flight")
+            prev_tokens = self._last_sampled
         slots = np.zeros(t_pad, np.int32)  # padding -> slot 0 of the null block
-        pos = positions[:t_real]
         slots[:t_real] = ib.block_table[tok_rows, pos // bs] * bs + pos % bs
         kv_lens = np.zeros(s, np.int32)
-        kv_lens[:n] = computed + nsched
+        kv_lens[:n] = end = computed + nsched
         page_indices = np.zeros((s, self.buckets.max_blocks_per_req), np.int32)
         page_indices[:n] = ib.block_table[rows]
         md = AttentionMetadata(slots, kv_lens, page_indices, cu,
@@ -289,36 +341,52 @@ class ModelRunner:
         logits_indices[:n] = cu[1:n + 1] - 1
 
         self.kv_caches, hidden = self._forward(self.state, self.kv_caches, input_ids,
-                                               positions, md)
-        smd = ib.sampling.make_metadata(rows, r_pad, self.seed, self._step_count)
-        out = run_sampler(self._logits(self.state, hidden, logits_indices), smd)
-        prompt_lp = self._maybe_prompt_logprobs(req_ids, rows, nsched, computed, cu, hidden,
-                                                input_ids, t_pad)
+                                               positions, md, prev_tokens, src)
+        # A prompt chunk that stops short of the prompt's end samples nothing.
+        done = end >= ib.num_tokens[rows] + ib.num_pending[rows]
+        smd = ib.sampling.make_metadata(rows, r_pad, self.seed, self._step_count,
+                                        out_index=np.maximum(end - ib.num_prompt_tokens[rows], 0))
+        out = run_sampler(self._logits(self.state, hidden, logits_indices), smd, s)
+        prompt_lp = self._dispatch_prompt_logprobs(req_ids, rows, nsched, computed, cu, hidden,
+                                                   input_ids, t_pad)
+        ib.num_computed_tokens[rows] = end
+        gen = done & np.fromiter((ib.params[r] is not None for r in rows), bool, n)
+        ib.inflight_index[rows[gen]] = np.flatnonzero(gen)
+        ib.num_pending[rows[gen]] += 1
+        self._last_sampled = out.token_ids
         self._step_count += 1
         if self.step_log is not None:
             kv = kv_lens[:n].astype(np.int64)
             q = nsched.astype(np.int64)
             self.step_log.append(StepRecord(t_real, t_pad, n, int(kv.sum()),
                                             int((q * kv - q * (q - 1) // 2).sum())))
+        pool = [i for i in range(n) if ib.pooling[rows[i]] is not None and done[i]]
+        return StepHandle(req_ids, gen, out, hidden, logits_indices, pool,
+                          [ib.pooling[rows[i]].normalize for i in pool], prompt_lp)
 
+    def collect(self, h: StepHandle | None) -> ModelRunnerOutput:
+        """Waits for a dispatched step and records its sampled tokens on the host."""
+        if h is None:
+            return ModelRunnerOutput.empty()
+        ib, n, out = self.input_batch, len(h.req_ids), h.sampled
         sampled = np.asarray(out.token_ids)[:n]
-        # A prompt chunk that stops short of the prompt's end samples nothing.
-        done = computed + nsched >= ib.num_tokens[rows]
-        ib.num_computed_tokens[rows] = computed + nsched
-        gen = done & np.fromiter((ib.params[r] is not None for r in rows), bool, n)
-        ib.append_sampled(rows[gen], sampled[gen])
-        sampled_lists = [[int(t)] if g else [] for t, g in zip(sampled, gen, strict=True)]
+        # Rows as they are now: a request may have moved, or left (finished,
+        # preempted) while the step ran.
+        rows = np.fromiter((ib.req_id_to_row.get(r, -1) for r in h.req_ids), np.int32, n)
+        live = h.gen & (rows >= 0)
+        ib.append_sampled(rows[live], sampled[live])
+        ib.num_pending[rows[live]] -= 1
+        sampled_lists = [[int(t)] if g else [] for t, g in zip(sampled, h.gen, strict=True)]
         logprobs = None
         if out.logprobs is not None:
             logprobs = LogprobsLists(np.asarray(out.logprob_token_ids)[:n].tolist(),
                                      np.asarray(out.logprobs)[:n].tolist(),
                                      np.asarray(out.ranks)[:n].tolist())
-        return ModelRunnerOutput(req_ids=req_ids,
-                                 req_id_to_index={r: i for i, r in enumerate(req_ids)},
+        return ModelRunnerOutput(req_ids=h.req_ids,
+                                 req_id_to_index={r: i for i, r in enumerate(h.req_ids)},
                                  sampled_token_ids=sampled_lists, logprobs=logprobs,
-                                 prompt_logprobs=prompt_lp,
-                                 pooler_output=self._pool(req_ids, rows, done, hidden,
-                                                          logits_indices))
+                                 prompt_logprobs=self._collect_prompt_logprobs(h.prompt_lp),
+                                 pooler_output=self._pool(h))
 
     def _update_states(self, so: SchedulerOutput) -> None:
         ib = self.input_batch
@@ -335,45 +403,46 @@ class ModelRunner:
                 ib.append_blocks(row, blocks)
             ib.num_computed_tokens[row] = ncomp
 
-    def _pool(self, req_ids, rows, done, hidden, logits_indices) -> dict[str, list[float]]:
+    def _pool(self, h: StepHandle) -> dict[str, list[float]]:
         """Last-token pooling for embedding requests whose prompt is complete."""
-        ib = self.input_batch
-        want = [i for i, row in enumerate(rows) if ib.pooling[row] is not None and done[i]]
-        if not want:
+        if not h.pool_indices:
             return {}
         # Rare path: one host copy of the step's hidden states, no extra compilation.
-        vecs = np.asarray(hidden, np.float32)[logits_indices[want]]
+        vecs = np.asarray(h.hidden, np.float32)[h.logits_indices[h.pool_indices]]
         out = {}
-        for j, i in enumerate(want):
-            v = vecs[j]
-            if ib.pooling[rows[i]].normalize:
+        for v, i, normalize in zip(vecs, h.pool_indices, h.pool_normalize, strict=True):
+            if normalize:
                 v = v / max(float(np.linalg.norm(v)), 1e-12)
-            out[req_ids[i]] = v.tolist()
+            out[h.req_ids[i]] = v.tolist()
         return out
 
-    def _maybe_prompt_logprobs(self, req_ids, rows, nsched, computed, cu, hidden, input_ids,
-                               t_pad) -> dict[str, LogprobsLists]:
+    def _dispatch_prompt_logprobs(self, req_ids, rows, nsched, computed, cu, hidden, input_ids,
+                                  t_pad) -> tuple | None:
         ib = self.input_batch
-        want = [i for i, row in enumerate(rows)
-                if ib.params[row] is not None and ib.params[row].prompt_logprobs is not None
-                and computed[i] < ib.num_prompt_tokens[row] - 1]
-        if not want:
-            return {}
+        spans = {}
         targets = np.zeros(t_pad, np.int32)
-        for i in want:
-            row, start = rows[i], computed[i]
+        for i, row in enumerate(rows):
+            params = ib.params[row]
+            if params is None or params.prompt_logprobs is None:
+                continue
+            start = computed[i]
             stop = min(start + nsched[i], ib.num_prompt_tokens[row] - 1)
+            if start >= stop:
+                continue
             targets[cu[i]:cu[i] + stop - start] = ib.token_ids[row, start + 1:stop + 1]
-        ids, lps, ranks = (np.asarray(a) for a in
-                           self._prompt_logprobs(self.state, hidden, targets))
-        out = {}
-        for i in want:
-            row, start = rows[i], computed[i]
-            stop = min(start + nsched[i], ib.num_prompt_tokens[row] - 1)
-            sl = slice(cu[i], cu[i] + stop - start)
-            out[req_ids[i]] = LogprobsLists(ids[sl].tolist(), lps[sl].tolist(),
-                                            ranks[sl].tolist())
-        return out
+            spans[req_ids[i]] = slice(cu[i], cu[i] + stop - start)
+        if not spans:
+            return None
+        return self._prompt_logprobs(self.state, hidden, targets), spans
+
+    @staticmethod
+    def _collect_prompt_logprobs(pending: tuple | None) -> dict[str, LogprobsLists]:
+        if pending is None:
+            return {}
+        arrays, spans = pending
+        ids, lps, ranks = (np.asarray(a) for a in arrays)
+        return {req_id: LogprobsLists(ids[sl].tolist(), lps[sl].tolist(), ranks[sl].tolist())
+                for req_id, sl in spans.items()}
 
     # ------------------------------------------------------------------ misc
 
