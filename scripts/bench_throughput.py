@@ -53,7 +53,7 @@ def main(argv: list[str] | None = None) -> dict:
     ap.add_argument("--token-buckets", default="256,1024,8192")
     ap.add_argument("--request-buckets", default="64,256")
     ap.add_argument("--attention-backend", default="auto")
-    ap.add_argument("--hf-peer-batch-sizes", default="16,64",
+    ap.add_argument("--hf-peer-batch-sizes", default="64,256",
                     help="transformers static-cache peer batch sizes ('' to skip)")
     args = ap.parse_args(argv)
 

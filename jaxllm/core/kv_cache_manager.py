@@ -79,22 +79,25 @@ class KVCacheManager:
         Returns the newly allocated blocks (hits excluded), or None, changing
         nothing, when the free blocks do not suffice.
         """
+        req_id = request.request_id
+        req_blocks = self.req_to_blocks.get(req_id, [])
+        if req_blocks and not new_computed_blocks and num_new_tokens >= 0:
+            # The common decode step: room in the last block, nothing new to cache.
+            num_total = request.num_computed_tokens + num_new_tokens
+            if num_total <= len(req_blocks) * self.block_size and (
+                    not self.enable_caching or min(num_total // self.block_size,
+                                                   len(request.block_hashes))
+                    <= self._num_cached_blocks.get(req_id, 0)):
+                return []
         if num_new_tokens < 0:
             raise ValueError(f"num_new_tokens must be non-negative, got {num_new_tokens}")
         new_computed_blocks = new_computed_blocks or []
-        req_id = request.request_id
-        req_blocks = self.req_to_blocks.get(req_id, [])
         if new_computed_blocks and req_blocks:
             raise ValueError(f"{req_id!r} already holds blocks; hits only come before any")
         num_computed = request.num_computed_tokens + len(new_computed_blocks) * self.block_size
         num_total = num_computed + num_new_tokens
         num_required = -(-num_total // self.block_size)
         num_new_blocks = max(0, num_required - len(req_blocks) - len(new_computed_blocks))
-        if num_new_blocks == 0 and not new_computed_blocks and req_blocks and (
-                not self.enable_caching or min(num_total // self.block_size,
-                                               len(request.block_hashes))
-                <= self._num_cached_blocks.get(req_id, 0)):
-            return []  # the common decode step: room in the last block, nothing to cache
         # Hits that sit cached-free in the free queue stop being free once taken.
         num_evictable_hits = sum(1 for b in new_computed_blocks if b.ref_cnt == 0)
         if num_new_blocks > self.block_pool.get_num_free_blocks() - num_evictable_hits:

@@ -101,6 +101,7 @@ class Request:
     def attach_block_hasher(self, block_hasher: BlockHasher) -> None:
         """Starts hashing full blocks (the scheduler does this when prefix caching is on)."""
         self._block_hasher = block_hasher
+        self._hash_block_size = getattr(block_hasher, "block_size", 1)
         self.block_hashes.extend(block_hasher(self))
 
     @property
@@ -121,10 +122,14 @@ class Request:
 
     def append_output_token_ids(self, token_ids: int | list[int]) -> None:
         if isinstance(token_ids, int):
-            token_ids = [token_ids]
-        self.output_token_ids.extend(token_ids)
-        self.all_token_ids.extend(token_ids)
-        if self._block_hasher is not None:
+            self.output_token_ids.append(token_ids)
+            self.all_token_ids.append(token_ids)
+        else:
+            self.output_token_ids.extend(token_ids)
+            self.all_token_ids.extend(token_ids)
+        # Hash only when a block has filled up (most appends fill none).
+        if (self._block_hasher is not None and len(self.all_token_ids)
+                >= (len(self.block_hashes) + 1) * self._hash_block_size):
             self.block_hashes.extend(self._block_hasher(self))
 
     def is_finished(self) -> bool:

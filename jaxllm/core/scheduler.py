@@ -56,14 +56,13 @@ class Scheduler:
         self._last_num_prompt_tokens = 0
         self._last_num_generation_tokens = 0
 
-    @property
-    def max_request_tokens(self) -> int:
-        """The most tokens one request can ever hold in the cache.
-
-        The engine rejects at entry a prompt longer than this; a running
-        request is length-capped on reaching it, so it can always progress.
-        """
-        return min(self.max_model_len, (self.num_blocks - 1) * self.block_size)
+        # The most tokens one request can ever hold in the cache. The engine
+        # rejects at entry a prompt longer than this; a running request is
+        # length-capped on reaching it, so it can always progress.
+        self.max_request_tokens = min(self.max_model_len, (self.num_blocks - 1) * self.block_size)
+        # Whether `running` may be out of priority order (set when a request
+        # that sorts before the last one joins it).
+        self._running_unsorted = False
 
     # ---------------------------------------------------------------- requests
 
@@ -161,48 +160,76 @@ class Scheduler:
     def schedule(self) -> SchedulerOutput:
         token_budget = self.max_num_batched_tokens
         num_scheduled: dict[str, int] = {}
-        new_blocks_of: dict[str, list[int]] = {}
-        scheduled_running: list[Request] = []
-        scheduled_new: list[Request] = []
+        cached = CachedRequestData()
+        scheduled_new: list[NewRequestData] = []
+        sampling: set[str] = set()
         preempted: list[Request] = []
+        num_prompt_tokens = 0
+        kv = self.kv_cache_manager
+        max_len, max_req = self.max_model_len, self.max_request_tokens
+        threshold = self.long_prefill_token_threshold
 
         # Running requests in priority order, so the preemption victim, always
         # the last of the list, is the lowest-priority, latest-arrived one and
         # has not been scheduled in this step yet (its blocks hold only
         # computed KV when they return to the cache). The sort is stable.
-        self.running.sort(key=self._priority_key)
+        running = self.running
+        if self._running_unsorted:
+            running.sort(key=self._priority_key)
+            self._running_unsorted = False
         i = 0
-        while i < len(self.running) and token_budget > 0:
-            request = self.running[i]
-            num_new = self._fit_tokens(self._wanted_tokens(request, request.num_computed_tokens),
-                                       request.num_computed_tokens, token_budget)
-            if num_new == 0:
+        while i < len(running) and token_budget > 0:
+            request = running[i]
+            computed = request.num_computed_tokens
+            num_tokens = len(request.all_token_ids)
+            pending = request.num_output_placeholders
+            # A token still in flight (async scheduling) counts as known: its
+            # id reaches the next step on the device. A request whose token in
+            # flight is its last allowed one is not scheduled again.
+            if pending and (len(request.output_token_ids) + pending >= request.max_tokens
+                            or num_tokens + pending >= max_req):
+                i += 1
+                continue
+            num_new = num_tokens + pending - computed
+            if 0 < threshold < num_new:
+                num_new = threshold
+            # Never place a token at a position >= max_model_len.
+            num_new = min(num_new, token_budget, max_len - computed)
+            if num_new <= 0:
                 i += 1
                 continue
             while True:
-                new_blocks = self.kv_cache_manager.allocate_slots(request, num_new)
+                new_blocks = kv.allocate_slots(request, num_new)
                 if new_blocks is not None:
                     break
-                victim = self.running.pop()
+                victim = running.pop()
                 self._preempt(victim)
                 preempted.append(victim)
                 if victim is request:
                     break
             if new_blocks is None:
                 break  # the current request itself was preempted; nothing below fits
-            scheduled_running.append(request)
-            num_scheduled[request.request_id] = num_new
-            new_blocks_of[request.request_id] = [b.block_id for b in new_blocks]
+            req_id = request.request_id
+            cached.req_ids.append(req_id)
+            cached.new_block_ids.append([b.block_id for b in new_blocks] if new_blocks else [])
+            cached.num_computed_tokens.append(computed)
+            num_scheduled[req_id] = num_new
             token_budget -= num_new
+            request.num_computed_tokens = after = computed + num_new
+            if computed < request.num_prompt_tokens:
+                num_prompt_tokens += min(after, request.num_prompt_tokens) - computed
+            if after >= num_tokens + pending:
+                sampling.add(req_id)
+                request.num_output_placeholders = pending + 1
             i += 1
 
         # Admit waiting requests, unless this step had to preempt: the cache is
         # full, and a preempted request must not come straight back.
         while not preempted and self.waiting and token_budget > 0:
-            if len(self.running) >= self.max_num_seqs:
+            if len(running) >= self.max_num_seqs:
                 break
             request = self.waiting.peek()
-            hit_blocks, num_computed = self.kv_cache_manager.get_computed_blocks(request)
+            hit_blocks, num_computed = kv.get_computed_blocks(request)
             num_new = self._wanted_tokens(request, num_computed)
             # Without chunked prefill a prompt waits for a step with room for
             # all of it, unless no step ever has room: then chunking is the
@@ -213,31 +240,36 @@ class Scheduler:
             num_new = self._fit_tokens(num_new, num_computed, token_budget)
             if num_new == 0:
                 break
-            new_blocks = self.kv_cache_manager.allocate_slots(request, num_new, hit_blocks)
+            new_blocks = kv.allocate_slots(request, num_new, hit_blocks)
             if new_blocks is None:
                 break
             self.waiting.pop()
-            self.running.append(request)
-            scheduled_new.append(request)
+            if running and self._priority_key(request) < self._priority_key(running[-1]):
+                self._running_unsorted = True
+            running.append(request)
             request.status = RequestStatus.RUNNING
             request.num_computed_tokens = num_computed
             if request.num_cached_tokens < 0:
                 request.num_cached_tokens = num_computed
-            num_scheduled[request.request_id] = num_new
+            scheduled_new.append(self._new_request_data(request))
+            req_id = request.request_id
+            num_scheduled[req_id] = num_new
             token_budget -= num_new
+            request.num_computed_tokens = after = num_computed + num_new
+            num_prompt_tokens += max(0, min(after, request.num_prompt_tokens) - num_computed)
+            if after >= request.num_tokens + request.num_output_placeholders:
+                sampling.add(req_id)
+                request.num_output_placeholders += 1
 
         output = SchedulerOutput(
-            scheduled_new_reqs=[self._new_request_data(r) for r in scheduled_new],
-            scheduled_cached_reqs=CachedRequestData(
-                req_ids=[r.request_id for r in scheduled_running],
-                new_block_ids=[new_blocks_of[r.request_id] for r in scheduled_running],
-                num_computed_tokens=[r.num_computed_tokens for r in scheduled_running]),
+            scheduled_new_reqs=scheduled_new, scheduled_cached_reqs=cached,
             num_scheduled_tokens=num_scheduled,
             total_num_scheduled_tokens=self.max_num_batched_tokens - token_budget,
             finished_req_ids=self.finished_req_ids,
-            preempted_req_ids={r.request_id for r in preempted})
+            preempted_req_ids={r.request_id for r in preempted},
+            sampling_req_ids=sampling)
         self.finished_req_ids = set()
-        self._update_after_schedule(output)
+        self._last_num_prompt_tokens = num_prompt_tokens
         return output
 
     def _new_request_data(self, request: Request) -> NewRequestData:
@@ -248,19 +280,6 @@ class Scheduler:
             block_ids=self.kv_cache_manager.get_block_ids(request.request_id),
             num_computed_tokens=request.num_computed_tokens)
 
-    def _update_after_schedule(self, output: SchedulerOutput) -> None:
-        num_prompt_tokens = 0
-        sampling = output.sampling_req_ids
-        for req_id, num_new in output.num_scheduled_tokens.items():
-            request = self.requests[req_id]
-            before = request.num_computed_tokens
-            num_prompt_tokens += max(0, min(before + num_new, request.num_prompt_tokens) - before)
-            request.num_computed_tokens = after = before + num_new
-            if after >= request.num_tokens + request.num_output_placeholders:
-                sampling.add(req_id)
-                request.num_output_placeholders += 1
-        self._last_num_prompt_tokens = num_prompt_tokens
-
     # ------------------------------------------------------------------ update
 
     def update_from_output(self, scheduler_output: SchedulerOutput,
@@ -269,14 +288,16 @@ class Scheduler:
         finished: list[Request] = []
         num_generated = 0
         runner = model_runner_output
+        requests, sampling = self.requests, scheduler_output.sampling_req_ids
+        to_index, sampled_ids = runner.req_id_to_index, runner.sampled_token_ids
         for req_id in scheduler_output.num_scheduled_tokens:
-            request = self.requests.get(req_id)
-            if request is None or request.is_finished():
-                continue  # aborted while the step ran
-            if req_id in scheduler_output.sampling_req_ids:
+            request = requests.get(req_id)
+            if request is None or request.status > RequestStatus.PREEMPTED:
+                continue  # finished or aborted while the step ran
+            if req_id in sampling:
                 request.num_output_placeholders -= 1
-            index = runner.req_id_to_index.get(req_id)
-            sampled = runner.sampled_token_ids[index] if index is not None else []
+            index = to_index.get(req_id)
+            sampled = sampled_ids[index] if index is not None else ()
 
             new_token_ids: list[int] = []
             for token_id in sampled:
@@ -287,7 +308,8 @@ class Scheduler:
             num_generated += len(new_token_ids)
 
             pooling_output = None
-            if request.is_pooling and request.num_computed_tokens >= request.num_prompt_tokens:
+            if (request.pooling_params is not None
+                    and request.num_computed_tokens >= request.num_prompt_tokens):
                 pooling_output = runner.pooler_output.get(req_id)
                 # A finished prompt without pooled output would never be
                 # scheduled again; fail it rather than hang the engine.
@@ -299,17 +321,19 @@ class Scheduler:
                     and request.sampling_params is not None
                     and request.sampling_params.logprobs is not None):
                 new_logprobs = runner.logprobs.slice(index, index + 1)
-            prompt_logprobs = runner.prompt_logprobs.get(req_id)
+            prompt_logprobs = (runner.prompt_logprobs.get(req_id) if runner.prompt_logprobs
+                               else None)
+            is_finished = request.status > RequestStatus.PREEMPTED
 
             if (new_token_ids or pooling_output is not None or prompt_logprobs is not None
-                    or request.is_finished()):
+                    or is_finished):
                 outputs.append(EngineCoreOutput(
                     request_id=req_id, new_token_ids=new_token_ids, new_logprobs=new_logprobs,
                     new_prompt_logprobs=prompt_logprobs, pooling_output=pooling_output,
-                    finish_reason=request.get_finished_reason(),
+                    finish_reason=request.status.finish_reason() if is_finished else None,
                     stop_reason=request.stop_reason,
                     num_cached_tokens=max(0, request.num_cached_tokens)))
-            if request.is_finished():
+            if is_finished:
                 finished.append(request)
 
         if finished:
@@ -326,8 +350,9 @@ class Scheduler:
         params = request.sampling_params
         if params is None:
             return False
-        last = request.output_token_ids[-1]
-        if request.num_output_tokens >= params.min_tokens:
+        outputs = request.output_token_ids
+        last = outputs[-1]
+        if len(outputs) >= params.min_tokens:
             if not params.ignore_eos and last == request.eos_token_id:
                 request.status = RequestStatus.FINISHED_STOPPED
                 return True
@@ -335,8 +360,8 @@ class Scheduler:
                 request.status = RequestStatus.FINISHED_STOPPED
                 request.stop_reason = last
                 return True
-        if (request.num_output_tokens >= request.max_tokens
-                or request.num_tokens >= self.max_request_tokens):
+        if (len(outputs) >= request.max_tokens
+                or len(request.all_token_ids) >= self.max_request_tokens):
             request.status = RequestStatus.FINISHED_LENGTH_CAPPED
             return True
         return False

@@ -42,7 +42,14 @@ class ParentRequest:
 
     @property
     def finished(self) -> bool:
+        if self.n == 1:
+            child = self.children.get(0)
+            return child is not None and child.finish_reason is not None
         return len(self.children) == self.n and all(c.finished for c in self.children.values())
+
+    @property
+    def first(self) -> RequestState:
+        return self.children[0] if 0 in self.children else self.children[min(self.children)]
 
 
 @dataclass
@@ -204,18 +211,20 @@ class OutputProcessor:
         text = ""
         if state.detokenizer is not None:
             text = state.detokenizer.get_next_output_text(state.finished, delta)
-        ids, logprobs = state.token_ids, state.logprobs
+        # Slices are copies: the state's lists keep growing after this output.
+        logprobs = state.logprobs
         if delta:
-            ids = ids[state.sent_tokens:]
-            state.sent_tokens = len(state.token_ids)
+            ids = state.token_ids[state.sent_tokens:]
+            state.sent_tokens += len(ids)
             if logprobs is not None:
                 logprobs = logprobs[state.sent_logprobs:]
-                state.sent_logprobs = len(state.logprobs)
-        return CompletionOutput(index=state.index, text=text, token_ids=list(ids),
-                                cumulative_logprob=state.cumulative_logprob,
-                                logprobs=list(logprobs) if logprobs is not None else None,
-                                finish_reason=state.finish_reason,
-                                stop_reason=state.stop_reason)
+                state.sent_logprobs += len(logprobs)
+        else:
+            ids = state.token_ids[:]
+            if logprobs is not None:
+                logprobs = logprobs[:]
+        return CompletionOutput(state.index, text, ids, state.cumulative_logprob, logprobs,
+                                state.finish_reason, state.stop_reason)
 
     def _make_output(self, state: RequestState) -> RequestOutput | None:
         parent = state.parent
@@ -230,7 +239,7 @@ class OutputProcessor:
         else:
             children = [parent.children[i] for i in sorted(parent.children)]
             completions = [self._completion(c, delta=False) for c in children]
-        first = parent.children[min(parent.children)]
+        first = state if parent.n == 1 else parent.first
         metrics = {"arrival_time": first.arrival_time}
         if state.first_token_time is not None:
             metrics["first_token_time"] = state.first_token_time

@@ -32,6 +32,13 @@ class InputBatch:
         # and the row of the latest one in its step's device output.
         self.num_pending = np.zeros(max_num_reqs, np.int32)
         self.inflight_index = np.full(max_num_reqs, -1, np.int32)
+        # Per-row flags, so that per-step code never walks the params objects.
+        self.samples = np.zeros(max_num_reqs, bool)  # generates tokens
+        self.pools = np.zeros(max_num_reqs, bool)  # an embedding request
+        self.wants_prompt_logprobs = np.zeros(max_num_reqs, bool)
+        # Bumped whenever a request changes rows, so that row indices taken at
+        # dispatch can be reused at collect when nothing moved in between.
+        self.layout_version = 0
         self.sampling = SamplingRows(max_num_reqs, vocab_size)
         self.params: list[SamplingParams | None] = [None] * max_num_reqs
         self.pooling: list[PoolingParams | None] = [None] * max_num_reqs
@@ -58,6 +65,10 @@ class InputBatch:
         self.append_blocks(row, new.block_ids)
         self.params[row] = new.sampling_params
         self.pooling[row] = new.pooling_params
+        self.samples[row] = new.sampling_params is not None
+        self.pools[row] = new.pooling_params is not None
+        self.wants_prompt_logprobs[row] = (new.sampling_params is not None and
+                                           new.sampling_params.prompt_logprobs is not None)
         if new.sampling_params is not None:
             self.sampling.add(row, new.sampling_params, new.prompt_token_ids,
                               new.output_token_ids)
@@ -72,6 +83,7 @@ class InputBatch:
         if row is None:
             return
         last = self.num_reqs - 1
+        self.layout_version += 1
         if self.params[row] is not None:
             self.sampling.remove(row)
         if row != last:
@@ -81,7 +93,8 @@ class InputBatch:
             n = self.num_tokens[last]
             self.token_ids[row, :n] = self.token_ids[last, :n]
             for arr in (self.num_tokens, self.num_prompt_tokens, self.num_computed_tokens,
-                        self.num_blocks, self.num_pending, self.inflight_index):
+                        self.num_blocks, self.num_pending, self.inflight_index, self.samples,
+                        self.pools, self.wants_prompt_logprobs):
                 arr[row] = arr[last]
             self.block_table[row] = self.block_table[last]
             self.params[row] = self.params[last]
@@ -91,6 +104,7 @@ class InputBatch:
         self.req_ids.pop()
         self.params[last] = None
         self.pooling[last] = None
+        self.samples[last] = self.pools[last] = self.wants_prompt_logprobs[last] = False
 
     def append_sampled(self, rows: np.ndarray, token_ids: np.ndarray) -> None:
         """Records one sampled token for each of `rows` (vectorized)."""

@@ -131,6 +131,8 @@ class StepHandle:
     """A dispatched step whose results are still (possibly) on the device."""
 
     req_ids: list[str]
+    rows: np.ndarray  # InputBatch rows at dispatch
+    layout_version: int  # InputBatch.layout_version at dispatch
     gen: np.ndarray  # [n] bool: a token is sampled for the request
     sampled: SamplerOutput  # token ids padded to max_num_seqs rows
     hidden: jax.Array
@@ -299,11 +301,10 @@ class ModelRunner:
         if so.total_num_scheduled_tokens == 0:
             return None
         ib = self.input_batch
-        req_ids = sorted(so.num_scheduled_tokens, key=ib.req_id_to_row.__getitem__)
-        rows = np.fromiter((ib.req_id_to_row[r] for r in req_ids), np.int32, len(req_ids))
-        nsched = np.fromiter((so.num_scheduled_tokens[r] for r in req_ids), np.int32,
-                             len(req_ids))
+        req_ids = list(so.num_scheduled_tokens)
         n = len(req_ids)
+        rows = np.fromiter(map(ib.req_id_to_row.__getitem__, req_ids), np.int32, n)
+        nsched = np.fromiter(so.num_scheduled_tokens.values(), np.int32, n)
         t_real = int(nsched.sum())
         t_pad = self.buckets.pad_tokens(t_real)
         r_pad = self.buckets.pad_requests(n)
@@ -347,10 +348,12 @@ class ModelRunner:
         smd = ib.sampling.make_metadata(rows, r_pad, self.seed, self._step_count,
                                         out_index=np.maximum(end - ib.num_prompt_tokens[rows], 0))
         out = run_sampler(self._logits(self.state, hidden, logits_indices), smd, s)
-        prompt_lp = self._dispatch_prompt_logprobs(req_ids, rows, nsched, computed, cu, hidden,
-                                                   input_ids, t_pad)
+        prompt_lp = None
+        if ib.wants_prompt_logprobs[rows].any():
+            prompt_lp = self._dispatch_prompt_logprobs(req_ids, rows, nsched, computed, cu,
+                                                       hidden, t_pad)
         ib.num_computed_tokens[rows] = end
-        gen = done & np.fromiter((ib.params[r] is not None for r in rows), bool, n)
+        gen = done & ib.samples[rows]
         ib.inflight_index[rows[gen]] = np.flatnonzero(gen)
         ib.num_pending[rows[gen]] += 1
         self._last_sampled = out.token_ids
@@ -360,9 +363,9 @@ class ModelRunner:
             q = nsched.astype(np.int64)
             self.step_log.append(StepRecord(t_real, t_pad, n, int(kv.sum()),
                                             int((q * kv - q * (q - 1) // 2).sum())))
-        pool = [i for i in range(n) if ib.pooling[rows[i]] is not None and done[i]]
-        return StepHandle(req_ids, gen, out, hidden, logits_indices, pool,
-                          [ib.pooling[rows[i]].normalize for i in pool], prompt_lp)
+        pool = np.flatnonzero(ib.pools[rows] & done).tolist()
+        return StepHandle(req_ids, rows, ib.layout_version, gen, out, hidden, logits_indices,
+                          pool, [ib.pooling[rows[i]].normalize for i in pool], prompt_lp)
 
     def collect(self, h: StepHandle | None) -> ModelRunnerOutput:
         """Waits for a dispatched step and records its sampled tokens on the host."""
@@ -372,18 +375,21 @@ class ModelRunner:
         sampled = np.asarray(out.token_ids)[:n]
         # Rows as they are now: a request may have moved, or left (finished,
         # preempted) while the step ran.
-        rows = np.fromiter((ib.req_id_to_row.get(r, -1) for r in h.req_ids), np.int32, n)
+        rows = h.rows
+        if ib.layout_version != h.layout_version:
+            rows = np.fromiter((ib.req_id_to_row.get(r, -1) for r in h.req_ids), np.int32, n)
         live = h.gen & (rows >= 0)
         ib.append_sampled(rows[live], sampled[live])
         ib.num_pending[rows[live]] -= 1
-        sampled_lists = [[int(t)] if g else [] for t, g in zip(sampled, h.gen, strict=True)]
+        sampled_lists = [[t] if g else [] for t, g in zip(sampled.tolist(), h.gen.tolist(),
+                                                          strict=True)]
         logprobs = None
         if out.logprobs is not None:
             logprobs = LogprobsLists(np.asarray(out.logprob_token_ids)[:n].tolist(),
                                      np.asarray(out.logprobs)[:n].tolist(),
                                      np.asarray(out.ranks)[:n].tolist())
         return ModelRunnerOutput(req_ids=h.req_ids,
-                                 req_id_to_index={r: i for i, r in enumerate(h.req_ids)},
+                                 req_id_to_index=dict(zip(h.req_ids, range(n))),
                                  sampled_token_ids=sampled_lists, logprobs=logprobs,
                                  prompt_logprobs=self._collect_prompt_logprobs(h.prompt_lp),
                                  pooler_output=self._pool(h))
@@ -396,12 +402,14 @@ class ModelRunner:
             ib.remove(new.req_id)  # a resumed request is rebuilt from scratch
             ib.add(new)
         cached = so.scheduled_cached_reqs
-        for req_id, blocks, ncomp in zip(cached.req_ids, cached.new_block_ids,
-                                         cached.num_computed_tokens, strict=True):
-            row = ib.req_id_to_row[req_id]
+        if not cached.req_ids:
+            return
+        rows = np.fromiter(map(ib.req_id_to_row.__getitem__, cached.req_ids), np.int32,
+                           len(cached.req_ids))
+        ib.num_computed_tokens[rows] = cached.num_computed_tokens
+        for row, blocks in zip(rows.tolist(), cached.new_block_ids, strict=True):
             if blocks:
                 ib.append_blocks(row, blocks)
-            ib.num_computed_tokens[row] = ncomp
 
     def _pool(self, h: StepHandle) -> dict[str, list[float]]:
         """Last-token pooling for embedding requests whose prompt is complete."""
@@ -416,16 +424,13 @@ class ModelRunner:
             out[h.req_ids[i]] = v.tolist()
         return out
 
-    def _dispatch_prompt_logprobs(self, req_ids, rows, nsched, computed, cu, hidden, input_ids,
+    def _dispatch_prompt_logprobs(self, req_ids, rows, nsched, computed, cu, hidden,
                                   t_pad) -> tuple | None:
         ib = self.input_batch
         spans = {}
         targets = np.zeros(t_pad, np.int32)
-        for i, row in enumerate(rows):
-            params = ib.params[row]
-            if params is None or params.prompt_logprobs is None:
-                continue
-            start = computed[i]
+        for i in np.flatnonzero(ib.wants_prompt_logprobs[rows]):
+            row, start = rows[i], computed[i]
             stop = min(start + nsched[i], ib.num_prompt_tokens[row] - 1)
             if start >= stop:
                 continue
