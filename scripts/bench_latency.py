@@ -29,6 +29,7 @@ def main(argv: list[str] | None = None) -> dict:
     ap.add_argument("--batch-size", type=int, default=1)
     ap.add_argument("--num-iters", type=int, default=3)
     ap.add_argument("--attention-backend", default="auto")
+    ap.add_argument("--async-scheduling", action=argparse.BooleanOptionalAction, default=True)
     args = ap.parse_args(argv)
 
     from jaxllm import LLM, SamplingParams
@@ -41,7 +42,8 @@ def main(argv: list[str] | None = None) -> dict:
               skip_tokenizer_init=True, max_model_len=max_len, max_num_seqs=b,
               max_num_batched_tokens=n_in * b, token_buckets=[8, n_in * b],
               request_buckets=[b], enable_prefix_caching=False,
-              attention_backend=args.attention_backend)
+              attention_backend=args.attention_backend,
+              async_scheduling=args.async_scheduling)
     startup = time.perf_counter() - t0
     runner = llm.llm_engine.engine_core.engine_core.model_runner
     hf = llm.llm_engine.model_config.hf_config
@@ -67,11 +69,12 @@ def main(argv: list[str] | None = None) -> dict:
     result = {
         "workload": "decode-1", "batch_size": b, "input_len": n_in, "output_len": n_out,
         "attention_backend": runner.attn_backend.name, "params": params,
+        "async_scheduling": args.async_scheduling,
         "hbm_bandwidth_GBps": bw / 1e9, "ms_per_token": ms_per_token,
         "roofline_ms_per_token": floor_ms, "fraction_of_roofline": floor_ms / ms_per_token,
         "prefill_ms": prefill * 1e3, "startup_s": startup,
     }
-    write_json("bench_latency", result)
+    write_json("bench_latency" + ("" if args.async_scheduling else "_sync"), result)
     print_table([
         ("device HBM (measured)", f"{bw / 1e12:.2f} TB/s"),
         ("attention backend", runner.attn_backend.name),

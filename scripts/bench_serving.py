@@ -193,7 +193,9 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
-def start_server(args: argparse.Namespace) -> tuple[subprocess.Popen, str, str]:
+def start_server(args: argparse.Namespace) -> tuple[subprocess.Popen, str, str, float]:
+    """Starts `jaxllm serve`; returns it, its URL, its log and seconds until /health said 200."""
+    t0 = time.monotonic()
     port = _free_port()
     cmd = [sys.executable, "-m", "jaxllm.entrypoints.cli", "serve"]
     if args.model:
@@ -219,10 +221,10 @@ def start_server(args: argparse.Namespace) -> tuple[subprocess.Popen, str, str]:
                 sys.exit(f"server exited with {proc.returncode}:\n{f.read()[-4000:]}")
         try:
             if httpx.get(url + "/health", timeout=2).status_code == 200:
-                return proc, url, log.name
+                return proc, url, log.name, time.monotonic() - t0
         except httpx.HTTPError:
             pass
-        time.sleep(1.0)
+        time.sleep(0.25)
     proc.kill()
     sys.exit(f"server not healthy after {args.server_timeout}s (log: {log.name})")
 
@@ -302,6 +304,8 @@ def main(argv: list[str] | None = None) -> dict:
     ap.add_argument("--request-timeout", type=float, default=3600.0)
     ap.add_argument("--warmup-requests", type=int, default=4)
     ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--measure-warm-start", action="store_true",
+                    help="afterwards, start the server again and time it to healthy")
     ap.add_argument("--result-json", default=None,
                     help="output path (default: $OUT/bench_serving.json or ./bench_serving.json)")
     args = ap.parse_args(argv)
@@ -310,8 +314,10 @@ def main(argv: list[str] | None = None) -> dict:
     vocab = args.vocab_size or vocab_size_of(args.model) or 1000
     proc = None
     url = args.base_url.rstrip("/") if args.base_url else None
+    startup = warm_startup = None
     if url is None:
-        proc, url, _ = start_server(args)
+        proc, url, _, startup = start_server(args)
+        print(f"server healthy after {startup:.1f}s", flush=True)
     try:
         warm = make_prompts(args.warmup_requests, args.input_len, vocab, args.seed + 99)
         if warm:
@@ -330,12 +336,18 @@ def main(argv: list[str] | None = None) -> dict:
     finally:
         if proc is not None:
             stop_server(proc)
+    if proc is not None and args.measure_warm_start:
+        # Same flags again: the compilation cache written by the first start is warm now.
+        proc, _, _, warm_startup = start_server(args)
+        stop_server(proc)
+        print(f"warm restart: server healthy after {warm_startup:.1f}s", flush=True)
 
     out = {"benchmark": "serving", "date": str(date.today()), "base_url": url,
            "model": args.model, "load_format": args.load_format, "input_len": args.input_len,
            "output_len": args.output_len, "num_prompts": args.num_prompts,
            "burstiness": args.burstiness, "max_concurrency": args.max_concurrency,
-           "server_args": args.server_args, "results": results}
+           "server_args": args.server_args, "server_startup_s": startup,
+           "server_warm_startup_s": warm_startup, "results": results}
     path = args.result_json or os.path.join(os.environ.get("OUT", "."), "bench_serving.json")
     with open(path, "w") as f:
         json.dump(_json_safe(out), f, indent=1)

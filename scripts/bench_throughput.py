@@ -53,6 +53,7 @@ def main(argv: list[str] | None = None) -> dict:
     ap.add_argument("--token-buckets", default="256,1024,8192")
     ap.add_argument("--request-buckets", default="64,256")
     ap.add_argument("--attention-backend", default="auto")
+    ap.add_argument("--async-scheduling", action=argparse.BooleanOptionalAction, default=True)
     ap.add_argument("--hf-peer-batch-sizes", default="64,256",
                     help="transformers static-cache peer batch sizes ('' to skip)")
     args = ap.parse_args(argv)
@@ -70,7 +71,8 @@ def main(argv: list[str] | None = None) -> dict:
               max_num_batched_tokens=args.max_num_batched_tokens,
               token_buckets=[int(x) for x in args.token_buckets.split(",")],
               request_buckets=[int(x) for x in args.request_buckets.split(",")],
-              enable_prefix_caching=False, attention_backend=args.attention_backend)
+              enable_prefix_caching=False, attention_backend=args.attention_backend,
+              async_scheduling=args.async_scheduling)
     startup = time.perf_counter() - t0
     runner = llm.llm_engine.engine_core.engine_core.model_runner
     hf = llm.llm_engine.model_config.hf_config
@@ -97,6 +99,7 @@ def main(argv: list[str] | None = None) -> dict:
     result = {
         "workload": "throughput", "num_prompts": args.num_prompts, "input_len": args.input_len,
         "output_len": args.output_len, "attention_backend": runner.attn_backend.name,
+        "async_scheduling": args.async_scheduling,
         "hbm_bandwidth_GBps": bw / 1e9, "matmul_TFLOPs": peak / 1e12,
         "elapsed_s": elapsed, "output_tokens_per_s": out_tps,
         "total_tokens_per_s": (n_out + n_in) / elapsed, "num_steps": len(steps),
@@ -105,7 +108,7 @@ def main(argv: list[str] | None = None) -> dict:
         "peers": peers,
         "speedup_vs_best_peer": out_tps / best_peer if best_peer else None,
     }
-    write_json("bench_throughput", result)
+    write_json("bench_throughput" + ("" if args.async_scheduling else "_sync"), result)
     rows = [
         ("device HBM / bf16 matmul", f"{bw / 1e12:.2f} TB/s / {peak / 1e12:.0f} TFLOP/s"),
         ("attention backend", runner.attn_backend.name),

@@ -59,7 +59,8 @@ def enable_compilation_cache(path: str | None) -> str:
         os.environ.get("XDG_CACHE_HOME", os.path.expanduser("~/.cache")), "jaxllm", "xla")
     os.makedirs(path, exist_ok=True)
     jax.config.update("jax_compilation_cache_dir", path)
-    jax.config.update("jax_persistent_cache_min_compile_time_secs", 0.5)
+    # Every executable, however quick to compile: a warm start then compiles nothing.
+    jax.config.update("jax_persistent_cache_min_compile_time_secs", 0.0)
     return path
 
 
