@@ -69,6 +69,8 @@ def step_floor(rec: Any, params: int, hf_config: Any, bw: float, peak: float,
 
 
 def git_commit() -> str:
+    if os.environ.get("JAXLLM_COMMIT"):  # the device's copy may carry a stale .git
+        return os.environ["JAXLLM_COMMIT"]
     try:
         return subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True,
                               text=True, check=True).stdout.strip()

@@ -181,6 +181,7 @@ class ModelRunner:
         self.input_batch = InputBatch(sc.max_num_seqs, mc.max_model_len,
                                       self.buckets.max_blocks_per_req, self.vocab_size)
         self._step_count = 0
+        self.wait_seconds = 0.0  # host time spent waiting for sampled tokens (benchmarks)
         s = self.buckets.max_num_seqs
         # The last dispatched step's sampled ids (device, [max_num_seqs]).
         self._no_prev = jnp.zeros(s, jnp.int32)
@@ -358,6 +359,11 @@ class ModelRunner:
         ib.inflight_index[rows[gen]] = np.flatnonzero(gen)
         ib.num_pending[rows[gen]] += 1
         self._last_sampled = out.token_ids
+        # Start the copies home now, so that they queue behind this step and
+        # not behind the next one (dispatched before this step is collected).
+        for arr in (out.token_ids, out.logprob_token_ids, out.logprobs, out.ranks):
+            if arr is not None:
+                arr.copy_to_host_async()
         self._step_count += 1
         if self.step_log is not None:
             kv = kv_lens[:n].astype(np.int64)
@@ -373,7 +379,9 @@ class ModelRunner:
         if h is None:
             return ModelRunnerOutput.empty()
         ib, n, out = self.input_batch, len(h.req_ids), h.sampled
+        t0 = time.perf_counter()
         sampled = np.asarray(out.token_ids)[:n]
+        self.wait_seconds += time.perf_counter() - t0
         # Rows as they are now: a request may have moved, or left (finished,
         # preempted) while the step ran.
         rows = h.rows
