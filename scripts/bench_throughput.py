@@ -53,6 +53,7 @@ def main(argv: list[str] | None = None) -> dict:
     ap.add_argument("--token-buckets", default="256,1024,8192")
     ap.add_argument("--request-buckets", default="64,256")
     ap.add_argument("--attention-backend", default="auto")
+    ap.add_argument("--hbm-utilization", type=float, default=0.9)
     ap.add_argument("--async-scheduling", action=argparse.BooleanOptionalAction, default=True)
     ap.add_argument("--hf-peer-batch-sizes", default="64,256",
                     help="transformers static-cache peer batch sizes ('' to skip)")
@@ -72,6 +73,7 @@ def main(argv: list[str] | None = None) -> dict:
               token_buckets=[int(x) for x in args.token_buckets.split(",")],
               request_buckets=[int(x) for x in args.request_buckets.split(",")],
               enable_prefix_caching=False, attention_backend=args.attention_backend,
+              hbm_utilization=args.hbm_utilization,
               async_scheduling=args.async_scheduling)
     startup = time.perf_counter() - t0
     runner = llm.llm_engine.engine_core.engine_core.model_runner
@@ -83,7 +85,7 @@ def main(argv: list[str] | None = None) -> dict:
     llm.generate(prompts[:8], SamplingParams(max_tokens=4, ignore_eos=True), use_tqdm=False)
 
     runner.step_log = []
-    runner.wait_seconds = 0.0
+    runner.wait_seconds = runner.dispatch_seconds = 0.0
     t0 = time.perf_counter()
     outs = llm.generate(prompts, params, use_tqdm=False)
     elapsed = time.perf_counter() - t0
@@ -107,7 +109,7 @@ def main(argv: list[str] | None = None) -> dict:
         "roofline_s": floor, "time_over_roofline": elapsed / floor,
         "padding_waste": 1 - computed / max(padded, 1), "startup_s": startup,
         # Host time not spent waiting for the device: the rest is the device's.
-        "host_busy_s": elapsed - runner.wait_seconds,
+        "host_busy_s": elapsed - runner.wait_seconds, "dispatch_s": runner.dispatch_seconds,
         "peers": peers,
         "speedup_vs_best_peer": out_tps / best_peer if best_peer else None,
     }
@@ -122,6 +124,7 @@ def main(argv: list[str] | None = None) -> dict:
         ("roofline time", f"{floor:.1f} s -> {elapsed / floor:.2f}x of it"),
         ("padding waste", f"{result['padding_waste']:.1%}"),
         ("host busy (not waiting on tokens)", f"{result['host_busy_s']:.1f} s"),
+        ("  of which dispatching steps", f"{runner.dispatch_seconds:.1f} s"),
     ]
     for p in peers:
         rows.append((f"transformers static, batch {p['batch_size']}",

@@ -182,6 +182,7 @@ class ModelRunner:
                                       self.buckets.max_blocks_per_req, self.vocab_size)
         self._step_count = 0
         self.wait_seconds = 0.0  # host time spent waiting for sampled tokens (benchmarks)
+        self.dispatch_seconds = 0.0  # host time spent preparing and launching steps
         s = self.buckets.max_num_seqs
         # The last dispatched step's sampled ids (device, [max_num_seqs]).
         self._no_prev = jnp.zeros(s, jnp.int32)
@@ -294,6 +295,13 @@ class ModelRunner:
         return self.collect(self.dispatch(so))
 
     def dispatch(self, so: SchedulerOutput) -> StepHandle | None:
+        t0 = time.perf_counter()
+        try:
+            return self._dispatch(so)
+        finally:
+            self.dispatch_seconds += time.perf_counter() - t0
+
+    def _dispatch(self, so: SchedulerOutput) -> StepHandle | None:
         """Prepares the step's inputs and launches it; returns without waiting.
 
         A scheduled token the host does not know yet (sampled by the step
