@@ -26,6 +26,8 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 from flax import nnx
+from jax.sharding import NamedSharding
+from jax.sharding import PartitionSpec as P
 from tqdm.auto import tqdm
 
 from jaxllm.config import EngineConfig
@@ -185,7 +187,9 @@ class ModelRunner:
         self.dispatch_seconds = 0.0  # host time spent preparing and launching steps
         s = self.buckets.max_num_seqs
         # The last dispatched step's sampled ids (device, [max_num_seqs]).
-        self._no_prev = jnp.zeros(s, jnp.int32)
+        # Placed like the sampler's output, so that the forward compiled with
+        # it at start-up is the one that later takes in-flight tokens.
+        self._no_prev = jax.device_put(np.zeros(s, np.int32), NamedSharding(self.mesh, P()))
         self._last_sampled = self._no_prev
         # Benchmarks set this to a list to get one StepRecord per executed step.
         self.step_log: list[StepRecord] | None = None

@@ -100,9 +100,17 @@ def test_no_compilation_after_warmup_during_a_mixed_workload(model_dir, prompts)
             SamplingParams(temperature=1.0, n=2, max_tokens=6, seed=5),
         ]
         outs = llm.generate([{"prompt_token_ids": p} for p in prompts], mixed, use_tqdm=False)
+        # Greedy only: nothing reads its output history, so every step after
+        # the first runs ahead and takes in-flight tokens from the device, in
+        # both token buckets (prefill chunks beside decodes, then decodes).
+        runner = llm.llm_engine.engine_core.engine_core.model_runner
+        runner.step_log = []
+        _tokens(llm, prompts + prompts)
+        buckets_used = {s.padded_tokens for s in runner.step_log}
     finally:
         jax.monitoring.clear_event_listeners()
     assert all(o.finished for o in outs)
+    assert buckets_used == {16, 64}
     assert compiles == []
 
 
