@@ -14,14 +14,20 @@ import jax.numpy as jnp
 import numpy as np
 
 
-def median_time(fn, *args, warmup: int = 3, iters: int = 20) -> float:
-    for _ in range(warmup):
+def median_time(fn, *args, iters: int = 20, reps: int = 7) -> float:
+    """Median seconds per call: warm up, then `reps` timed runs of `iters` queued calls.
+
+    Queuing the calls keeps launch and sync latency out of the figure.
+    """
+    for _ in range(3):
         jax.block_until_ready(fn(*args))
     times = []
-    for _ in range(iters):
+    for _ in range(reps):
         t0 = time.perf_counter()
-        jax.block_until_ready(fn(*args))
-        times.append(time.perf_counter() - t0)
+        for _ in range(iters):
+            out = fn(*args)
+        jax.block_until_ready(out)
+        times.append((time.perf_counter() - t0) / iters)
     return float(np.median(times))
 
 
@@ -29,7 +35,7 @@ def measure_hbm_bandwidth(gib: float = 2.0) -> float:
     """Bytes/s of a jitted `a * 2` over `gib` GiB of bf16 (bytes read + written)."""
     n = int(gib * (1 << 30)) // 2
     a = jax.random.normal(jax.random.key(0), (n,), jnp.bfloat16)
-    t = median_time(jax.jit(lambda x: x * 2), a)
+    t = median_time(jax.jit(lambda x: x * 2), a, iters=10, reps=5)
     del a
     return 2 * n * 2 / t
 
@@ -39,7 +45,7 @@ def measure_matmul_peak(n: int = 8192) -> float:
     ka, kb = jax.random.split(jax.random.key(1))
     a = jax.random.normal(ka, (n, n), jnp.bfloat16)
     b = jax.random.normal(kb, (n, n), jnp.bfloat16)
-    t = median_time(jax.jit(lambda x, y: x @ y), a, b)
+    t = median_time(jax.jit(lambda x, y: x @ y), a, b, iters=10, reps=5)
     return 2 * n**3 / t
 
 

@@ -34,37 +34,11 @@ import jax.numpy as jnp
 import numpy as np
 
 from pallas_kernels.ragged_paged_attention import gpu, reference
-
-
-def bench(fn, *args, iters: int = 20, reps: int = 7) -> float:
-    """Median seconds per call: warm up, then `reps` timed runs of `iters` async calls."""
-    out = fn(*args)
-    jax.block_until_ready(out)
-    for _ in range(2):
-        jax.block_until_ready(fn(*args))
-    times = []
-    for _ in range(reps):
-        t0 = time.perf_counter()
-        for _ in range(iters):
-            out = fn(*args)
-        jax.block_until_ready(out)
-        times.append((time.perf_counter() - t0) / iters)
-    return statistics.median(times)
+from scripts.bench_common import measure_hbm_bandwidth, measure_matmul_peak, median_time
 
 
 def measure_ceilings() -> dict:
-    n = (2 << 30) // 2  # 2 GiB of bf16
-    x = jax.random.normal(jax.random.key(0), (n,), jnp.bfloat16)
-    scale = jax.jit(lambda a: a * 2)
-    t = bench(scale, x, iters=10, reps=5)
-    hbm = 2 * n * 2 / t
-    del x
-    m = 8192
-    a = jax.random.normal(jax.random.key(1), (m, m), jnp.bfloat16)
-    b = jax.random.normal(jax.random.key(2), (m, m), jnp.bfloat16)
-    mm = jax.jit(lambda a, b: a @ b)
-    t = bench(mm, a, b, iters=10, reps=5)
-    return {"hbm_bytes_per_s": hbm, "bf16_flops_per_s": 2 * m**3 / t}
+    return {"hbm_bytes_per_s": measure_hbm_bandwidth(), "bf16_flops_per_s": measure_matmul_peak()}
 
 
 @dataclasses.dataclass
@@ -183,7 +157,7 @@ def decode_workload(ceil: dict, quick: bool) -> dict:
 
     def record(name, fn, *args):
         try:
-            t = bench(fn, *args)
+            t = median_time(fn, *args)
             gbs = bytes_moved / t
             res["variants"][name] = dict(us=t * 1e6, GBps=gbs / 1e9,
                                          frac_hbm=gbs / ceil["hbm_bytes_per_s"])
@@ -239,7 +213,7 @@ def prefill_workload(ceil: dict, quick: bool) -> dict:
 
     def record(name, fn, *args):
         try:
-            t = bench(fn, *args, iters=10, reps=5)
+            t = median_time(fn, *args, iters=10, reps=5)
             fs = flops / t
             res["variants"][name] = dict(us=t * 1e6, TFLOPs=fs / 1e12,
                                          frac_peak=fs / ceil["bf16_flops_per_s"])
