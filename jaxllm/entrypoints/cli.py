@@ -127,11 +127,9 @@ def build_parser() -> argparse.ArgumentParser:
     _sampling_args(chat)
     chat.set_defaults(func=cmd_chat)
 
-    try:
-        from jaxllm.entrypoints.openai.cli_serve import add_serve_parser
-        add_serve_parser(sub)
-    except ImportError:
-        pass
+    from jaxllm.entrypoints.openai.cli_serve import add_serve_parser
+
+    add_serve_parser(sub)
     return parser
 
 

@@ -410,7 +410,7 @@ class ModelRunner:
                                      np.asarray(out.logprobs)[:n].tolist(),
                                      np.asarray(out.ranks)[:n].tolist())
         return ModelRunnerOutput(req_ids=h.req_ids,
-                                 req_id_to_index=dict(zip(h.req_ids, range(n))),
+                                 req_id_to_index=dict(zip(h.req_ids, range(n), strict=True)),
                                  sampled_token_ids=sampled_lists, logprobs=logprobs,
                                  prompt_logprobs=self._collect_prompt_logprobs(h.prompt_lp),
                                  pooler_output=self._pool(h))

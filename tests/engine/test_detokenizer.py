@@ -7,8 +7,13 @@ from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
 from transformers import PreTrainedTokenizerFast
 
 from jaxllm.engine.detokenizer import IncrementalDetokenizer
-from jaxllm.engine.messages import EngineCoreOutput, EngineCoreOutputs, EngineCoreRequest, \
-    FinishReason, LogprobsLists
+from jaxllm.engine.messages import (
+    EngineCoreOutput,
+    EngineCoreOutputs,
+    EngineCoreRequest,
+    FinishReason,
+    LogprobsLists,
+)
 from jaxllm.engine.output_processor import OutputProcessor, ParentRequest
 from jaxllm.sampling_params import RequestOutputKind, SamplingParams
 

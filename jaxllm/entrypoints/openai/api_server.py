@@ -27,6 +27,7 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 
 import jaxllm
 from jaxllm.engine.async_llm import AsyncLLM
+from jaxllm.entrypoints.openai.cli_serve import DEFAULT_MAX_REQUEST_BYTES
 from jaxllm.entrypoints.openai.protocol import (
     ChatCompletionRequest,
     CompletionRequest,
@@ -45,7 +46,6 @@ from jaxllm.metrics.loggers import LoggingStatLogger, PrometheusStatLogger
 
 logger = logging.getLogger("jaxllm.api_server")
 
-DEFAULT_MAX_REQUEST_BYTES = 32 * 1024 * 1024
 
 
 @dataclass

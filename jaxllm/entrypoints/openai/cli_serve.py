@@ -19,11 +19,10 @@ _UNSET: Any = type("Unset", (), {"__repr__": lambda self: "<unset>"})()
 # Left with its real default: cli.main() reads it before the command runs.
 _KEEP_DEFAULT = {"gpu_memory_utilization", "func", "command"}
 DEMO_MODEL_NAME = "demo"
+DEFAULT_MAX_REQUEST_BYTES = 32 * 1024 * 1024
 
 
 def add_serve_parser(subparsers: Any) -> argparse.ArgumentParser:
-    from jaxllm.entrypoints.openai.api_server import DEFAULT_MAX_REQUEST_BYTES
-
     p = subparsers.add_parser(
         "serve", help="OpenAI-compatible HTTP server",
         description="Serve MODEL (a Hugging Face checkpoint directory; default: the embedded "
@@ -110,7 +109,11 @@ def resolve_args(ns: argparse.Namespace) -> argparse.Namespace:
 
 
 def cmd_serve(ns: argparse.Namespace) -> int:
-    from jaxllm.entrypoints.openai.api_server import run_server
+    try:
+        from jaxllm.entrypoints.openai.api_server import run_server
+    except ImportError as e:
+        sys.exit(f"jaxllm serve needs the server dependencies ({e}); "
+                 "reinstall jaxllm with its dependencies: pip install jaxllm")
 
     try:
         args = resolve_args(ns)
