@@ -1,0 +1,138 @@
+"""Where a generate call's time goes on the device: a profiler trace, summarized.
+
+Runs one offline generate (batch B, prompt I, O new tokens; Llama-3-8B shape,
+dummy weights by default) under `jax.profiler`, then reads the Perfetto trace
+and prints how busy the device was (the union of its kernel intervals over the
+traced wall time), the largest idle gaps, and the kernels that took the time.
+
+    python scripts/profile_step.py --batch-size 1 --input-len 128 --output-len 64
+"""
+
+from __future__ import annotations
+
+import argparse
+import collections
+import glob
+import gzip
+import json
+import os
+import tempfile
+import time
+
+import numpy as np
+
+from scripts.bench_common import print_table, write_json
+
+
+def load_trace(log_dir: str) -> list[dict]:
+    paths = sorted(glob.glob(os.path.join(log_dir, "**", "*perfetto_trace.json.gz"),
+                             recursive=True))
+    if not paths:
+        raise SystemExit(f"no Perfetto trace under {log_dir}")
+    with gzip.open(paths[-1]) as f:
+        data = json.load(f)
+    return data["traceEvents"] if isinstance(data, dict) else data
+
+
+def device_events(events: list[dict]) -> list[dict]:
+    """Complete events on accelerator processes ('/device:GPU:0' and the like)."""
+    procs = {e["pid"]: e["args"]["name"] for e in events
+             if e.get("ph") == "M" and e.get("name") == "process_name"}
+    devices = {pid for pid, name in procs.items() if "/device:" in name}
+    return [e for e in events if e.get("ph") == "X" and e["pid"] in devices and e.get("dur")]
+
+
+def busy_and_gaps(events: list[dict]) -> tuple[float, list[float], float]:
+    """(busy µs as a union of intervals, idle gaps in µs, span µs) over all device streams."""
+    spans = sorted((e["ts"], e["ts"] + e["dur"]) for e in events)
+    busy, gaps = 0.0, []
+    start, end = spans[0]
+    for s, e in spans[1:]:
+        if s > end:
+            busy += end - start
+            gaps.append(s - end)
+            start, end = s, e
+        else:
+            end = max(end, e)
+    busy += end - start
+    return busy, gaps, spans[-1][1] - spans[0][0] if spans else 0.0
+
+
+def summarize(events: list[dict], top: int = 15) -> dict:
+    dev = device_events(events)
+    if not dev:
+        raise SystemExit("the trace has no device events (CPU run?)")
+    busy, gaps, span = busy_and_gaps(dev)
+    by_name: dict[str, list[float]] = collections.defaultdict(list)
+    for e in dev:
+        by_name[e["name"]].append(e["dur"])
+    kernels = sorted(((sum(v), len(v), k) for k, v in by_name.items()), reverse=True)
+    gaps_arr = np.array(gaps) if gaps else np.zeros(1)
+    return {
+        "span_ms": span / 1e3, "busy_ms": busy / 1e3, "busy_fraction": busy / span,
+        "num_kernels": len(dev),
+        "idle_gap_ms": {"total": float(gaps_arr.sum()) / 1e3,
+                        "over_100us_count": int((gaps_arr > 100).sum()),
+                        "over_100us_ms": float(gaps_arr[gaps_arr > 100].sum()) / 1e3,
+                        "p50_us": float(np.median(gaps_arr)), "max_us": float(gaps_arr.max())},
+        "top_kernels": [{"name": k[:120], "total_ms": t / 1e3, "count": n, "share": t / busy}
+                        for t, n, k in kernels[:top]],
+    }
+
+
+def main(argv: list[str] | None = None) -> dict:
+    ap = argparse.ArgumentParser(description=__doc__,
+                                 formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--model", default="configs/llama-3-8b")
+    ap.add_argument("--load-format", default="dummy")
+    ap.add_argument("--dtype", default="bfloat16")
+    ap.add_argument("--batch-size", type=int, default=1)
+    ap.add_argument("--input-len", type=int, default=128)
+    ap.add_argument("--output-len", type=int, default=64)
+    ap.add_argument("--max-num-batched-tokens", type=int, default=None)
+    ap.add_argument("--async-scheduling", action=argparse.BooleanOptionalAction, default=True)
+    ap.add_argument("--name", default="profile_step", help="JSON file name under $OUT")
+    args = ap.parse_args(argv)
+
+    import jax
+
+    from jaxllm import LLM, SamplingParams
+
+    b, n_in = args.batch_size, args.input_len
+    tokens = args.max_num_batched_tokens or n_in * b
+    llm = LLM(args.model, load_format=args.load_format, dtype=args.dtype,
+              skip_tokenizer_init=True,
+              max_model_len=-(-(n_in + args.output_len + 16) // 128) * 128,
+              max_num_seqs=b, max_num_batched_tokens=tokens,
+              token_buckets=sorted({min(8 * -(-b // 8), tokens), tokens}),
+              request_buckets=[b], enable_prefix_caching=False,
+              async_scheduling=args.async_scheduling)
+    vocab = llm.llm_engine.model_config.hf_config.vocab_size
+    rng = np.random.default_rng(0)
+    prompts = [{"prompt_token_ids": rng.integers(0, vocab, n_in).tolist()} for _ in range(b)]
+    params = SamplingParams(temperature=0.0, max_tokens=args.output_len, ignore_eos=True)
+    llm.generate(prompts, params, use_tqdm=False)  # warm-up on the traced shapes
+
+    log_dir = tempfile.mkdtemp(prefix="jaxllm-profile-")
+    t0 = time.perf_counter()
+    with jax.profiler.trace(log_dir, create_perfetto_trace=True):
+        llm.generate(prompts, params, use_tqdm=False)
+    wall = time.perf_counter() - t0
+    result = {"batch_size": b, "input_len": n_in, "output_len": args.output_len,
+              "async_scheduling": args.async_scheduling, "wall_ms": wall * 1e3,
+              **summarize(load_trace(log_dir))}
+    write_json(args.name, result)
+    rows = [("traced wall (with profiler)", f"{wall * 1e3:.1f} ms"),
+            ("device span / busy", f"{result['span_ms']:.1f} / {result['busy_ms']:.1f} ms "
+                                   f"({result['busy_fraction']:.1%})"),
+            ("idle gaps > 100 µs", f"{result['idle_gap_ms']['over_100us_count']} totalling "
+                                   f"{result['idle_gap_ms']['over_100us_ms']:.1f} ms"),
+            ("kernels launched", str(result["num_kernels"]))]
+    rows += [(f"  {k['name'][:60]}", f"{k['total_ms']:.2f} ms x{k['count']} ({k['share']:.1%})")
+             for k in result["top_kernels"]]
+    print_table(rows)
+    return result
+
+
+if __name__ == "__main__":
+    main()
