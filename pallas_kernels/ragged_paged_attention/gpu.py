@@ -115,7 +115,9 @@ def default_block_sizes(num_tokens: int, num_seqs_max: int, group: int, head_dim
     memory (227 KiB per block).
     """
     f32 = itemsize > 2
-    if num_tokens <= num_seqs_max:  # decode-shaped bucket
+    # Decode-shaped: at most one token per request slot, or so few tokens that
+    # prefill-sized query tiles would idle most SMs (batch-1 decode pads to 8).
+    if num_tokens <= max(num_seqs_max, 16):
         # 16 rows: the smallest tensor-core tile (memory-bound anyway); small KV
         # tiles with a deep pipeline measured best.
         block_q = max(1, 16 // group)

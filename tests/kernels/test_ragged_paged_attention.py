@@ -44,6 +44,8 @@ CASES = {
     "mixed": Case(((1, 40), (9, 30), (1, 7), (24, 24), (3, 70)), small_blocks=True),
     "page_boundary": Case(((16, 16), (1, 32), (4, 48), (16, 64)), pad_tokens=0),
     "single_token": Case(((1, 1),), pad_tokens=0, pad_reqs=0),
+    # Batch-1 decode as the engine runs it: one slot, the token bucket padded to 8.
+    "batch1_decode": Case(((1, 150),), group=4, head_dim=128, pad_tokens=7, pad_reqs=0),
     "gqa1": Case(((1, 33), (6, 20), (12, 12)), group=1),
     "gqa4": Case(((1, 33), (6, 20), (12, 12)), group=4, small_blocks=True),
     "gqa8": Case(((1, 33), (6, 20), (12, 12)), group=8, num_kv_heads=1),
