@@ -137,3 +137,42 @@ def test_jaxllm_generate_from_chat_token_ids_equals_transformers(llm, hf, prompt
     refs = [r for t in few for r in hf_greedy[t][:10]]
     for p, out, ref in zip(batch, outs, refs, strict=True):
         assert list(out.outputs[0].token_ids) == ref, p
+
+
+def test_jaxllm_serve_answers_heldout_prompts_over_http(prompts, hf, hf_greedy):
+    """`jaxllm serve` with no model: the demo model answers through the OpenAI chat API."""
+    import asyncio
+
+    import openai
+
+    from tests.entrypoints.server import RemoteServer
+
+    tokenizer, _, _ = hf
+    config = os.path.join(os.path.dirname(__file__), "..", "configs", "server-demo.yaml")
+    srv = RemoteServer(["--config", config, "--dtype", "float32"])
+    try:
+        client = openai.AsyncOpenAI(base_url=srv.url + "/v1", api_key="none", max_retries=0)
+        limit = asyncio.Semaphore(16)
+
+        async def ask(prompt: str) -> str:
+            async with limit:
+                r = await client.chat.completions.create(
+                    model="demo", messages=demo_tasks.chat(prompt), temperature=0.0,
+                    max_tokens=MAX_TOKENS)
+            return r.choices[0].message.content
+
+        async def ask_all() -> dict[str, list[str]]:
+            answers = await asyncio.gather(*(ask(p) for ps in prompts.values() for p in ps))
+            await client.close()
+            return {t: answers[i * N_PROMPTS:(i + 1) * N_PROMPTS]
+                    for i, t in enumerate(prompts)}
+
+        answers = asyncio.run(ask_all())
+    finally:
+        srv.stop()
+    for task, ps in prompts.items():
+        assert len(ps) == N_PROMPTS
+        refs = [tokenizer.decode(t, skip_special_tokens=True) for t in hf_greedy[task]]
+        assert answers[task] == refs, task
+        acc = _accuracy(ps, answers[task])
+        assert acc >= MIN_ACCURACY, f"{task}: {acc:.2f}"
