@@ -1,93 +1,10 @@
 """host-overhead: one engine step's host time with the device work stubbed out.
 
-256 running requests decode together; the forward, the logits and the
-sampler are replaced by stubs that return ready arrays, so what is timed is
-the scheduler, the runner's input preparation, the output path and the
-frontend (detokenizer off: token ids only). Runs on the CPU.
-
-    python scripts/bench_host_overhead.py
+The benchmark lives in jaxllm/benchmarks/host_overhead.py;
+`jaxllm bench host-overhead` runs the same.
 """
 
-from __future__ import annotations
-
-import argparse
-import tempfile
-import time
-
-import numpy as np
-
-from scripts.bench_common import print_table, write_json
-
-
-def make_model_dir(path: str) -> str:
-    import json
-    import os
-
-    cfg = {"architectures": ["LlamaForCausalLM"], "model_type": "llama", "hidden_size": 64,
-           "intermediate_size": 128, "num_hidden_layers": 2, "num_attention_heads": 4,
-           "num_key_value_heads": 2, "vocab_size": 32000, "max_position_embeddings": 4096,
-           "rms_norm_eps": 1e-5, "eos_token_id": 2, "bos_token_id": 1}
-    with open(os.path.join(path, "config.json"), "w") as f:
-        json.dump(cfg, f)
-    return path
-
-
-def main(argv: list[str] | None = None) -> dict:
-    ap = argparse.ArgumentParser(description=__doc__)
-    ap.add_argument("--num-requests", type=int, default=256)
-    ap.add_argument("--input-len", type=int, default=512)
-    ap.add_argument("--steps", type=int, default=200)
-    args = ap.parse_args(argv)
-
-    import jaxllm.worker.model_runner as mr
-    from jaxllm import EngineArgs, RequestOutputKind, SamplingParams
-    from jaxllm.engine.llm_engine import LLMEngine
-    from jaxllm.sample.sampler import SamplerOutput
-
-    n = args.num_requests
-    model_dir = make_model_dir(tempfile.mkdtemp())
-    engine = LLMEngine.from_engine_args(EngineArgs(
-        model=model_dir, load_format="dummy", skip_tokenizer_init=True, dtype="float32",
-        max_model_len=args.input_len + args.steps + 64, max_num_seqs=n,
-        max_num_batched_tokens=max(n, 2048), token_buckets=[n, max(n, 2048)],
-        request_buckets=[n], precompile=False, enable_prefix_caching=True,
-        num_kv_blocks=n * ((args.input_len + args.steps + 64) // 16 + 1)))
-    runner = engine.engine_core.engine_core.model_runner
-    rng = np.random.default_rng(0)
-    hidden = np.zeros((max(n, 2048), 64), np.float32)
-    runner._forward = lambda state, kv, ids, pos, md, prev, src: (kv, hidden)
-    runner._logits = lambda state, h, idx: None
-    mr.run_sampler = lambda logits, md, size: SamplerOutput(
-        rng.integers(3, 32000, size).astype(np.int32))
-    runner.kv_caches = [None]  # never touched by the stubs
-
-    # Streaming deltas, as the server asks for them.
-    params = SamplingParams(temperature=0.8, top_p=0.95, max_tokens=10**6, ignore_eos=True,
-                            output_kind=RequestOutputKind.DELTA)
-    for i in range(n):
-        engine.add_request(str(i), {"prompt_token_ids": rng.integers(3, 32000,
-                                                                     args.input_len).tolist()},
-                           params)
-    while engine.engine_core.engine_core.scheduler.make_stats().num_waiting_reqs:
-        engine.step()  # prefill
-    for _ in range(5):
-        engine.step()
-    times = []
-    for _ in range(args.steps):
-        t0 = time.perf_counter()
-        engine.step()
-        times.append(time.perf_counter() - t0)
-    ms = float(np.median(times) * 1e3)
-    result = {"workload": "host-overhead", "num_running": n, "ms_per_step_median": ms,
-              "ms_per_step_p90": float(np.percentile(times, 90) * 1e3),
-              "target_ms": 1.0}
-    write_json("bench_host_overhead", result)
-    print_table([("running requests", str(n)),
-                 ("host time per step (median)", f"{ms:.3f} ms"),
-                 ("p90", f"{result['ms_per_step_p90']:.3f} ms"),
-                 ("target", "<= 1 ms")])
-    return result
-
+from jaxllm.benchmarks.host_overhead import main
 
 if __name__ == "__main__":
     main()

@@ -33,8 +33,8 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from jaxllm.benchmarks.common import measure_hbm_bandwidth, measure_matmul_peak, median_time
 from pallas_kernels.ragged_paged_attention import gpu, reference
-from scripts.bench_common import measure_hbm_bandwidth, measure_matmul_peak, median_time
 
 
 def measure_ceilings() -> dict:

@@ -21,7 +21,7 @@ import time
 
 import numpy as np
 
-from scripts.bench_common import print_table, write_json
+from jaxllm.benchmarks.common import print_table, write_json
 
 
 def load_trace(log_dir: str) -> list[dict]:

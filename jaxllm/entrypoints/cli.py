@@ -130,7 +130,33 @@ def build_parser() -> argparse.ArgumentParser:
     from jaxllm.entrypoints.openai.cli_serve import add_serve_parser
 
     add_serve_parser(sub)
+
+    bench = sub.add_parser(
+        "bench", help="benchmarks: " + ", ".join(BENCHMARKS),
+        description="Run a benchmark; its own flags follow the name "
+                    "(`jaxllm bench latency --help`). Each prints a table and writes JSON "
+                    "($OUT or the current directory).")
+    bench.add_argument("benchmark", choices=list(BENCHMARKS))
+    bench.add_argument("args", nargs=argparse.REMAINDER, help="the benchmark's flags")
+    bench.set_defaults(func=cmd_bench)
     return parser
+
+
+# `jaxllm bench NAME` -> module under jaxllm.benchmarks with a main(argv).
+BENCHMARKS = {"latency": "latency", "throughput": "throughput", "serving": "serving",
+              "host-overhead": "host_overhead"}
+
+
+def cmd_bench(ns: argparse.Namespace) -> int:
+    import importlib
+
+    module = importlib.import_module(f"jaxllm.benchmarks.{BENCHMARKS[ns.benchmark]}")
+    prog, sys.argv[0] = sys.argv[0], f"jaxllm bench {ns.benchmark}"
+    try:
+        module.main(ns.args)
+    finally:
+        sys.argv[0] = prog
+    return 0
 
 
 def main(argv: list[str] | None = None) -> int:

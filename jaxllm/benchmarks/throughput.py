@@ -1,0 +1,139 @@
+"""throughput: 1000 requests x (512 random prompt tokens, 128 new), all submitted at once.
+
+Reports output and total tokens/s, the roofline time (the sum over executed
+steps of max(FLOPs / matmul peak, bytes / HBM bandwidth), both measured in the
+same run), padding waste, and the transformers static-cache peer.
+
+    jaxllm bench throughput --model configs/llama-3-8b --load-format dummy
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import subprocess
+import sys
+import time
+
+import numpy as np
+
+from jaxllm.benchmarks.common import (
+    measure_hbm_bandwidth,
+    measure_matmul_peak,
+    param_count,
+    print_table,
+    step_floor,
+    write_json,
+)
+
+
+def run_peer(args: argparse.Namespace) -> list[dict]:
+    if not args.hf_peer_batch_sizes:
+        return []
+    cmd = [sys.executable, "-m", "jaxllm.benchmarks.hf_peer", "--model", args.model,
+           "--batch-sizes", args.hf_peer_batch_sizes, "--input-len", str(args.input_len),
+           "--output-len", str(args.output_len)]
+    proc = subprocess.run(cmd, capture_output=True, text=True)
+    if proc.returncode != 0:
+        print(proc.stderr[-3000:], file=sys.stderr)
+        return []
+    return [json.loads(line) for line in proc.stdout.splitlines() if line.startswith("{")]
+
+
+def main(argv: list[str] | None = None) -> dict:
+    ap = argparse.ArgumentParser(description=__doc__)
+    ap.add_argument("--model", default="configs/llama-3-8b")
+    ap.add_argument("--load-format", default="dummy")
+    ap.add_argument("--dtype", default="bfloat16")
+    ap.add_argument("--num-prompts", type=int, default=1000)
+    ap.add_argument("--input-len", type=int, default=512)
+    ap.add_argument("--output-len", type=int, default=128)
+    ap.add_argument("--max-num-seqs", type=int, default=256)
+    ap.add_argument("--max-num-batched-tokens", type=int, default=8192)
+    ap.add_argument("--token-buckets", default="256,1024,8192")
+    ap.add_argument("--request-buckets", default="64,256")
+    ap.add_argument("--attention-backend", default="auto")
+    ap.add_argument("--hbm-utilization", type=float, default=0.9)
+    ap.add_argument("--async-scheduling", action=argparse.BooleanOptionalAction, default=True)
+    ap.add_argument("--hf-peer-batch-sizes", default="64,256",
+                    help="transformers static-cache peer batch sizes ('' to skip)")
+    args = ap.parse_args(argv)
+
+    peers = run_peer(args)  # before JAX takes the GPU
+
+    from jaxllm import LLM, SamplingParams
+
+    bw, peak = measure_hbm_bandwidth(), measure_matmul_peak()
+    t0 = time.perf_counter()
+    llm = LLM(args.model, load_format=args.load_format, dtype=args.dtype,
+              skip_tokenizer_init=True,
+              max_model_len=-(-(args.input_len + args.output_len + 16) // 128) * 128,
+              max_num_seqs=args.max_num_seqs,
+              max_num_batched_tokens=args.max_num_batched_tokens,
+              token_buckets=[int(x) for x in args.token_buckets.split(",")],
+              request_buckets=[int(x) for x in args.request_buckets.split(",")],
+              enable_prefix_caching=False, attention_backend=args.attention_backend,
+              hbm_utilization=args.hbm_utilization,
+              async_scheduling=args.async_scheduling)
+    startup = time.perf_counter() - t0
+    runner = llm.llm_engine.engine_core.engine_core.model_runner
+    hf = llm.llm_engine.model_config.hf_config
+    rng = np.random.default_rng(0)
+    prompts = [{"prompt_token_ids": rng.integers(0, hf.vocab_size, args.input_len).tolist()}
+               for _ in range(args.num_prompts)]
+    params = SamplingParams(temperature=0.0, max_tokens=args.output_len, ignore_eos=True)
+    llm.generate(prompts[:8], SamplingParams(max_tokens=4, ignore_eos=True), use_tqdm=False)
+
+    runner.step_log = []
+    runner.wait_seconds = runner.dispatch_seconds = 0.0
+    t0 = time.perf_counter()
+    outs = llm.generate(prompts, params, use_tqdm=False)
+    elapsed = time.perf_counter() - t0
+    steps, runner.step_log = runner.step_log, None
+
+    n_out = sum(len(o.outputs[0].token_ids) for o in outs)
+    n_in = args.num_prompts * args.input_len
+    nparams = param_count(runner.state)
+    floor = sum(step_floor(s, nparams, hf, bw, peak) for s in steps)
+    computed = sum(s.num_tokens for s in steps)
+    padded = sum(s.padded_tokens for s in steps)
+    out_tps = n_out / elapsed
+    best_peer = max((p["output_tokens_per_s"] for p in peers), default=None)
+    result = {
+        "workload": "throughput", "num_prompts": args.num_prompts, "input_len": args.input_len,
+        "output_len": args.output_len, "attention_backend": runner.attn_backend.name,
+        "async_scheduling": args.async_scheduling,
+        "hbm_bandwidth_GBps": bw / 1e9, "matmul_TFLOPs": peak / 1e12,
+        "elapsed_s": elapsed, "output_tokens_per_s": out_tps,
+        "total_tokens_per_s": (n_out + n_in) / elapsed, "num_steps": len(steps),
+        "roofline_s": floor, "time_over_roofline": elapsed / floor,
+        "padding_waste": 1 - computed / max(padded, 1), "startup_s": startup,
+        # Host time not spent waiting for the device: the rest is the device's.
+        "host_busy_s": elapsed - runner.wait_seconds, "dispatch_s": runner.dispatch_seconds,
+        "peers": peers,
+        "speedup_vs_best_peer": out_tps / best_peer if best_peer else None,
+    }
+    write_json("bench_throughput" + ("" if args.async_scheduling else "_sync"), result)
+    rows = [
+        ("device HBM / bf16 matmul", f"{bw / 1e12:.2f} TB/s / {peak / 1e12:.0f} TFLOP/s"),
+        ("attention backend", runner.attn_backend.name),
+        ("startup (load + precompile)", f"{startup:.1f} s"),
+        ("elapsed", f"{elapsed:.1f} s over {len(steps)} steps"),
+        ("output tok/s", f"{out_tps:.0f}"),
+        ("total tok/s", f"{(n_out + n_in) / elapsed:.0f}"),
+        ("roofline time", f"{floor:.1f} s -> {elapsed / floor:.2f}x of it"),
+        ("padding waste", f"{result['padding_waste']:.1%}"),
+        ("host busy (not waiting on tokens)", f"{result['host_busy_s']:.1f} s"),
+        ("  of which dispatching steps", f"{runner.dispatch_seconds:.1f} s"),
+    ]
+    for p in peers:
+        rows.append((f"transformers static, batch {p['batch_size']}",
+                     f"{p['output_tokens_per_s']:.0f} tok/s ({p['ms_per_step']:.1f} ms/step)"))
+    if best_peer:
+        rows.append(("speed-up over best peer", f"{out_tps / best_peer:.2f}x"))
+    print_table(rows)
+    return result
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,28 @@
+"""`jaxllm bench`: the CPU-runnable benchmark runs end to end through the CLI."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from jaxllm.entrypoints.cli import BENCHMARKS, build_parser, main
+
+
+def test_bench_lists_every_benchmark_and_passes_its_flags_through():
+    ns = build_parser().parse_args(["bench", "latency", "--batch-size", "4", "--num-iters", "1"])
+    assert ns.benchmark == "latency" and ns.args == ["--batch-size", "4", "--num-iters", "1"]
+    assert set(BENCHMARKS) == {"latency", "throughput", "serving", "host-overhead"}
+    with pytest.raises(SystemExit):
+        build_parser().parse_args(["bench", "nope"])
+
+
+def test_bench_host_overhead_runs_and_writes_json(tmp_path, monkeypatch, capsys):
+    monkeypatch.setenv("OUT", str(tmp_path))
+    assert main(["bench", "host-overhead", "--num-requests", "16", "--input-len", "32",
+                 "--steps", "5"]) == 0
+    with open(tmp_path / "bench_host_overhead.json") as f:
+        result = json.load(f)
+    assert result["workload"] == "host-overhead" and result["num_running"] == 16
+    assert 0 < result["ms_per_step_median"] <= result["ms_per_step_p90"]
+    assert "host time per step" in capsys.readouterr().out
