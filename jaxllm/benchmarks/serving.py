@@ -34,6 +34,8 @@ from datetime import date
 import httpx
 import numpy as np
 
+from jaxllm.benchmarks.common import git_commit
+
 
 @dataclass
 class RequestResult:
@@ -342,7 +344,8 @@ def main(argv: list[str] | None = None) -> dict:
         stop_server(proc)
         print(f"warm restart: server healthy after {warm_startup:.1f}s", flush=True)
 
-    out = {"benchmark": "serving", "date": str(date.today()), "base_url": url,
+    out = {"benchmark": "serving", "date": str(date.today()), "commit": git_commit(),
+           "base_url": url,
            "model": args.model, "load_format": args.load_format, "input_len": args.input_len,
            "output_len": args.output_len, "num_prompts": args.num_prompts,
            "burstiness": args.burstiness, "max_concurrency": args.max_concurrency,

@@ -143,8 +143,8 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 # `jaxllm bench NAME` -> module under jaxllm.benchmarks with a main(argv).
-BENCHMARKS = {"latency": "latency", "throughput": "throughput", "serving": "serving",
-              "host-overhead": "host_overhead"}
+BENCHMARKS = {"latency": "latency", "throughput": "throughput", "prefix": "prefix",
+              "serving": "serving", "host-overhead": "host_overhead"}
 
 
 def cmd_bench(ns: argparse.Namespace) -> int:

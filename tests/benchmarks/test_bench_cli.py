@@ -12,7 +12,7 @@ from jaxllm.entrypoints.cli import BENCHMARKS, build_parser, main
 def test_bench_lists_every_benchmark_and_passes_its_flags_through():
     ns = build_parser().parse_args(["bench", "latency", "--batch-size", "4", "--num-iters", "1"])
     assert ns.benchmark == "latency" and ns.args == ["--batch-size", "4", "--num-iters", "1"]
-    assert set(BENCHMARKS) == {"latency", "throughput", "serving", "host-overhead"}
+    assert set(BENCHMARKS) == {"latency", "throughput", "prefix", "serving", "host-overhead"}
     with pytest.raises(SystemExit):
         build_parser().parse_args(["bench", "nope"])
 
@@ -26,3 +26,21 @@ def test_bench_host_overhead_runs_and_writes_json(tmp_path, monkeypatch, capsys)
     assert result["workload"] == "host-overhead" and result["num_running"] == 16
     assert 0 < result["ms_per_step_median"] <= result["ms_per_step_p90"]
     assert "host time per step" in capsys.readouterr().out
+
+
+def test_bench_prefix_reports_cache_hits_only_for_the_shared_prefix(tmp_path, monkeypatch):
+    from tests.models.tiny_checkpoints import make_tiny_checkpoint
+
+    model = make_tiny_checkpoint(tmp_path, arch="llama", num_key_value_heads=2)
+    monkeypatch.setenv("OUT", str(tmp_path))
+    assert main(["bench", "prefix", "--model", str(model), "--load-format", "auto",
+                 "--dtype", "float32", "--prefix-len", "48", "--suffix-len", "8",
+                 "--num-suffixes", "4", "--output-len", "2", "--num-iters", "1",
+                 "--block-size", "8", "--max-num-batched-tokens", "64",
+                 "--token-buckets", "16,64"]) == 0
+    with open(tmp_path / "bench_prefix.json") as f:
+        result = json.load(f)
+    assert result["uncached"]["cached_token_fraction"] == 0.0
+    # 48 of 56 prompt tokens are the shared prefix: 6 full blocks of 8 hit the cache.
+    assert result["cached"]["cached_token_fraction"] == 48 / 56
+    assert result["cached"]["ttft_ms_mean"] > 0 and result["uncached"]["ttft_ms_mean"] > 0
