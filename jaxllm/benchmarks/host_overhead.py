@@ -13,6 +13,7 @@ from __future__ import annotations
 import argparse
 import tempfile
 import time
+from unittest import mock
 
 import numpy as np
 
@@ -60,8 +61,10 @@ def main(argv: list[str] | None = None) -> dict:
     runner._forward = lambda state, kv, ids, pos, md, prev, src: (kv, hidden)
     runner._logits = lambda state, h, idx: None
     # A device array, as the real sampler returns (the runner starts its copy home).
-    mr.run_sampler = lambda logits, md, size: SamplerOutput(
-        jax.device_put(rng.integers(3, 32000, size).astype(np.int32)))
+    # Patched only while this benchmark steps: `jaxllm bench` may run in a process
+    # (a test) that builds real engines afterwards.
+    stub_sampler = mock.patch.object(mr, "run_sampler", lambda logits, md, size: SamplerOutput(
+        jax.device_put(rng.integers(3, 32000, size).astype(np.int32))))
     runner.kv_caches = [None]  # never touched by the stubs
 
     # Streaming deltas, as the server asks for them.
@@ -71,15 +74,16 @@ def main(argv: list[str] | None = None) -> dict:
         engine.add_request(str(i), {"prompt_token_ids": rng.integers(3, 32000,
                                                                      args.input_len).tolist()},
                            params)
-    while engine.engine_core.engine_core.scheduler.make_stats().num_waiting_reqs:
-        engine.step()  # prefill
-    for _ in range(5):
-        engine.step()
     times = []
-    for _ in range(args.steps):
-        t0 = time.perf_counter()
-        engine.step()
-        times.append(time.perf_counter() - t0)
+    with stub_sampler:
+        while engine.engine_core.engine_core.scheduler.make_stats().num_waiting_reqs:
+            engine.step()  # prefill
+        for _ in range(5):
+            engine.step()
+        for _ in range(args.steps):
+            t0 = time.perf_counter()
+            engine.step()
+            times.append(time.perf_counter() - t0)
     ms = float(np.median(times) * 1e3)
     result = {"workload": "host-overhead", "num_running": n, "ms_per_step_median": ms,
               "ms_per_step_p90": float(np.percentile(times, 90) * 1e3),

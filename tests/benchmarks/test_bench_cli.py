@@ -18,6 +18,9 @@ def test_bench_lists_every_benchmark_and_passes_its_flags_through():
 
 
 def test_bench_host_overhead_runs_and_writes_json(tmp_path, monkeypatch, capsys):
+    import jaxllm.worker.model_runner as mr
+
+    real_sampler = mr.run_sampler
     monkeypatch.setenv("OUT", str(tmp_path))
     assert main(["bench", "host-overhead", "--num-requests", "16", "--input-len", "32",
                  "--steps", "5"]) == 0
@@ -26,6 +29,8 @@ def test_bench_host_overhead_runs_and_writes_json(tmp_path, monkeypatch, capsys)
     assert result["workload"] == "host-overhead" and result["num_running"] == 16
     assert 0 < result["ms_per_step_median"] <= result["ms_per_step_p90"]
     assert "host time per step" in capsys.readouterr().out
+    # The stubbed sampler must not outlive the benchmark (later engines sample for real).
+    assert mr.run_sampler is real_sampler
 
 
 def test_bench_prefix_reports_cache_hits_only_for_the_shared_prefix(tmp_path, monkeypatch):
