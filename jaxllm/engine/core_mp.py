@@ -68,8 +68,10 @@ def multiprocess_default() -> bool:
     `JAXLLM_ENABLE_MULTIPROCESSING=1` turns it on (vLLM's
     VLLM_ENABLE_V1_MULTIPROCESSING). It stays off by default: on the CPU it
     measured no faster for offline batches (the frontend's share of a step is
-    small and the two processes compete for cores), and on accelerators it is
-    not measured yet; the server always uses it.
+    small and the two processes compete for cores), and on the H100 the
+    in-process engine with async scheduling already keeps the device 96-99%
+    busy (BENCHMARKS.md, profiles of decode-1 and throughput), so a second
+    process has no host time left to hide. The server always uses it.
     """
     return os.environ.get("JAXLLM_ENABLE_MULTIPROCESSING", "0").lower() in ("1", "true", "yes")
 
