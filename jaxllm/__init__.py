@@ -1,8 +1,13 @@
 """jaxllm: vLLM's v1 inference engine rebuilt on JAX/XLA."""
 
-from jaxllm.config import EngineArgs
-from jaxllm.outputs import CompletionOutput, PoolingRequestOutput, RequestOutput
-from jaxllm.sampling_params import PoolingParams, RequestOutputKind, SamplingParams
+import time as _time
+
+# When this process first imported jaxllm: start-up logs measure from here.
+IMPORT_TIME = _time.time()
+
+from jaxllm.config import EngineArgs  # noqa: E402 - after the clock above
+from jaxllm.outputs import CompletionOutput, PoolingRequestOutput, RequestOutput  # noqa: E402
+from jaxllm.sampling_params import PoolingParams, RequestOutputKind, SamplingParams  # noqa: E402
 
 __version__ = "0.1.0"
 

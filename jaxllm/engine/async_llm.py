@@ -13,7 +13,8 @@ import asyncio
 import logging
 import time
 from collections.abc import AsyncGenerator
-from typing import Any
+from concurrent.futures import ThreadPoolExecutor
+from typing import TYPE_CHECKING, Any
 
 import msgspec
 
@@ -31,6 +32,9 @@ from jaxllm.errors import EngineDeadError, ParameterError
 from jaxllm.metrics.loggers import FinishedRequestStats, StatLogger
 from jaxllm.outputs import RequestOutput
 from jaxllm.sampling_params import RequestOutputKind, SamplingParams
+
+if TYPE_CHECKING:
+    from jaxllm.engine.core_mp import AsyncMPClient
 
 logger = logging.getLogger(__name__)
 
@@ -96,13 +100,15 @@ def _merge_delta(into: RequestOutput, new: RequestOutput) -> None:
 
 class AsyncLLM:
     def __init__(self, config: EngineConfig, stat_loggers: list[StatLogger] | None = None,
-                 startup_timeout_s: float | None = None):
+                 startup_timeout_s: float | None = None,
+                 engine_core: AsyncMPClient | None = None):
         from jaxllm.engine.core_mp import AsyncMPClient
 
         self.config = config
         self.model_config = config.model_config
         self.tokenizer = load_tokenizer(config.model_config)
-        self.engine_core = AsyncMPClient(config, startup_timeout_s=startup_timeout_s)
+        self.engine_core = engine_core or AsyncMPClient(config,
+                                                        startup_timeout_s=startup_timeout_s)
         self.input_processor = InputProcessor(config.model_config, self.tokenizer,
                                               self.engine_core.max_request_tokens)
         self.output_processor = OutputProcessor(self.tokenizer)
@@ -112,8 +118,29 @@ class AsyncLLM:
         self._dead: EngineDeadError | None = None
 
     @classmethod
-    def from_engine_args(cls, args: EngineArgs, **kwargs: Any) -> AsyncLLM:
-        return cls(args.create_engine_config(), **kwargs)
+    def from_engine_args(cls, args: EngineArgs, stat_loggers: list[StatLogger] | None = None,
+                         startup_timeout_s: float | None = None) -> AsyncLLM:
+        """Spawns the engine core first: it builds its config from `args` while this
+        process builds its own, so the two processes' imports and set-up overlap."""
+        from jaxllm.engine.core_mp import AsyncMPClient
+
+        with ThreadPoolExecutor(1, thread_name_prefix="frontend-config") as pool:
+            config_future = pool.submit(args.create_engine_config)
+            try:
+                client = AsyncMPClient(args, startup_timeout_s=startup_timeout_s)
+            except BaseException:
+                config_future.result()  # a bad argument: the frontend's error names the field
+                raise
+            try:
+                config = config_future.result()
+            except BaseException:
+                client.shutdown()
+                raise
+        try:
+            return cls(config, stat_loggers, engine_core=client)
+        except BaseException:
+            client.shutdown()
+            raise
 
     # ------------------------------------------------------------------ state
 

@@ -38,7 +38,8 @@ import msgspec
 import zmq
 import zmq.asyncio
 
-from jaxllm.config import EngineConfig
+import jaxllm
+from jaxllm.config import EngineArgs, EngineConfig
 from jaxllm.engine.core_client import EngineCoreClient
 from jaxllm.engine.messages import (
     EngineCoreOutput,
@@ -47,7 +48,7 @@ from jaxllm.engine.messages import (
     EngineCoreRequestType,
     FinishReason,
 )
-from jaxllm.errors import EngineDeadError
+from jaxllm.errors import EngineDeadError, ParameterError
 
 logger = logging.getLogger(__name__)
 
@@ -264,11 +265,19 @@ def _watch_parent(parent_pid: int) -> None:
             os._exit(1)
 
 
-def run_engine_core(config: EngineConfig, addresses: dict[str, str], parent_pid: int,
-                    log_level: int = logging.INFO) -> None:
-    """Entry point of the engine core process (multiprocessing 'spawn' target)."""
+def run_engine_core(config: EngineConfig | EngineArgs, addresses: dict[str, str],
+                    parent_pid: int, log_level: int = logging.INFO,
+                    spawned_at: float | None = None) -> None:
+    """Entry point of the engine core process (multiprocessing 'spawn' target).
+
+    Given EngineArgs, the core builds its config itself (while the frontend
+    builds its own copy: both are pure functions of the arguments).
+    """
     logging.basicConfig(level=log_level,
                         format="%(levelname)s %(asctime)s [EngineCore] %(name)s: %(message)s")
+    if spawned_at is not None:
+        logger.info("engine core process running %.1fs after its spawn (interpreter, imports)",
+                    time.time() - spawned_at)
     # Ctrl-C reaches the whole process group; the frontend decides when the core stops.
     signal.signal(signal.SIGINT, signal.SIG_IGN)
     threading.Thread(target=_watch_parent, args=(parent_pid,), daemon=True,
@@ -280,6 +289,8 @@ def run_engine_core(config: EngineConfig, addresses: dict[str, str], parent_pid:
     codec = Codec()
     proc: EngineCoreProc | None = None
     try:
+        if isinstance(config, EngineArgs):
+            config = config.create_engine_config()
         proc = EngineCoreProc(config, addresses["input"], addresses["output"], ctx)
         signal.signal(signal.SIGTERM, lambda *_: proc.request_stop())
         handshake.send(codec.encode(Handshake(
@@ -288,8 +299,10 @@ def run_engine_core(config: EngineConfig, addresses: dict[str, str], parent_pid:
         handshake.close()
         proc.run_busy_loop()
     except Exception as e:
-        tb = traceback.format_exc()
-        logger.error("engine core failed:\n%s", tb)
+        if isinstance(e, ParameterError):  # bad input: the frontend reports it too
+            logger.error("engine core not started: %s", e)
+        else:
+            logger.error("engine core failed:\n%s", traceback.format_exc())
         if proc is None:
             handshake.send(codec.encode(Handshake("FAILED", error=f"{type(e).__name__}: {e}")))
             handshake.close()
@@ -314,7 +327,7 @@ def run_engine_core(config: EngineConfig, addresses: dict[str, str], parent_pid:
 class MPClient(EngineCoreClient):
     """Spawns the core process, owns the sockets, watches for the core's death."""
 
-    def __init__(self, config: EngineConfig, use_asyncio: bool,
+    def __init__(self, config: EngineConfig | EngineArgs, use_asyncio: bool,
                  startup_timeout_s: float | None = None):
         self.codec = Codec()
         self.engine_dead = False
@@ -342,12 +355,17 @@ class MPClient(EngineCoreClient):
         handshake.bind(addresses["handshake"])
 
         mp = multiprocessing.get_context("spawn")
+        spawned_at = time.time()
         self.proc = mp.Process(target=run_engine_core, name="EngineCore", daemon=True,
                                args=(config, addresses, os.getpid(),
-                                     logging.getLogger("jaxllm").getEffectiveLevel()))
+                                     logging.getLogger("jaxllm").getEffectiveLevel(),
+                                     spawned_at))
         try:
             self.proc.start()
             info = self._wait_ready(handshake, startup_timeout_s)
+            logger.info("engine core ready %.1fs after its spawn, %.1fs after this process "
+                        "imported jaxllm", time.time() - spawned_at,
+                        time.time() - jaxllm.IMPORT_TIME)
         except BaseException:
             handshake.close()
             self._close_process_and_sockets()
@@ -546,7 +564,8 @@ class SyncMPClient(MPClient):
 class AsyncMPClient(MPClient):
     """asyncio client for AsyncLLM: one reader task turns output frames into a queue."""
 
-    def __init__(self, config: EngineConfig, startup_timeout_s: float | None = None):
+    def __init__(self, config: EngineConfig | EngineArgs,
+                 startup_timeout_s: float | None = None):
         self._loop: asyncio.AbstractEventLoop | None = None
         self._outputs: asyncio.Queue | None = None
         self._pending: dict[int, asyncio.Future] = {}

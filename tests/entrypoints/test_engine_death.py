@@ -114,3 +114,41 @@ def test_sigkill_of_the_server_leaves_no_engine_process(tmp_path):
             time.sleep(0.1)
     finally:
         proc.kill()
+
+
+def _spawned_processes() -> set[int]:
+    """Live multiprocessing 'spawn' children on this machine (engine cores among them)."""
+    pids = set()
+    for pid in filter(str.isdigit, os.listdir("/proc")):
+        try:
+            with open(f"/proc/{pid}/cmdline", "rb") as f:
+                if b"spawn_main" in f.read() and pid_alive(int(pid)):
+                    pids.add(int(pid))
+        except OSError:
+            continue
+    return pids
+
+
+def test_serve_with_a_bad_model_directory_exits_naming_the_field(tmp_path):
+    """The engine core starts while the frontend builds its config: a bad argument must
+    still end both processes with the frontend's error, not a hang or an orphan."""
+    import subprocess
+    import sys
+
+    from tests.entrypoints.server import free_port
+
+    before = _spawned_processes()
+    missing = str(tmp_path / "no-such-model")
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "jaxllm.entrypoints.cli", "serve", missing, "--host",
+         "127.0.0.1", "--port", str(free_port())],
+        stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+        env=dict(os.environ, JAX_PLATFORMS="cpu"))
+    out, _ = proc.communicate(timeout=180)
+    assert proc.returncode != 0
+    assert f"jaxllm serve: error: model: no model directory at '{missing}'" in out
+    assert "Traceback" not in out
+    deadline = time.monotonic() + 10
+    while _spawned_processes() - before and time.monotonic() < deadline:
+        time.sleep(0.2)
+    assert not _spawned_processes() - before, "an engine core outlived its server"
