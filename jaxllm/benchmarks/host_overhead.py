@@ -64,7 +64,8 @@ def main(argv: list[str] | None = None) -> dict:
     # Patched only while this benchmark steps: `jaxllm bench` may run in a process
     # (a test) that builds real engines afterwards.
     stub_sampler = mock.patch.object(mr, "run_sampler", lambda logits, md, size: SamplerOutput(
-        jax.device_put(rng.integers(3, 32000, size).astype(np.int32))))
+        jax.device_put(rng.integers(3, 32000, size).astype(np.int32),
+                       runner._no_prev.sharding)))
     runner.kv_caches = [None]  # never touched by the stubs
 
     # Streaming deltas, as the server asks for them.
