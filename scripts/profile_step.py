@@ -21,7 +21,7 @@ import time
 
 import numpy as np
 
-from jaxllm.benchmarks.common import print_table, write_json
+from jaxllm.benchmarks.common import add_model_args, print_table, write_json
 
 
 def load_trace(log_dir: str) -> list[dict]:
@@ -83,9 +83,7 @@ def summarize(events: list[dict], top: int = 15) -> dict:
 def main(argv: list[str] | None = None) -> dict:
     ap = argparse.ArgumentParser(description=__doc__,
                                  formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--model", default="configs/llama-3-8b")
-    ap.add_argument("--load-format", default="dummy")
-    ap.add_argument("--dtype", default="bfloat16")
+    add_model_args(ap)
     ap.add_argument("--batch-size", type=int, default=1)
     ap.add_argument("--input-len", type=int, default=128)
     ap.add_argument("--output-len", type=int, default=64)

@@ -49,6 +49,15 @@ def measure_matmul_peak(n: int = 8192) -> float:
     return 2 * n**3 / t
 
 
+def add_model_args(ap: Any) -> None:
+    """--model, --load-format, --dtype: the Llama-3-8B shape with random bf16 weights."""
+    ap.add_argument("--model", default="configs/llama-3-8b",
+                    help="checkpoint or config directory (default: the Llama-3-8B shape)")
+    ap.add_argument("--load-format", default="dummy",
+                    help="dummy: random weights made on the device; auto: the checkpoint's")
+    ap.add_argument("--dtype", default="bfloat16")
+
+
 def param_count(state: Any) -> int:
     return int(sum(np.prod(x.shape) for x in jax.tree.leaves(state)))
 

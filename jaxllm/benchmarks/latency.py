@@ -11,6 +11,7 @@ import time
 import numpy as np
 
 from jaxllm.benchmarks.common import (
+    add_model_args,
     kv_bytes_per_token,
     measure_hbm_bandwidth,
     param_count,
@@ -21,9 +22,7 @@ from jaxllm.benchmarks.common import (
 
 def main(argv: list[str] | None = None) -> dict:
     ap = argparse.ArgumentParser(description=__doc__)
-    ap.add_argument("--model", default="configs/llama-3-8b")
-    ap.add_argument("--load-format", default="dummy")
-    ap.add_argument("--dtype", default="bfloat16")
+    add_model_args(ap)
     ap.add_argument("--input-len", type=int, default=128)
     ap.add_argument("--output-len", type=int, default=256)
     ap.add_argument("--batch-size", type=int, default=1)

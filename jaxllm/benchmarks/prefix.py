@@ -18,7 +18,7 @@ import time
 
 import numpy as np
 
-from jaxllm.benchmarks.common import print_table, write_json
+from jaxllm.benchmarks.common import add_model_args, print_table, write_json
 
 
 def _ttft_ms(outs) -> list[float]:
@@ -28,9 +28,7 @@ def _ttft_ms(outs) -> list[float]:
 def main(argv: list[str] | None = None) -> dict:
     ap = argparse.ArgumentParser(description=__doc__,
                                  formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--model", default="configs/llama-3-8b")
-    ap.add_argument("--load-format", default="dummy")
-    ap.add_argument("--dtype", default="bfloat16")
+    add_model_args(ap)
     ap.add_argument("--prefix-len", type=int, default=1024)
     ap.add_argument("--suffix-len", type=int, default=32)
     ap.add_argument("--num-suffixes", type=int, default=64)

@@ -18,6 +18,7 @@ import time
 import numpy as np
 
 from jaxllm.benchmarks.common import (
+    add_model_args,
     measure_hbm_bandwidth,
     measure_matmul_peak,
     param_count,
@@ -42,9 +43,7 @@ def run_peer(args: argparse.Namespace) -> list[dict]:
 
 def main(argv: list[str] | None = None) -> dict:
     ap = argparse.ArgumentParser(description=__doc__)
-    ap.add_argument("--model", default="configs/llama-3-8b")
-    ap.add_argument("--load-format", default="dummy")
-    ap.add_argument("--dtype", default="bfloat16")
+    add_model_args(ap)
     ap.add_argument("--num-prompts", type=int, default=1000)
     ap.add_argument("--input-len", type=int, default=512)
     ap.add_argument("--output-len", type=int, default=128)
