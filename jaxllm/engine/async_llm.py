@@ -107,8 +107,9 @@ class AsyncLLM:
         self.config = config
         self.model_config = config.model_config
         self.tokenizer = load_tokenizer(config.model_config)
-        self.engine_core = engine_core or AsyncMPClient(config,
-                                                        startup_timeout_s=startup_timeout_s)
+        if engine_core is None:
+            engine_core = AsyncMPClient(config, startup_timeout_s=startup_timeout_s)
+        self.engine_core = engine_core
         self.input_processor = InputProcessor(config.model_config, self.tokenizer,
                                               self.engine_core.max_request_tokens)
         self.output_processor = OutputProcessor(self.tokenizer)
