@@ -7,16 +7,13 @@ aborts, and every block must come back at the end.
 
 from __future__ import annotations
 
-import json
-import os
-
 import pytest
 
 from jaxllm import LLM, SamplingParams
 from jaxllm.config import EngineArgs
 from jaxllm.engine.llm_engine import LLMEngine
 from tests.engine.hf_reference import random_prompts
-from tests.models.tiny_checkpoints import make_tiny_checkpoint
+from tests.models.tiny_checkpoints import checkpoint_vocab_size
 
 BASE = dict(dtype="float32", max_model_len=128, max_num_seqs=8, block_size=8, seed=0,
             token_buckets=[16, 64], request_buckets=[4, 8], max_num_batched_tokens=64)
@@ -32,15 +29,8 @@ MIXED = [
 
 
 @pytest.fixture(scope="module")
-def model_dir(tmp_path_factory):
-    return make_tiny_checkpoint(tmp_path_factory.mktemp("ckpt"), arch="llama",
-                                num_key_value_heads=2)
-
-
-@pytest.fixture(scope="module")
 def prompts(model_dir):
-    with open(os.path.join(model_dir, "config.json")) as f:
-        vocab = json.load(f)["vocab_size"]
+    vocab = checkpoint_vocab_size(model_dir)
     return random_prompts(vocab, [9, 17, 30, 41, 6, 23], seed=5)
 
 

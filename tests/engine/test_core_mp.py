@@ -29,7 +29,7 @@ from jaxllm.engine.messages import (
 from jaxllm.errors import EngineDeadError
 from jaxllm.sampling_params import RequestOutputKind
 from tests.engine.hf_reference import random_prompts
-from tests.models.tiny_checkpoints import make_tiny_checkpoint
+from tests.models.tiny_checkpoints import checkpoint_vocab_size, make_tiny_checkpoint
 
 BASE = dict(dtype="float32", max_model_len=128, max_num_seqs=8, block_size=8, seed=0,
             token_buckets=[16, 64], request_buckets=[4, 8], max_num_batched_tokens=64)
@@ -71,8 +71,7 @@ def test_codec_round_trips_requests_and_outputs():
 
 
 def test_multiprocess_engine_gives_the_same_greedy_tokens_as_in_process(model_dir, mp_engine):
-    with open(os.path.join(model_dir, "config.json")) as f:
-        vocab = msgspec.json.decode(f.read())["vocab_size"]
+    vocab = checkpoint_vocab_size(model_dir)
     prompts = random_prompts(vocab, [5, 17, 30, 9], seed=1)
     params = SamplingParams(temperature=0.0, max_tokens=12, ignore_eos=True,
                             output_kind=RequestOutputKind.FINAL_ONLY)

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import json
-import os
 
 import jax
 import pytest
@@ -13,7 +12,7 @@ from jaxllm.config import EngineArgs
 from jaxllm.engine.llm_engine import LLMEngine
 from jaxllm.errors import ParameterError
 from tests.engine.hf_reference import random_prompts
-from tests.models.tiny_checkpoints import make_tiny_checkpoint
+from tests.models.tiny_checkpoints import checkpoint_vocab_size
 
 BASE = dict(dtype="float32", max_model_len=128, max_num_seqs=8, block_size=8, seed=0,
             token_buckets=[16, 64], request_buckets=[4, 8], max_num_batched_tokens=64)
@@ -21,15 +20,8 @@ GREEDY = SamplingParams(temperature=0.0, max_tokens=24, ignore_eos=True)
 
 
 @pytest.fixture(scope="module")
-def model_dir(tmp_path_factory):
-    return make_tiny_checkpoint(tmp_path_factory.mktemp("ckpt"), arch="llama",
-                                num_key_value_heads=2)
-
-
-@pytest.fixture(scope="module")
 def prompts(model_dir):
-    with open(os.path.join(model_dir, "config.json")) as f:
-        vocab = json.load(f)["vocab_size"]
+    vocab = checkpoint_vocab_size(model_dir)
     # Two prompts share a long prefix so that prefix caching has something to find.
     base = random_prompts(vocab, [9, 17, 30, 41, 6, 23], seed=3)
     base.append(base[3][:33] + base[0][:5])

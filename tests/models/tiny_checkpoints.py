@@ -76,6 +76,14 @@ def make_tiny_checkpoint(tmp_path, arch: str = "llama", *, dtype: str = "float32
     return out
 
 
+def checkpoint_vocab_size(model_dir) -> int:
+    """vocab_size from a checkpoint's config.json."""
+    import json
+
+    with open(os.path.join(model_dir, "config.json")) as f:
+        return json.load(f)["vocab_size"]
+
+
 def make_tiny_tokenizer(vocab_size: int = 256) -> PreTrainedTokenizerFast:
     """Char-level tokenizer: ids 0-3 special, then printable ASCII, then filler tokens."""
     chars = list(" " + string.ascii_lowercase + string.ascii_uppercase + string.digits
