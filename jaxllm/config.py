@@ -41,6 +41,34 @@ class ModelConfig:
         return int(self.hf_config.vocab_size)
 
 
+class PlainHFConfig:
+    """A transformers config's attributes without transformers.
+
+    The engine core process reads the model's config by attribute only; this
+    copy (from `PretrainedConfig.to_dict()`, which holds every attribute after
+    transformers' own defaults and normalization) unpickles without importing
+    transformers, or PyTorch, which transformers imports wherever it is installed.
+    """
+
+    def __init__(self, attributes: dict[str, Any]):
+        self.__dict__.update(attributes)
+
+    def to_dict(self) -> dict[str, Any]:
+        return dict(self.__dict__)
+
+    def __repr__(self) -> str:
+        return f"PlainHFConfig({self.__dict__!r})"
+
+
+def portable_config(config: EngineConfig) -> EngineConfig:
+    """`config` with its model config made picklable without transformers."""
+    hf = config.model_config.hf_config
+    if isinstance(hf, PlainHFConfig) or not hasattr(hf, "to_dict"):
+        return config
+    mc = dataclasses.replace(config.model_config, hf_config=PlainHFConfig(hf.to_dict()))
+    return dataclasses.replace(config, model_config=mc)
+
+
 @dataclass
 class CacheConfig:
     block_size: int = 16

@@ -98,15 +98,19 @@ def _merge_delta(into: RequestOutput, new: RequestOutput) -> None:
         into.prompt_logprobs = new.prompt_logprobs
 
 
+_LOAD = object()  # AsyncLLM(tokenizer=...) not given: load it from the model config
+
+
 class AsyncLLM:
     def __init__(self, config: EngineConfig, stat_loggers: list[StatLogger] | None = None,
                  startup_timeout_s: float | None = None,
-                 engine_core: AsyncMPClient | None = None):
+                 engine_core: AsyncMPClient | None = None, tokenizer: Any = _LOAD):
         from jaxllm.engine.core_mp import AsyncMPClient
 
         self.config = config
         self.model_config = config.model_config
-        self.tokenizer = load_tokenizer(config.model_config)
+        self.tokenizer = (load_tokenizer(config.model_config) if tokenizer is _LOAD
+                          else tokenizer)
         if engine_core is None:
             engine_core = AsyncMPClient(config, startup_timeout_s=startup_timeout_s)
         self.engine_core = engine_core
@@ -121,24 +125,23 @@ class AsyncLLM:
     @classmethod
     def from_engine_args(cls, args: EngineArgs, stat_loggers: list[StatLogger] | None = None,
                          startup_timeout_s: float | None = None) -> AsyncLLM:
-        """Spawns the engine core first: it builds its config from `args` while this
-        process builds its own, so the two processes' imports and set-up overlap."""
+        """Spawns the engine core first: it starts JAX while this process builds the
+        config (transformers' imports, the checkpoint's config), then receives it."""
         from jaxllm.engine.core_mp import AsyncMPClient
 
         with ThreadPoolExecutor(1, thread_name_prefix="frontend-config") as pool:
             config_future = pool.submit(args.create_engine_config)
+            tokenizer_future = pool.submit(
+                lambda: load_tokenizer(config_future.result().model_config))
+            client = AsyncMPClient(config_future, startup_timeout_s=startup_timeout_s)
+            config = config_future.result()
             try:
-                client = AsyncMPClient(args, startup_timeout_s=startup_timeout_s)
-            except BaseException:
-                config_future.result()  # a bad argument: the frontend's error names the field
-                raise
-            try:
-                config = config_future.result()
+                tokenizer = tokenizer_future.result()
             except BaseException:
                 client.shutdown()
                 raise
         try:
-            return cls(config, stat_loggers, engine_core=client)
+            return cls(config, stat_loggers, engine_core=client, tokenizer=tokenizer)
         except BaseException:
             client.shutdown()
             raise

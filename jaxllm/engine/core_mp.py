@@ -39,7 +39,7 @@ import zmq
 import zmq.asyncio
 
 import jaxllm
-from jaxllm.config import EngineArgs, EngineConfig
+from jaxllm.config import EngineConfig, portable_config
 from jaxllm.engine.core_client import EngineCoreClient
 from jaxllm.engine.messages import (
     EngineCoreOutput,
@@ -265,13 +265,25 @@ def _watch_parent(parent_pid: int) -> None:
             os._exit(1)
 
 
-def run_engine_core(config: EngineConfig | EngineArgs, addresses: dict[str, str],
+def _start_jax() -> None:
+    """Initializes the JAX backend and imports what building the engine needs."""
+    import jax
+
+    import jaxllm.engine.core  # noqa: F401  (the model runner, models, kernels)
+
+    jax.devices()
+
+
+def run_engine_core(config: EngineConfig | None, addresses: dict[str, str],
                     parent_pid: int, log_level: int = logging.INFO,
-                    spawned_at: float | None = None) -> None:
+                    spawned_at: float | None = None,
+                    config_conn: multiprocessing.connection.Connection | None = None) -> None:
     """Entry point of the engine core process (multiprocessing 'spawn' target).
 
-    Given EngineArgs, the core builds its config itself (while the frontend
-    builds its own copy: both are pure functions of the arguments).
+    Without a config, the core first starts JAX and imports the model code, then
+    takes its config from `config_conn` when the frontend has built it: the
+    frontend's config build (transformers, and PyTorch where installed) overlaps
+    the core's JAX start, and the core never imports either library.
     """
     logging.basicConfig(level=log_level,
                         format="%(levelname)s %(asctime)s [EngineCore] %(name)s: %(message)s")
@@ -282,6 +294,17 @@ def run_engine_core(config: EngineConfig | EngineArgs, addresses: dict[str, str]
     signal.signal(signal.SIGINT, signal.SIG_IGN)
     threading.Thread(target=_watch_parent, args=(parent_pid,), daemon=True,
                      name="parent-watch").start()
+    if config is None:
+        t0 = time.perf_counter()
+        _start_jax()
+        logger.info("JAX started and the model code imported in %.1fs",
+                    time.perf_counter() - t0)
+        try:
+            config = config_conn.recv()
+        except EOFError:
+            config = None
+        if config is None:  # the frontend could not build the config; it reports why
+            os._exit(0)
     ctx = zmq.Context()
     handshake = ctx.socket(zmq.PUSH)
     handshake.setsockopt(zmq.LINGER, 5000)
@@ -289,8 +312,6 @@ def run_engine_core(config: EngineConfig | EngineArgs, addresses: dict[str, str]
     codec = Codec()
     proc: EngineCoreProc | None = None
     try:
-        if isinstance(config, EngineArgs):
-            config = config.create_engine_config()
         proc = EngineCoreProc(config, addresses["input"], addresses["output"], ctx)
         signal.signal(signal.SIGTERM, lambda *_: proc.request_stop())
         handshake.send(codec.encode(Handshake(
@@ -327,8 +348,10 @@ def run_engine_core(config: EngineConfig | EngineArgs, addresses: dict[str, str]
 class MPClient(EngineCoreClient):
     """Spawns the core process, owns the sockets, watches for the core's death."""
 
-    def __init__(self, config: EngineConfig | EngineArgs, use_asyncio: bool,
+    def __init__(self, config: EngineConfig | Future, use_asyncio: bool,
                  startup_timeout_s: float | None = None):
+        """`config` may still be in the making (a Future): the core then starts JAX
+        meanwhile and receives the config once it is built."""
         self.codec = Codec()
         self.engine_dead = False
         self.engine_error: str | None = None
@@ -356,12 +379,24 @@ class MPClient(EngineCoreClient):
 
         mp = multiprocessing.get_context("spawn")
         spawned_at = time.time()
+        pending = isinstance(config, Future)
+        conn_r, conn_w = mp.Pipe(duplex=False) if pending else (None, None)
         self.proc = mp.Process(target=run_engine_core, name="EngineCore", daemon=True,
-                               args=(config, addresses, os.getpid(),
+                               args=(None if pending else portable_config(config), addresses,
+                                     os.getpid(),
                                      logging.getLogger("jaxllm").getEffectiveLevel(),
-                                     spawned_at))
+                                     spawned_at, conn_r))
         try:
             self.proc.start()
+            if pending:
+                conn_r.close()
+                try:
+                    built = config.result()
+                except BaseException:
+                    conn_w.close()  # the core sees EOF and exits quietly
+                    raise
+                conn_w.send(portable_config(built))
+                conn_w.close()
             info = self._wait_ready(handshake, startup_timeout_s)
             logger.info("engine core ready %.1fs after its spawn, %.1fs after this process "
                         "imported jaxllm", time.time() - spawned_at,
@@ -564,7 +599,7 @@ class SyncMPClient(MPClient):
 class AsyncMPClient(MPClient):
     """asyncio client for AsyncLLM: one reader task turns output frames into a queue."""
 
-    def __init__(self, config: EngineConfig | EngineArgs,
+    def __init__(self, config: EngineConfig | Future,
                  startup_timeout_s: float | None = None):
         self._loop: asyncio.AbstractEventLoop | None = None
         self._outputs: asyncio.Queue | None = None

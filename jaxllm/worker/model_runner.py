@@ -45,6 +45,7 @@ from jaxllm.sample.sampler import (
     sampled_logprobs,
 )
 from jaxllm.sampling_params import MAX_LOGPROBS
+from jaxllm.worker.aot_cache import ExecutableCache
 from jaxllm.worker.buckets import Buckets
 from jaxllm.worker.input_batch import InputBatch
 from jaxllm.worker.runner_output import ModelRunnerOutput
@@ -160,7 +161,7 @@ class ModelRunner:
     def __init__(self, config: EngineConfig):
         self.config = config
         mc, cc, sc = config.model_config, config.cache_config, config.scheduler_config
-        enable_compilation_cache(config.compilation_cache_dir)
+        xla_cache_dir = enable_compilation_cache(config.compilation_cache_dir)
         self.dtype = _DTYPES[mc.dtype]
         self.mesh = make_mesh(config.parallel_config.tensor_parallel_size,
                               config.parallel_config.data_parallel_size)
@@ -194,6 +195,11 @@ class ModelRunner:
         # Benchmarks set this to a list to get one StepRecord per executed step.
         self.step_log: list[StepRecord] | None = None
         self._build_functions()
+        # Compiled forwards by token bucket, loaded from (or stored to) the disk cache
+        # at precompile; a bucket missing here runs through the jitted function.
+        self._forward_exec: dict[int, Any] = {}
+        self.aot_cache = ExecutableCache.create(xla_cache_dir, self._aot_context(),
+                                                list(self.mesh.devices.flat))
 
     # ------------------------------------------------------------------ set-up
 
@@ -248,6 +254,19 @@ class ModelRunner:
         fns = _step_functions(self.graphdef)
         self._forward, self._logits, self._prompt_logprobs = fns
 
+    def _aot_context(self) -> dict[str, Any]:
+        """What the traced forward depends on beyond its arguments' shapes (aot_cache.py)."""
+        mc = self.config.model_config
+        hf = mc.hf_config
+        to_dict = getattr(hf, "to_dict", None)
+        return {"model": to_dict() if to_dict else vars(hf), "dtype": mc.dtype,
+                "attention": [self.attn_backend.name, self.attn_backend.interpret],
+                "mesh": [list(self.mesh.axis_names), list(self.mesh.devices.shape)]}
+
+    def _run_forward(self, *args: Any) -> tuple:
+        compiled = self._forward_exec.get(args[2].shape[0])
+        return (compiled or self._forward)(*args)
+
     # ------------------------------------------------------------- precompile
 
     def precompile(self) -> None:
@@ -262,10 +281,12 @@ class ModelRunner:
         for kind, arg in tqdm(jobs, desc="Precompiling buckets", unit="shape",
                               disable=os.environ.get("JAXLLM_NO_PROGRESS") == "1"):
             if kind == "forward":
-                inputs = self._dummy_inputs(arg)
-                self.kv_caches, hidden[arg] = self._forward(self.state, self.kv_caches, *inputs,
-                                                            self._no_prev,
-                                                            np.full(arg, -1, np.int32))
+                args = (self.state, self.kv_caches, *self._dummy_inputs(arg), self._no_prev,
+                        np.full(arg, -1, np.int32))
+                if self.aot_cache is not None:
+                    self._forward_exec[arg] = self.aot_cache.load_or_compile(
+                        "forward", self._forward, args, donate_argnums=(1,))
+                self.kv_caches, hidden[arg] = self._run_forward(*args)
             elif kind == "logits":
                 t, r = arg
                 logits[r] = self._logits(self.state, hidden[t], np.zeros(r, np.int32))
@@ -282,7 +303,10 @@ class ModelRunner:
             else:
                 self._prompt_logprobs(self.state, hidden[arg], np.zeros(arg, np.int32))
         jax.block_until_ready(self.kv_caches)
-        logger.info("precompiled %d shapes in %.1fs", len(jobs), time.perf_counter() - t0)
+        aot = self.aot_cache
+        note = (f" (forward programs: {aot.loaded} loaded from disk, {aot.traced} traced)"
+                if aot else "")
+        logger.info("precompiled %d shapes in %.1fs%s", len(jobs), time.perf_counter() - t0, note)
 
     def _dummy_inputs(self, t: int) -> tuple:
         s, w = self.buckets.max_num_seqs, self.buckets.max_blocks_per_req
@@ -355,8 +379,8 @@ class ModelRunner:
         logits_indices = np.zeros(r_pad, np.int32)
         logits_indices[:n] = cu[1:n + 1] - 1
 
-        self.kv_caches, hidden = self._forward(self.state, self.kv_caches, input_ids,
-                                               positions, md, prev_tokens, src)
+        self.kv_caches, hidden = self._run_forward(self.state, self.kv_caches, input_ids,
+                                                   positions, md, prev_tokens, src)
         # A prompt chunk that stops short of the prompt's end samples nothing.
         done = end >= ib.num_tokens[rows] + ib.num_pending[rows]
         smd = ib.sampling.make_metadata(rows, r_pad, self.seed, self._step_count,

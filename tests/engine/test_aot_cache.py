@@ -1,0 +1,81 @@
+"""The on-disk program cache: a second start loads every forward instead of tracing it,
+computes the same tokens, still donates the KV cache, and survives a damaged file."""
+
+from __future__ import annotations
+
+import logging
+
+import numpy as np
+
+from jaxllm import LLM, SamplingParams
+from jaxllm.worker import aot_cache
+
+ENGINE = dict(dtype="float32", max_model_len=128, max_num_seqs=4, max_num_batched_tokens=64,
+              block_size=8, token_buckets=[16, 64], request_buckets=[4], seed=0,
+              num_kv_blocks=64)
+PROMPTS = [{"prompt_token_ids": [5, 9, 11, 40, 7]}, {"prompt_token_ids": list(range(3, 40))}]
+GREEDY = SamplingParams(temperature=0.0, max_tokens=12, ignore_eos=True)
+
+
+def _start(model_dir, cache_dir, monkeypatch):
+    # A fresh process would have no compiled programs in memory: start without them.
+    monkeypatch.setattr(aot_cache, "_compiled", {})
+    llm = LLM(model_dir, compilation_cache_dir=str(cache_dir), **ENGINE)
+    runner = llm.llm_engine.engine_core.engine_core.model_runner
+    tokens = [o.outputs[0].token_ids for o in llm.generate(PROMPTS, GREEDY, use_tqdm=False)]
+    return llm, runner, tokens
+
+
+def test_a_restart_loads_the_forward_programs_and_generates_the_same(model_dir, tmp_path,
+                                                                     monkeypatch, caplog):
+    _, first, want = _start(model_dir, tmp_path, monkeypatch)
+    assert (first.aot_cache.traced, first.aot_cache.loaded) == (2, 0)
+    files = sorted((tmp_path / "jaxllm-aot").glob("forward-*.jaxexe"))
+    assert len(files) == 2  # one per token bucket
+
+    _, second, got = _start(model_dir, tmp_path, monkeypatch)
+    assert (second.aot_cache.traced, second.aot_cache.loaded) == (0, 2)
+    assert got == want
+    assert sorted((tmp_path / "jaxllm-aot").glob("forward-*.jaxexe")) == files
+
+    # The loaded program still updates the KV cache in place (donation kept).
+    kv0 = second.kv_caches[0]
+    ptr = kv0.unsafe_buffer_pointer()
+    args = (second.state, second.kv_caches, *second._dummy_inputs(16), second._no_prev,
+            np.full(16, -1, np.int32))
+    second.kv_caches, _ = second._run_forward(*args)
+    assert kv0.is_deleted()
+    assert second.kv_caches[0].unsafe_buffer_pointer() == ptr
+
+    # A damaged file is traced again (and rewritten); the other one still loads.
+    files[0].write_bytes(b"not a program")
+    with caplog.at_level(logging.WARNING, logger="jaxllm.worker.aot_cache"):
+        _, third, again = _start(model_dir, tmp_path, monkeypatch)
+    assert (third.aot_cache.traced, third.aot_cache.loaded) == (1, 1)
+    assert "could not load the cached program" in caplog.text
+    assert again == want
+    assert files[0].read_bytes() != b"not a program"
+
+
+def test_the_key_follows_code_context_and_shapes(tmp_path, monkeypatch):
+    import jax
+    import jax.numpy as jnp
+
+    devices = jax.devices()[:1]
+
+    def cache(context):
+        return aot_cache.ExecutableCache(str(tmp_path), context, devices)
+
+    x8, x16 = (jnp.zeros(8),), (jnp.zeros(16),)
+    a = cache({"model": 1})
+    assert a.path("f", x8) == cache({"model": 1}).path("f", x8)
+    paths = {a.path("f", x8), a.path("f", x16), a.path("g", x8), a.path("f", (x8[0] > 0,)),
+             cache({"model": 2}).path("f", x8)}
+    monkeypatch.setattr(aot_cache, "_fingerprint", ["edited source"])
+    paths.add(cache({"model": 1}).path("f", x8))
+    assert len(paths) == 6
+
+
+def test_it_can_be_turned_off(tmp_path, monkeypatch):
+    monkeypatch.setenv("JAXLLM_AOT_CACHE", "0")
+    assert aot_cache.ExecutableCache.create(str(tmp_path), {}, []) is None
