@@ -92,6 +92,7 @@ class ExecutableCache:
             json.dumps(ident, sort_keys=True, default=str).encode()).hexdigest()
         self.loaded = 0
         self.traced = 0
+        self.failed = 0
         os.makedirs(directory, exist_ok=True)
 
     @classmethod
@@ -106,8 +107,9 @@ class ExecutableCache:
         return os.path.join(self.directory, f"{name}-{key.hexdigest()[:40]}.jaxexe")
 
     def load_or_compile(self, name: str, fn: Any, args: tuple,
-                        donate_argnums: tuple[int, ...] = ()) -> AotFunction:
-        """`fn(*args)` compiled for these argument shapes; `fn` is traced only on a miss."""
+                        donate_argnums: tuple[int, ...] = ()) -> AotFunction | None:
+        """`fn(*args)` compiled for these argument shapes; `fn` is traced only on a miss.
+        None when the program cannot be exported (the caller then calls `fn` jitted)."""
         from jax import export
 
         leaves, in_tree = jax.tree_util.tree_flatten(args)
@@ -142,9 +144,15 @@ class ExecutableCache:
                      for x in leaves]
             # The file is keyed by these exact versions, so custom calls without
             # a cross-version stability promise (Triton kernels) are fine.
-            exported = export.export(
-                jax.jit(flat_fn, donate_argnums=donated),
-                disabled_checks=[export.DisabledSafetyCheck.custom_call("ALL")])(*specs)
+            try:
+                exported = export.export(
+                    jax.jit(flat_fn, donate_argnums=donated),
+                    disabled_checks=[export.DisabledSafetyCheck.custom_call("ALL")])(*specs)
+            except Exception as e:  # this program cannot be exported: plain jit it is
+                logger.warning("cannot export %s for the program cache (%s: %s); it will be "
+                               "traced on every start", name, type(e).__name__, e)
+                self.failed += 1
+                return None
             out_tree = tree_box[0]
             self.traced += 1
             try:

@@ -283,9 +283,10 @@ class ModelRunner:
             if kind == "forward":
                 args = (self.state, self.kv_caches, *self._dummy_inputs(arg), self._no_prev,
                         np.full(arg, -1, np.int32))
-                if self.aot_cache is not None:
-                    self._forward_exec[arg] = self.aot_cache.load_or_compile(
-                        "forward", self._forward, args, donate_argnums=(1,))
+                compiled = self.aot_cache and self.aot_cache.load_or_compile(
+                    "forward", self._forward, args, donate_argnums=(1,))
+                if compiled is not None:
+                    self._forward_exec[arg] = compiled
                 self.kv_caches, hidden[arg] = self._run_forward(*args)
             elif kind == "logits":
                 t, r = arg
