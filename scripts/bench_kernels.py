@@ -202,6 +202,30 @@ def decode_workload(ceil: dict, quick: bool) -> dict:
     return res
 
 
+def mgpu_kernel_fn(bs=None, **kw):
+    from pallas_kernels.ragged_paged_attention import gpu_mgpu
+
+    return jax.jit(lambda b: gpu_mgpu.ragged_paged_attention(
+        b.q, b.kv, b.kv_lens, b.page_indices, b.cu_q_lens, b.num_seqs, block_sizes=bs, **kw))
+
+
+def prefill_mgpu_variants(quick: bool) -> list:
+    """(name, gpu_mgpu.BlockSizes) of the Mosaic GPU body; the 128-row Q tile is fixed."""
+    from pallas_kernels.ragged_paged_attention import gpu_mgpu
+
+    bs = gpu_mgpu.BlockSizes
+    variants = [("pallas_mgpu default", None),
+                ("pallas_mgpu persistent", bs(128, 2, True, True)),
+                ("pallas_mgpu bkv=64 s=4", bs(64, 4, True, False)),
+                ("pallas_mgpu no schedule barrier", bs(128, 2, False, False))]
+    if not quick:
+        variants += [("pallas_mgpu bkv=64 s=4 persistent", bs(64, 4, True, True)),
+                     ("pallas_mgpu bkv=64 s=3", bs(64, 3, True, False)),
+                     ("pallas_mgpu jax-default lowering semantics",
+                      bs(128, 2, True, False, semantics=None))]
+    return variants
+
+
 def prefill_workload(ceil: dict, quick: bool) -> dict:
     seqs, length, hq, hkv, d, ps = 4, 2048, 32, 8, 128, 16
     b = make_batch([(length, length)] * seqs, num_kv_heads=hkv, group=hq // hkv, head_dim=d,
@@ -225,8 +249,25 @@ def prefill_workload(ceil: dict, quick: bool) -> dict:
     ref_out = np.asarray(reference_fn(**kw)(b).astype(jnp.float32))
     out = np.asarray(kernel_fn(None, **kw)(b).astype(jnp.float32))
     res["kernel_rel_err"] = float(np.linalg.norm(out - ref_out) / np.linalg.norm(ref_out))
-    del ref_out
+    # Mosaic GPU (Hopper) body: error against the same reference, then timed below.
+    mgpu_variants = prefill_mgpu_variants(quick)
+    res["mgpu_rel_err"] = {}
+    for name, bs in mgpu_variants:
+        try:
+            out = np.asarray(mgpu_kernel_fn(bs, **kw)(b).astype(jnp.float32))
+            res["mgpu_rel_err"][name] = float(np.linalg.norm(out - ref_out)
+                                              / np.linalg.norm(ref_out))
+        except Exception as e:  # recorded, not fatal: the other variants still run
+            res["mgpu_rel_err"][name] = repr(e)[:2000]
+            traceback.print_exc()
+        print("prefill rel_err", name, res["mgpu_rel_err"][name], flush=True)
+    del ref_out, out
     record("pallas_gpu default", kernel_fn(None, **kw), b)
+    for name, bs in mgpu_variants:
+        if isinstance(res["mgpu_rel_err"][name], float):
+            record(name, mgpu_kernel_fn(bs, **kw), b)
+        else:
+            res["variants"][name] = dict(error=res["mgpu_rel_err"][name])
     variants = [(32, 128, 8, 2), (32, 128, 8, 3), (32, 128, 8, 4), (32, 128, 4, 3),
                 (64, 128, 8, 3), (64, 64, 8, 3), (16, 128, 4, 3), (32, 64, 8, 3)]
     if quick:

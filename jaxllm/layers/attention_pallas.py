@@ -73,16 +73,19 @@ class PallasTPUBackend(_PallasBackend):
 
 
 class PallasGPUBackend(_PallasBackend):
-    """Triton GPU kernel; `interpret=True` runs it in Pallas interpret mode on any host."""
+    """The Pallas GPU bodies: prefill-shaped steps on Hopper (bf16/f16, head_dim 64/128,
+    no window or soft-cap) run the Mosaic GPU kernel (`gpu_mgpu.py`: TMA page copies,
+    wgmma), everything else the Triton one (`gpu.py`). `interpret=True` runs them in
+    Pallas interpret mode on any host."""
 
     name = "pallas_gpu"
 
     def attend(self, q: jax.Array, kv_cache: jax.Array, md: AttentionMetadata, *,
                sm_scale: float, sliding_window: int | None = None,
                soft_cap: float | None = None) -> jax.Array:
-        from pallas_kernels.ragged_paged_attention import gpu
+        from pallas_kernels.ragged_paged_attention import gpu_mgpu
 
-        return gpu.ragged_paged_attention(
+        return gpu_mgpu.ragged_paged_attention(
             q, kv_cache, md.kv_lens, md.page_indices, md.cu_q_lens, md.num_seqs,
             sm_scale=sm_scale, sliding_window=sliding_window, soft_cap=soft_cap,
             interpret=self.interpret)
