@@ -53,10 +53,10 @@ CTA structure (FA3-style, three warpgroups):
   written as zeros; requests >= num_seqs own no item and are never read.
 
 Measured (H100 SXM, jax 0.11.2, kernel-prefill workload: 4 x 2048-token causal
-prompts, 32 q / 8 kv heads, head_dim 128, bf16, page size 16, shuffled pages):
-330.6 us = 416 TFLOP/s = 57.0% of the measured bf16 matmul peak (730 TFLOP/s),
-against 575 us (32.7%) for `gpu.py` and 320 us (58.8%) for cuDNN's dense
-attention of the same shape; relative L2 error vs the reference 2.2e-3.
+prompts, 32 q / 8 kv heads, head_dim 128, bf16, page size 16, shuffled pages; at
+0316e30, BENCHMARKS.md): 314.0 us = 59.7% of the measured bf16 matmul peak
+(770 TFLOP/s), against 579 us (32.4%) for `gpu.py` and 304 us (61.7%) for cuDNN's
+dense attention of the same shape; relative L2 error vs the reference 2.2e-3.
 """
 
 from __future__ import annotations
