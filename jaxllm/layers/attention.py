@@ -34,6 +34,8 @@ class AttentionBackend:
     """The reference body; subclasses replace `attend` (and the layout if they must)."""
 
     name = "reference"
+    # Whether executables of this backend's kernels reload from XLA's persistent cache.
+    uses_persistent_cache = True
 
     def __init__(self, interpret: bool = False):
         self.interpret = interpret
@@ -54,7 +56,7 @@ class AttentionBackend:
             sm_scale=sm_scale, sliding_window=sliding_window, soft_cap=soft_cap)
 
 
-BACKENDS = ("auto", "reference", "pallas_tpu", "pallas_gpu")
+BACKENDS = ("auto", "reference", "pallas_tpu", "pallas_gpu", "pallas_gpu_mosaic")
 
 
 @functools.cache
@@ -74,4 +76,8 @@ def get_attention_backend(name: str = "auto", interpret: bool = False) -> Attent
         from jaxllm.layers.attention_pallas import PallasGPUBackend
 
         return PallasGPUBackend(interpret)
+    if name == "pallas_gpu_mosaic":
+        from jaxllm.layers.attention_pallas import PallasGPUMosaicBackend
+
+        return PallasGPUMosaicBackend(interpret)
     raise ValueError(f"attention_backend must be one of {BACKENDS}, got {name!r}")

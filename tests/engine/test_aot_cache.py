@@ -79,3 +79,21 @@ def test_the_key_follows_code_context_and_shapes(tmp_path, monkeypatch):
 def test_it_can_be_turned_off(tmp_path, monkeypatch):
     monkeypatch.setenv("JAXLLM_AOT_CACHE", "0")
     assert aot_cache.ExecutableCache.create(str(tmp_path), {}, []) is None
+
+
+def test_a_backend_whose_kernels_do_not_reload_turns_the_caches_off(model_dir, tmp_path):
+    import jax
+
+    from jaxllm.config import EngineArgs
+    from jaxllm.worker.model_runner import ModelRunner
+
+    config = EngineArgs(model=model_dir, compilation_cache_dir=str(tmp_path), precompile=False,
+                        attention_backend="pallas_gpu_mosaic", **ENGINE).create_engine_config()
+    try:
+        runner = ModelRunner(config)
+        assert runner.attn_backend.name == "pallas_gpu_mosaic"
+        assert runner.aot_cache is None
+        assert jax.config.jax_enable_compilation_cache is False
+        assert not (tmp_path / "jaxllm-aot").exists()
+    finally:
+        jax.config.update("jax_enable_compilation_cache", True)

@@ -222,11 +222,10 @@ def test_work_items_cover_every_row_once():
     np.testing.assert_array_equal(owner, want)
 
 
-def test_gpu_backend_routes_prefill_steps_to_the_mosaic_body(monkeypatch):
-    """The engine's GPU backend: a prefill-shaped bf16 step (KV written through the
+def test_mosaic_backend_routes_prefill_steps_to_the_mosaic_body(monkeypatch):
+    """The engine's opt-in backend: a prefill-shaped bf16 step (KV written through the
     backend, then attended) runs this body and matches the reference."""
-    from jaxllm.layers.attention import AttentionBackend, AttentionMetadata
-    from jaxllm.layers.attention_pallas import PallasGPUBackend
+    from jaxllm.layers.attention import AttentionBackend, AttentionMetadata, get_attention_backend
 
     calls = []
     real = gpu_mgpu._mgpu_call
@@ -246,7 +245,9 @@ def test_gpu_backend_routes_prefill_steps_to_the_mosaic_body(monkeypatch):
     v = jnp.asarray(rng.standard_normal((q.shape[0], hkv, d)), jnp.bfloat16)
     md = AttentionMetadata(jnp.asarray(slots), kv_lens, page_indices, cu, num_seqs)
     outs = []
-    for backend in (AttentionBackend(), PallasGPUBackend(interpret=MODE == "interpret")):
+    mosaic = get_attention_backend("pallas_gpu_mosaic", interpret=MODE == "interpret")
+    assert not mosaic.uses_persistent_cache
+    for backend in (AttentionBackend(), mosaic):
         layout = cache if type(backend) is AttentionBackend else cache.transpose(0, 2, 1, 3)
         kv = backend.write_kv(layout.astype(jnp.bfloat16), k, v, md)
         with jax.default_matmul_precision("highest"):
