@@ -395,7 +395,10 @@ class MPClient(EngineCoreClient):
                 except BaseException:
                     conn_w.close()  # the core sees EOF and exits quietly
                     raise
-                conn_w.send(portable_config(built))
+                try:
+                    conn_w.send(portable_config(built))
+                except OSError:
+                    pass  # the core died while starting JAX: _wait_ready reports its exit
                 conn_w.close()
             info = self._wait_ready(handshake, startup_timeout_s)
             logger.info("engine core ready %.1fs after its spawn, %.1fs after this process "
