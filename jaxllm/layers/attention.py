@@ -15,6 +15,7 @@ from dataclasses import dataclass
 
 import jax
 
+from jaxllm.errors import ParameterError
 from pallas_kernels.ragged_paged_attention import reference
 
 
@@ -68,6 +69,12 @@ def get_attention_backend(name: str = "auto", interpret: bool = False) -> Attent
             platform, "reference")
     if name == "reference":
         return AttentionBackend(interpret)
+    want = {"pallas_tpu": "tpu", "pallas_gpu": "gpu", "pallas_gpu_mosaic": "gpu"}.get(name)
+    platform = jax.devices()[0].platform
+    if want is not None and not interpret and {"cuda": "gpu", "rocm": "gpu"}.get(
+            platform, platform) != want:
+        raise ParameterError("attention_backend", f"{name!r} runs on a {want.upper()}; this "
+                             f"process's devices are {platform!r} (use 'auto' or 'reference')")
     if name == "pallas_tpu":
         from jaxllm.layers.attention_pallas import PallasTPUBackend
 
@@ -80,4 +87,4 @@ def get_attention_backend(name: str = "auto", interpret: bool = False) -> Attent
         from jaxllm.layers.attention_pallas import PallasGPUMosaicBackend
 
         return PallasGPUMosaicBackend(interpret)
-    raise ValueError(f"attention_backend must be one of {BACKENDS}, got {name!r}")
+    raise ParameterError("attention_backend", f"must be one of {BACKENDS}, got {name!r}")

@@ -12,6 +12,7 @@ import numpy as np
 import pytest
 from jax.sharding import Mesh
 
+from jaxllm.errors import ParameterError
 from jaxllm.layers.attention import AttentionBackend, AttentionMetadata, get_attention_backend
 from jaxllm.layers.attention_pallas import (
     PallasGPUBackend,
@@ -30,6 +31,10 @@ def test_auto_picks_reference_on_cpu_and_names_override():
     assert isinstance(gpu, PallasGPUBackend) and gpu.interpret
     with pytest.raises(ValueError, match="attention_backend"):
         get_attention_backend("flash")
+    # A compiled Pallas body asked for on the wrong platform: the field is named.
+    for name in ("pallas_gpu", "pallas_gpu_mosaic", "pallas_tpu"):
+        with pytest.raises(ParameterError, match="attention_backend.*devices are 'cpu'"):
+            get_attention_backend(name)
 
 
 @pytest.mark.parametrize("backend", [PallasTPUBackend(True), PallasGPUBackend(True)])
