@@ -23,6 +23,7 @@ Set `JAXLLM_AOT_CACHE=0` to turn it off.
 
 from __future__ import annotations
 
+import functools
 import hashlib
 import json
 import logging
@@ -39,10 +40,9 @@ logger = logging.getLogger(__name__)
 _PACKAGES = ("jaxllm", "pallas_kernels")
 
 
+@functools.cache
 def code_fingerprint() -> str:
     """sha256 over the source of jaxllm and pallas_kernels (paths and bytes)."""
-    if _fingerprint:
-        return _fingerprint[0]
     h = hashlib.sha256()
     root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
     for pkg in _PACKAGES:
@@ -55,11 +55,7 @@ def code_fingerprint() -> str:
                     h.update(os.path.relpath(path, root).encode())
                     with open(path, "rb") as f:
                         h.update(hashlib.sha256(f.read()).digest())
-    _fingerprint.append(h.hexdigest())
-    return _fingerprint[0]
-
-
-_fingerprint: list[str] = []
+    return h.hexdigest()
 
 
 def _describe_args(args: tuple) -> str:

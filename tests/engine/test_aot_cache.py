@@ -71,7 +71,7 @@ def test_the_key_follows_code_context_and_shapes(tmp_path, monkeypatch):
     assert a.path("f", x8) == cache({"model": 1}).path("f", x8)
     paths = {a.path("f", x8), a.path("f", x16), a.path("g", x8), a.path("f", (x8[0] > 0,)),
              cache({"model": 2}).path("f", x8)}
-    monkeypatch.setattr(aot_cache, "_fingerprint", ["edited source"])
+    monkeypatch.setattr(aot_cache, "code_fingerprint", lambda: "edited source")
     paths.add(cache({"model": 1}).path("f", x8))
     assert len(paths) == 6
 
