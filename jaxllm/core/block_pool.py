@@ -130,7 +130,8 @@ class BlockPool:
         if num_blocks > self.get_num_free_blocks():
             raise ValueError(f"cannot get {num_blocks} blocks, "
                              f"{self.get_num_free_blocks()} are free")
-        blocks = self.free_block_queue.popleft_n(num_blocks)
+        queue = self.free_block_queue
+        blocks = [queue.popleft()] if num_blocks == 1 else queue.popleft_n(num_blocks)
         for block in blocks:
             self._evict(block)
             block.ref_cnt = 1

@@ -82,13 +82,8 @@ class KVCacheManager:
         req_id = request.request_id
         req_blocks = self.req_to_blocks.get(req_id, [])
         if req_blocks and not new_computed_blocks and num_new_tokens >= 0:
-            # The common decode step: room in the last block, nothing new to cache.
-            num_total = request.num_computed_tokens + num_new_tokens
-            if num_total <= len(req_blocks) * self.block_size and (
-                    not self.enable_caching or min(num_total // self.block_size,
-                                                   len(request.block_hashes))
-                    <= self._num_cached_blocks.get(req_id, 0)):
-                return []
+            return self._extend(request, req_blocks, request.num_computed_tokens
+                                + num_new_tokens)
         if num_new_tokens < 0:
             raise ValueError(f"num_new_tokens must be non-negative, got {num_new_tokens}")
         new_computed_blocks = new_computed_blocks or []
@@ -128,11 +123,37 @@ class KVCacheManager:
                 self._num_cached_blocks[req_id] = num_full
         return new_blocks
 
+    def _extend(self, request: Request, req_blocks: list[KVCacheBlock],
+                num_total: int) -> list[KVCacheBlock] | None:
+        """`allocate_slots` for a request that holds blocks and brings no hits:
+        every decode step, so kept short."""
+        bs = self.block_size
+        num_new_blocks = -(-num_total // bs) - len(req_blocks)
+        new_blocks: list[KVCacheBlock] = []
+        if num_new_blocks > 0:
+            if num_new_blocks > self.block_pool.get_num_free_blocks():
+                return None
+            new_blocks = self.block_pool.get_new_blocks(num_new_blocks)
+            req_blocks.extend(new_blocks)
+        if self.enable_caching:  # blocks filled by this step (see allocate_slots)
+            num_full = min(num_total // bs, len(request.block_hashes))
+            num_cached = self._num_cached_blocks.get(request.request_id, 0)
+            if num_full > num_cached:
+                self.block_pool.cache_full_blocks(req_blocks, request.block_hashes,
+                                                  num_cached, num_full)
+                self._num_cached_blocks[request.request_id] = num_full
+        return new_blocks
+
     def free(self, request: Request) -> None:
         """Drops the request's references. Its last blocks are evicted first."""
         blocks = self.req_to_blocks.pop(request.request_id, [])
         self._num_cached_blocks.pop(request.request_id, None)
         self.block_pool.free_blocks(reversed(blocks))
+
+    def block_state(self, request_id: str) -> tuple[int, int]:
+        """(blocks held, of which registered in the prefix cache) for one request."""
+        return (len(self.req_to_blocks.get(request_id, ())),
+                self._num_cached_blocks.get(request_id, 0))
 
     def get_blocks(self, request_id: str) -> list[KVCacheBlock]:
         return self.req_to_blocks.get(request_id, [])

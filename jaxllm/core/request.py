@@ -5,10 +5,14 @@ from __future__ import annotations
 import enum
 import sys
 import time
+from typing import TYPE_CHECKING
 
 from jaxllm.core.block_hash import BlockHash, BlockHasher
 from jaxllm.engine.messages import EngineCoreRequest, FinishReason
 from jaxllm.sampling_params import PoolingParams, SamplingParams
+
+if TYPE_CHECKING:
+    from jaxllm.core.running_batch import RunningBatch
 
 
 class RequestStatus(enum.IntEnum):
@@ -70,10 +74,12 @@ class Request:
         self.num_prompt_tokens = len(self.prompt_token_ids)
         self.output_token_ids: list[int] = []
         self.all_token_ids: list[int] = list(self.prompt_token_ids)
-        self.num_computed_tokens = 0
-        # Tokens scheduled to be sampled whose ids have not come back yet
-        # (at most one: async scheduling runs one step ahead).
-        self.num_output_placeholders = 0
+        # While the request runs, these two counters live in the scheduler's
+        # RunningBatch arrays (see the properties below).
+        self.batch_index = -1  # position in that batch, -1 when not running
+        self._batch: RunningBatch | None = None
+        self._num_computed_tokens = 0
+        self._num_output_placeholders = 0
         # Prefix-cache hit (tokens) at the first schedule; -1 until then, as in vLLM.
         self.num_cached_tokens = -1
         self.num_preemptions = 0
@@ -109,6 +115,33 @@ class Request:
         return self._block_hasher is not None
 
     @property
+    def num_computed_tokens(self) -> int:
+        """Tokens of `all_token_ids` whose KV is in the cache."""
+        i = self.batch_index
+        return self._num_computed_tokens if i < 0 else int(self._batch.computed[i])
+
+    @num_computed_tokens.setter
+    def num_computed_tokens(self, value: int) -> None:
+        if self.batch_index < 0:
+            self._num_computed_tokens = value
+        else:
+            self._batch.computed[self.batch_index] = value
+
+    @property
+    def num_output_placeholders(self) -> int:
+        """Tokens scheduled to be sampled whose ids have not come back yet
+        (at most one: async scheduling runs one step ahead)."""
+        i = self.batch_index
+        return self._num_output_placeholders if i < 0 else int(self._batch.pending[i])
+
+    @num_output_placeholders.setter
+    def num_output_placeholders(self, value: int) -> None:
+        if self.batch_index < 0:
+            self._num_output_placeholders = value
+        else:
+            self._batch.pending[self.batch_index] = value
+
+    @property
     def num_tokens(self) -> int:
         return len(self.all_token_ids)
 
@@ -127,7 +160,10 @@ class Request:
         else:
             self.output_token_ids.extend(token_ids)
             self.all_token_ids.extend(token_ids)
-        # Hash only when a block has filled up (most appends fill none).
+        self.hash_new_blocks()
+
+    def hash_new_blocks(self) -> None:
+        """Hashes the blocks that filled up since the last call (most appends fill none)."""
         if (self._block_hasher is not None and len(self.all_token_ids)
                 >= (len(self.block_hashes) + 1) * self._hash_block_size):
             self.block_hashes.extend(self._block_hasher(self))

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 
 from jaxllm.sampling_params import PoolingParams, SamplingParams
@@ -27,7 +28,8 @@ class CachedRequestData:
     """Requests the runner already holds; only what changed is sent."""
 
     req_ids: list[str] = field(default_factory=list)
-    new_block_ids: list[list[int]] = field(default_factory=list)  # appended blocks
+    # Blocks appended this step, per request (an empty sequence for most).
+    new_block_ids: list[Sequence[int]] = field(default_factory=list)
     num_computed_tokens: list[int] = field(default_factory=list)
 
     @property

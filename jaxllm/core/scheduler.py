@@ -11,14 +11,19 @@ tokens, applies stop conditions and turns the step into EngineCoreOutputs.
 
 from __future__ import annotations
 
+import itertools
+import os
 import time
 from collections.abc import Iterable
+
+import numpy as np
 
 from jaxllm.config import EngineConfig
 from jaxllm.core.block_hash import make_block_hasher
 from jaxllm.core.kv_cache_manager import KVCacheManager
 from jaxllm.core.request import Request, RequestStatus
 from jaxllm.core.request_queue import SchedulingPolicy, create_request_queue
+from jaxllm.core.running_batch import RunningBatch
 from jaxllm.core.sched_output import CachedRequestData, NewRequestData, SchedulerOutput
 from jaxllm.engine.messages import EngineCoreOutput, EngineCoreOutputs, SchedulerStats
 from jaxllm.worker.runner_output import ModelRunnerOutput
@@ -47,7 +52,13 @@ class Scheduler:
 
         self.requests: dict[str, Request] = {}
         self.waiting = create_request_queue(self.policy)
-        self.running: list[Request] = []
+        self.running = RunningBatch(self.max_num_seqs)
+        # Plan steps and apply their results with array passes over the running
+        # batch (off: one request at a time, the reference the tests compare with).
+        self.vectorized = True
+        # Verify the running batch's arrays against the requests after every
+        # schedule and update (tests set JAXLLM_CHECK_INVARIANTS=1).
+        self.check_invariants = os.environ.get("JAXLLM_CHECK_INVARIANTS") == "1"
         # Ids finished (or aborted) since the last schedule(): the runner drops them.
         self.finished_req_ids: set[str] = set()
 
@@ -98,9 +109,11 @@ class Scheduler:
         if isinstance(request_ids, str):
             request_ids = (request_ids,)
         to_finish = [self.requests[r] for r in dict.fromkeys(request_ids) if r in self.requests]
-        running = {id(r) for r in to_finish if r.status == RequestStatus.RUNNING}
-        if running:
-            self.running = [r for r in self.running if id(r) not in running]
+        gone = [r.batch_index for r in to_finish if r.status == RequestStatus.RUNNING]
+        if gone:
+            keep = np.ones(len(self.running), bool)
+            keep[gone] = False
+            self.running.keep(keep)
         self.waiting.remove_many(r for r in to_finish if r.status != RequestStatus.RUNNING)
         for request in to_finish:
             request.status = finished_status
@@ -164,37 +177,27 @@ class Scheduler:
         scheduled_new: list[NewRequestData] = []
         sampling: set[str] = set()
         preempted: list[Request] = []
-        num_prompt_tokens = 0
         kv = self.kv_cache_manager
-        max_len, max_req = self.max_model_len, self.max_request_tokens
-        threshold = self.long_prefill_token_threshold
 
         # Running requests in priority order, so the preemption victim, always
-        # the last of the list, is the lowest-priority, latest-arrived one and
+        # the last of the batch, is the lowest-priority, latest-arrived one and
         # has not been scheduled in this step yet (its blocks hold only
         # computed KV when they return to the cache). The sort is stable.
         running = self.running
         if self._running_unsorted:
-            running.sort(key=self._priority_key)
+            running.sort(self._priority_key)
             self._running_unsorted = False
-        i = 0
+        i, token_budget, num_prompt_tokens = 0, token_budget, 0
+        if self.vectorized and running:
+            i, token_budget, num_prompt_tokens = self._schedule_running_arrays(
+                token_budget, num_scheduled, cached, sampling)
+        # One request at a time from `i` on: everything when not vectorized,
+        # else from the first request whose blocks the pool could not supply,
+        # since finding room means preempting.
         while i < len(running) and token_budget > 0:
             request = running[i]
-            computed = request.num_computed_tokens
-            num_tokens = len(request.all_token_ids)
-            pending = request.num_output_placeholders
-            # A token still in flight (async scheduling) counts as known: its
-            # id reaches the next step on the device. A request whose token in
-            # flight is its last allowed one is not scheduled again.
-            if pending and (len(request.output_token_ids) + pending >= request.max_tokens
-                            or num_tokens + pending >= max_req):
-                i += 1
-                continue
-            num_new = num_tokens + pending - computed
-            if 0 < threshold < num_new:
-                num_new = threshold
-            # Never place a token at a position >= max_model_len.
-            num_new = min(num_new, token_budget, max_len - computed)
+            num_new = self._wanted_tokens(request, request.num_computed_tokens)
+            num_new = self._fit_tokens(num_new, request.num_computed_tokens, token_budget)
             if num_new <= 0:
                 i += 1
                 continue
@@ -209,7 +212,8 @@ class Scheduler:
                     break
             if new_blocks is None:
                 break  # the current request itself was preempted; nothing below fits
-            req_id = request.request_id
+            req_id, computed = request.request_id, request.num_computed_tokens
+            running.num_blocks[i], running.num_cached_blocks[i] = kv.block_state(req_id)
             cached.req_ids.append(req_id)
             cached.new_block_ids.append([b.block_id for b in new_blocks] if new_blocks else [])
             cached.num_computed_tokens.append(computed)
@@ -218,9 +222,9 @@ class Scheduler:
             request.num_computed_tokens = after = computed + num_new
             if computed < request.num_prompt_tokens:
                 num_prompt_tokens += min(after, request.num_prompt_tokens) - computed
-            if after >= num_tokens + pending:
+            if after >= request.num_tokens + request.num_output_placeholders:
                 sampling.add(req_id)
-                request.num_output_placeholders = pending + 1
+                request.num_output_placeholders += 1
             i += 1
 
         # Admit waiting requests, unless this step had to preempt: the cache is
@@ -246,7 +250,6 @@ class Scheduler:
             self.waiting.pop()
             if running and self._priority_key(request) < self._priority_key(running[-1]):
                 self._running_unsorted = True
-            running.append(request)
             request.status = RequestStatus.RUNNING
             request.num_computed_tokens = num_computed
             if request.num_cached_tokens < 0:
@@ -260,6 +263,7 @@ class Scheduler:
             if after >= request.num_tokens + request.num_output_placeholders:
                 sampling.add(req_id)
                 request.num_output_placeholders += 1
+            running.append(request, *kv.block_state(req_id))
 
         output = SchedulerOutput(
             scheduled_new_reqs=scheduled_new, scheduled_cached_reqs=cached,
@@ -270,7 +274,74 @@ class Scheduler:
             sampling_req_ids=sampling)
         self.finished_req_ids = set()
         self._last_num_prompt_tokens = num_prompt_tokens
+        if self.check_invariants:
+            running.check(kv.block_state)
         return output
+
+    def _schedule_running_arrays(self, token_budget: int, num_scheduled: dict[str, int],
+                                 cached: CachedRequestData, sampling: set[str]
+                                 ) -> tuple[int, int, int]:
+        """Schedules the running requests with array passes over the RunningBatch.
+
+        The same decisions as the per-request loop in `schedule`, in priority
+        order. Only requests that need a new block (or a newly full block
+        registered in the prefix cache) call the KV cache manager. Stops at
+        the first one the pool cannot serve, since making room means
+        preempting: returns that index (the loop goes on from there), the
+        budget left and the prompt tokens scheduled.
+        """
+        b, m, bs = self.running, len(self.running), self.block_size
+        computed, num_tokens, pending = b.computed[:m], b.num_tokens[:m], b.pending[:m]
+        want = num_tokens + pending - computed
+        if self.long_prefill_token_threshold > 0:
+            np.minimum(want, self.long_prefill_token_threshold, out=want)
+        # Never place a token at a position >= max_model_len.
+        np.minimum(want, self.max_model_len - computed, out=want)
+        # A request whose token in flight is its last allowed one is not scheduled again.
+        want[(pending > 0) & ((b.num_output[:m] + pending >= b.max_tokens[:m])
+                              | (num_tokens + pending >= self.max_request_tokens))] = 0
+        np.maximum(want, 0, out=want)
+        # In priority order until the budget runs out.
+        take = np.minimum(want, np.maximum(token_budget - (np.cumsum(want) - want), 0))
+        end = computed + take
+        need = end > b.num_blocks[:m] * bs
+        if self.enable_prefix_caching:
+            # A block to register: full and hashed (the hashes cover the known tokens).
+            need |= np.minimum(end, num_tokens) // bs > b.num_cached_blocks[:m]
+        need &= take > 0
+
+        kv, stop, new_block_ids = self.kv_cache_manager, m, {}
+        for i in np.flatnonzero(need).tolist():
+            new_blocks = kv.allocate_slots(b.requests[i], int(take[i]))
+            if new_blocks is None:
+                stop = i
+                break
+            if new_blocks:
+                new_block_ids[i] = [blk.block_id for blk in new_blocks]
+            b.num_blocks[i], b.num_cached_blocks[i] = kv.block_state(b.ids[i])
+
+        sel = np.flatnonzero(take[:stop])
+        if sel.size == stop:  # every request up to `stop`: the usual decode step
+            ids, idx = b.ids[:stop], range(stop)
+        else:
+            idx = sel.tolist()
+            ids = [b.ids[i] for i in idx]
+        # The requests' num_computed_tokens and placeholders are these arrays.
+        new_end, old = end[sel], computed[sel]
+        samples = new_end >= num_tokens[sel] + pending[sel]
+        b.computed[sel] = new_end
+        b.pending[sel[samples]] += 1
+        sampling.update(itertools.compress(ids, samples.tolist()))
+        num_scheduled.update(zip(ids, take[sel].tolist(), strict=True))
+        base = len(cached.req_ids)
+        cached.req_ids.extend(ids)
+        cached.num_computed_tokens.extend(old.tolist())
+        cached.new_block_ids.extend(itertools.repeat((), len(ids)))
+        for i, blocks in new_block_ids.items():
+            cached.new_block_ids[base + (i if len(ids) == stop else idx.index(i))] = blocks
+        num_prompt = b.num_prompt[sel]
+        num_prompt_tokens = int(np.maximum(np.minimum(new_end, num_prompt) - old, 0).sum())
+        return stop, token_budget - int(take[:stop].sum()), num_prompt_tokens
 
     def _new_request_data(self, request: Request) -> NewRequestData:
         return NewRequestData(
@@ -284,66 +355,167 @@ class Scheduler:
 
     def update_from_output(self, scheduler_output: SchedulerOutput,
                            model_runner_output: ModelRunnerOutput) -> EngineCoreOutputs:
-        outputs: list[EngineCoreOutput] = []
-        finished: list[Request] = []
-        num_generated = 0
         runner = model_runner_output
-        requests, sampling = self.requests, scheduler_output.sampling_req_ids
-        to_index, sampled_ids = runner.req_id_to_index, runner.sampled_token_ids
-        for req_id in scheduler_output.num_scheduled_tokens:
-            request = requests.get(req_id)
-            if request is None or request.status > RequestStatus.PREEMPTED:
-                continue  # finished or aborted while the step ran
-            if req_id in sampling:
-                request.num_output_placeholders -= 1
-            index = to_index.get(req_id)
-            sampled = sampled_ids[index] if index is not None else ()
-
-            new_token_ids: list[int] = []
-            for token_id in sampled:
-                request.append_output_token_ids(token_id)
-                new_token_ids.append(token_id)
-                if self._check_stop(request):
-                    break
-            num_generated += len(new_token_ids)
-
-            pooling_output = None
-            if (request.pooling_params is not None
-                    and request.num_computed_tokens >= request.num_prompt_tokens):
-                pooling_output = runner.pooler_output.get(req_id)
-                # A finished prompt without pooled output would never be
-                # scheduled again; fail it rather than hang the engine.
-                request.status = (RequestStatus.FINISHED_STOPPED if pooling_output is not None
-                                  else RequestStatus.FINISHED_ERROR)
-
-            new_logprobs = None
-            if (new_token_ids and index is not None and runner.logprobs is not None
-                    and request.sampling_params is not None
-                    and request.sampling_params.logprobs is not None):
-                new_logprobs = runner.logprobs.slice(index, index + 1)
-            prompt_logprobs = (runner.prompt_logprobs.get(req_id) if runner.prompt_logprobs
-                               else None)
-            is_finished = request.status > RequestStatus.PREEMPTED
-
-            if (new_token_ids or pooling_output is not None or prompt_logprobs is not None
-                    or is_finished):
-                outputs.append(EngineCoreOutput(
-                    request_id=req_id, new_token_ids=new_token_ids, new_logprobs=new_logprobs,
-                    new_prompt_logprobs=prompt_logprobs, pooling_output=pooling_output,
-                    finish_reason=request.status.finish_reason() if is_finished else None,
-                    stop_reason=request.stop_reason,
-                    num_cached_tokens=max(0, request.num_cached_tokens)))
-            if is_finished:
-                finished.append(request)
+        req_ids = list(scheduler_output.num_scheduled_tokens)
+        outputs: list[EngineCoreOutput | None] = [None] * len(req_ids)
+        finished: list[tuple[int, Request]] = []  # (position in the step, request)
+        rest: Iterable[int] = range(len(req_ids))
+        num_generated = 0
+        if (self.vectorized and req_ids and runner.req_ids == req_ids
+                and runner.logprobs is None and not runner.prompt_logprobs
+                and not runner.pooler_output):
+            rest, num_generated = self._update_arrays(scheduler_output, runner, req_ids,
+                                                      outputs, finished)
+        for j in rest:
+            num_generated += self._update_request(j, req_ids[j], scheduler_output, runner,
+                                                  outputs, finished)
 
         if finished:
-            done = {id(r) for r in finished}
-            self.running = [r for r in self.running if id(r) not in done]
-            for request in finished:
+            finished.sort(key=_first)
+            gone = [r.batch_index for _, r in finished if r.batch_index >= 0]
+            if len(gone) < len(finished):
+                # Preempted while its step ran, so queued to resume: the token
+                # that came back finished it, and it leaves the queue too.
+                self.waiting.remove_many(r for _, r in finished if r.batch_index < 0)
+            if gone:
+                keep = np.ones(len(self.running), bool)
+                keep[gone] = False
+                self.running.keep(keep)
+            for _, request in finished:
                 self._free_request(request)
         self._last_num_generation_tokens = num_generated
-        return EngineCoreOutputs(outputs=outputs, scheduler_stats=self.make_stats(),
-                                 timestamp=time.time())
+        if self.check_invariants:
+            self.running.check(self.kv_cache_manager.block_state)
+        return EngineCoreOutputs(outputs=[o for o in outputs if o is not None],
+                                 scheduler_stats=self.make_stats(), timestamp=time.time())
+
+    def _update_arrays(self, so: SchedulerOutput, runner: ModelRunnerOutput, req_ids: list[str],
+                       outputs: list[EngineCoreOutput | None],
+                       finished: list[tuple[int, Request]]) -> tuple[list[int], int]:
+        """`update_from_output` for the step's plain requests, with array passes.
+
+        Plain: in the running batch, generating (not pooling), at most one new
+        token, and a step without logprobs. Stop conditions are evaluated for
+        all of them at once; Python only appends each token to its request's
+        history and makes its output. Returns the positions left to the
+        per-request path and the number of tokens generated.
+        """
+        b, n = self.running, len(req_ids)
+        reqs = list(map(self.requests.get, req_ids))
+        batch_index = np.array([-1 if r is None else r.batch_index for r in reqs], np.int64)
+        tokens = runner.sampled_array
+        if tokens is None:  # -1: no token, -2: more than one (per-request path)
+            tokens = np.array([(s[0] if len(s) == 1 else -2) if s else -1
+                               for s in runner.sampled_token_ids], np.int64)
+        plain = (batch_index >= 0) & (tokens >= -1)
+        plain[plain] = b.simple[batch_index[plain]]
+        if plain.all():
+            pos, ids, rows, tok = list(range(n)), req_ids, batch_index, tokens
+        else:
+            pos = np.flatnonzero(plain).tolist()
+            ids, reqs = [req_ids[j] for j in pos], [reqs[j] for j in pos]
+            rows, tok = batch_index[pos], tokens[pos]
+        has = tok >= 0
+        samples = np.fromiter(map(so.sampling_req_ids.__contains__, ids), bool, len(ids))
+        num_output = b.num_output[rows] + has
+        num_tokens = b.num_tokens[rows] + has
+        reached_min = has & (num_output >= b.min_tokens[rows])
+        eos = reached_min & (tok == b.eos[rows])
+        status = np.where(eos, int(RequestStatus.FINISHED_STOPPED), 0)
+        length = has & ((num_output >= b.max_tokens[rows])
+                        | (num_tokens >= self.max_request_tokens))
+        status[length & ~eos] = RequestStatus.FINISHED_LENGTH_CAPPED
+        stop_ids = {}
+        for k in np.flatnonzero(reached_min & ~eos & b.has_stop_ids[rows]).tolist():
+            token = int(tok[k])
+            if token in reqs[k].sampling_params.stop_token_ids:
+                status[k] = RequestStatus.FINISHED_STOPPED
+                stop_ids[k] = token
+        b.num_output[rows] = num_output
+        b.num_tokens[rows] = num_tokens
+        b.pending[rows[samples]] -= 1  # the requests' placeholders
+
+        # Python only where each request must change: its token history and
+        # its output (positional: msgspec takes those fastest).
+        tok_list = tok.tolist()
+        if has.all():
+            got, got_pos, got_tok = reqs, pos, tok_list
+        else:
+            keep = has.tolist()
+            got, got_pos, got_tok = (list(itertools.compress(x, keep))
+                                     for x in (reqs, pos, tok_list))
+        for j, request, token in zip(got_pos, got, got_tok, strict=True):
+            request.output_token_ids.append(token)
+            request.all_token_ids.append(token)
+            outputs[j] = EngineCoreOutput(request.request_id, [token], None, None, None, None,
+                                          None, request.num_cached_tokens)
+        if self.enable_prefix_caching:  # the blocks these tokens filled
+            for k in np.flatnonzero(has & (num_tokens % self.block_size == 0)).tolist():
+                reqs[k].hash_new_blocks()
+        for k in np.flatnonzero(status).tolist():
+            request = reqs[k]
+            request.status = RequestStatus(int(status[k]))
+            if k in stop_ids:
+                request.stop_reason = stop_ids[k]
+            outputs[pos[k]] = EngineCoreOutput(
+                request.request_id, [tok_list[k]], finish_reason=request.status.finish_reason(),
+                stop_reason=request.stop_reason,
+                num_cached_tokens=max(0, request.num_cached_tokens))
+            finished.append((pos[k], request))
+        return np.flatnonzero(~plain).tolist(), int(has.sum())
+
+    def _update_request(self, j: int, req_id: str, so: SchedulerOutput,
+                        runner: ModelRunnerOutput, outputs: list[EngineCoreOutput | None],
+                        finished: list[tuple[int, Request]]) -> int:
+        """`update_from_output` for the request at position `j` of the step, one at a time."""
+        request = self.requests.get(req_id)
+        if request is None or request.status > RequestStatus.PREEMPTED:
+            return 0  # finished or aborted while the step ran
+        row = request.batch_index
+        if req_id in so.sampling_req_ids:
+            request.num_output_placeholders -= 1
+        index = runner.req_id_to_index.get(req_id)
+        sampled = runner.sampled_token_ids[index] if index is not None else ()
+
+        new_token_ids: list[int] = []
+        for token_id in sampled:
+            request.append_output_token_ids(token_id)
+            new_token_ids.append(token_id)
+            if self._check_stop(request):
+                break
+        if row >= 0 and new_token_ids:
+            self.running.num_output[row] += len(new_token_ids)
+            self.running.num_tokens[row] += len(new_token_ids)
+
+        pooling_output = None
+        if (request.pooling_params is not None
+                and request.num_computed_tokens >= request.num_prompt_tokens):
+            pooling_output = runner.pooler_output.get(req_id)
+            # A finished prompt without pooled output would never be
+            # scheduled again; fail it rather than hang the engine.
+            request.status = (RequestStatus.FINISHED_STOPPED if pooling_output is not None
+                              else RequestStatus.FINISHED_ERROR)
+
+        new_logprobs = None
+        if (new_token_ids and index is not None and runner.logprobs is not None
+                and request.sampling_params is not None
+                and request.sampling_params.logprobs is not None):
+            new_logprobs = runner.logprobs.slice(index, index + 1)
+        prompt_logprobs = (runner.prompt_logprobs.get(req_id) if runner.prompt_logprobs
+                           else None)
+        is_finished = request.status > RequestStatus.PREEMPTED
+
+        if (new_token_ids or pooling_output is not None or prompt_logprobs is not None
+                or is_finished):
+            outputs[j] = EngineCoreOutput(
+                request_id=req_id, new_token_ids=new_token_ids, new_logprobs=new_logprobs,
+                new_prompt_logprobs=prompt_logprobs, pooling_output=pooling_output,
+                finish_reason=request.status.finish_reason() if is_finished else None,
+                stop_reason=request.stop_reason,
+                num_cached_tokens=max(0, request.num_cached_tokens))
+        if is_finished:
+            finished.append((j, request))
+        return len(new_token_ids)
 
     def _check_stop(self, request: Request) -> bool:
         """Applies stop conditions after one appended token; sets status and stop_reason."""
@@ -377,6 +549,10 @@ class Scheduler:
             num_preemptions=self.num_preemptions,
             num_prompt_tokens=self._last_num_prompt_tokens,
             num_generation_tokens=self._last_num_generation_tokens)
+
+
+def _first(pair: tuple[int, Request]) -> int:
+    return pair[0]
 
 
 def _reads_output_history(request: Request) -> bool:

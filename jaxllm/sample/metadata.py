@@ -90,13 +90,21 @@ def _mix64(x: np.ndarray) -> np.ndarray:
 def rng_key_data(seeded: np.ndarray, seed: np.ndarray, engine_seed: int, stream: np.ndarray,
                  index: np.ndarray) -> np.ndarray:
     """Threefry key data `[n, 2]` u32 for each row's `index`-th output token."""
+    return _key_data(_key_base(seeded, seed, engine_seed, stream), index)
+
+
+def _key_base(seeded: np.ndarray, seed: np.ndarray, engine_seed: int,
+              stream: np.ndarray) -> np.ndarray:
+    """The part of each row's keys that does not depend on the output index."""
     seed = np.asarray(seed, np.uint64).reshape(-1)
     stream = np.asarray(stream, np.uint64).reshape(-1)
-    index = np.asarray(index, np.uint64).reshape(-1)
     eng = np.full_like(seed, np.uint64(engine_seed % 2**64))
-    base = np.where(seeded, _mix64(seed ^ _TAG_SEEDED),
+    return np.where(seeded, _mix64(seed ^ _TAG_SEEDED),
                     _mix64(_mix64(eng ^ _TAG_UNSEEDED) ^ stream))
-    h = _mix64(base ^ _mix64(index ^ _TAG_INDEX))
+
+
+def _key_data(base: np.ndarray, index: np.ndarray) -> np.ndarray:
+    h = _mix64(base ^ _mix64(np.asarray(index, np.uint64).reshape(-1) ^ _TAG_INDEX))
     return np.stack([(h >> np.uint64(32)).astype(np.uint32),
                      (h & np.uint64(0xFFFFFFFF)).astype(np.uint32)], axis=-1)
 
@@ -128,6 +136,10 @@ class SamplingRows:
         self._objs: dict[str, list] = {name: [None] * n for name in (
             "prompt", "bias", "allowed", "bad_words", "stop_ids")}
         self._next_stream = 0
+        # The row-only part of the last step's metadata, reused while the batch's
+        # rows and their requests stay the same (every decode step in between).
+        self._version = 0  # bumped by every add, remove and move
+        self._static: tuple | None = None
 
     # ---- row lifecycle -------------------------------------------------------
 
@@ -135,6 +147,7 @@ class SamplingRows:
             output_token_ids: Sequence[int] = ()) -> None:
         """Puts a request in `row` (a resumed request passes the outputs it has)."""
         self.remove(row)
+        self._version += 1
         V = self.vocab_size
         self._active[row] = True
         self._greedy[row] = params.greedy
@@ -184,6 +197,7 @@ class SamplingRows:
             self._out[row, :outs.size] = outs
 
     def remove(self, row: int) -> None:
+        self._version += 1
         for arr, empty in self._cols.values():
             arr[row] = empty
         for objs in self._objs.values():
@@ -193,6 +207,7 @@ class SamplingRows:
         """Moves the request in `src` to `dst` (overwriting it); `src` becomes empty."""
         if src == dst:
             return
+        self._version += 1
         for arr, _ in self._cols.values():
             arr[dst] = arr[src]
         for objs in self._objs.values():
@@ -246,6 +261,27 @@ class SamplingRows:
         if n > R:
             raise ValueError(f"{n} rows do not fit a bucket of {R}")
 
+        static = self._static_part(rows, R, engine_seed)
+        keys = np.zeros((R, 2), np.uint32)
+        keys[:n] = _key_data(static["key_base"],
+                             self._num_out[rows] if out_index is None else out_index)
+        return SamplingMetadata(
+            temperature=static["temperature"], top_k=static["top_k"], top_p=static["top_p"],
+            min_p=static["min_p"], greedy=static["greedy"], rng_keys=keys,
+            penalties=self._penalties(rows, R) if static["any_penalties"] else None,
+            logit_adjust=self._logit_adjust(rows, R) if static["any_adjust"] else None,
+            num_logprobs=static["num_logprobs"], all_greedy=static["all_greedy"],
+            use_top_k_top_p=static["use_top_k_top_p"],
+        )
+
+    def _static_part(self, rows: np.ndarray, R: int, engine_seed: int) -> dict:
+        """What the metadata of `rows` holds that does not change from step to step."""
+        cached = self._static
+        if (cached is not None and cached[0] == (self._version, R, engine_seed)
+                and np.array_equal(cached[1], rows)):
+            return cached[2]
+        n = rows.size
+
         def pad(values: np.ndarray, empty: object, dtype: type) -> np.ndarray:
             out = np.full((R, *values.shape[1:]), empty, dtype)
             out[:n] = values
@@ -253,23 +289,21 @@ class SamplingRows:
 
         greedy = self._greedy[rows]
         top_k, top_p = self._top_k[rows], self._top_p[rows]
-        keys = rng_key_data(self._seeded[rows], self._seed[rows], engine_seed,
-                            self._stream[rows],
-                            self._num_out[rows] if out_index is None else out_index)
         all_greedy = bool(greedy.all())
-        return SamplingMetadata(
+        static = dict(
             temperature=pad(self._temperature[rows], 1.0, np.float32),
-            top_k=pad(top_k, 0, np.int32),
-            top_p=pad(top_p, 1.0, np.float32),
-            min_p=pad(self._min_p[rows], 0.0, np.float32),
-            greedy=pad(greedy, True, bool),
-            rng_keys=pad(keys, 0, np.uint32),
-            penalties=self._penalties(rows, R),
-            logit_adjust=self._logit_adjust(rows, R),
+            top_k=pad(top_k, 0, np.int32), top_p=pad(top_p, 1.0, np.float32),
+            min_p=pad(self._min_p[rows], 0.0, np.float32), greedy=pad(greedy, True, bool),
+            key_base=_key_base(self._seeded[rows], self._seed[rows], engine_seed,
+                               self._stream[rows]),
+            any_penalties=bool(self._has_penalties[rows].any()),
+            any_adjust=bool((self._has_fixed_adjust[rows] | self._has_bad_words[rows]
+                             | self._has_stop_ids[rows]).any()),
             num_logprobs=MAX_LOGPROBS if self._wants_logprobs[rows].any() else 0,
             all_greedy=all_greedy,
-            use_top_k_top_p=not all_greedy and bool(((top_k > 0) | (top_p < 1.0)).any()),
-        )
+            use_top_k_top_p=not all_greedy and bool(((top_k > 0) | (top_p < 1.0)).any()))
+        self._static = ((self._version, R, engine_seed), rows.copy(), static)
+        return static
 
     def _penalties(self, rows: np.ndarray, R: int) -> Penalties | None:
         batch = np.flatnonzero(self._has_penalties[rows])

@@ -446,7 +446,8 @@ class ModelRunner:
                                  req_id_to_index=dict(zip(h.req_ids, range(n), strict=True)),
                                  sampled_token_ids=sampled_lists, logprobs=logprobs,
                                  prompt_logprobs=self._collect_prompt_logprobs(h.prompt_lp),
-                                 pooler_output=self._pool(h))
+                                 pooler_output=self._pool(h),
+                                 sampled_array=np.where(h.gen, sampled, -1))
 
     def _update_states(self, so: SchedulerOutput) -> None:
         ib = self.input_batch

@@ -4,6 +4,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+import numpy as np
+
 from jaxllm.engine.messages import LogprobsLists
 
 
@@ -20,6 +22,9 @@ class ModelRunnerOutput:
     prompt_logprobs: dict[str, LogprobsLists] = field(default_factory=dict)
     # Pooled hidden states for pooling requests that finished their prompt.
     pooler_output: dict[str, list[float]] = field(default_factory=dict)
+    # sampled_token_ids as one array where each request got at most one
+    # token (-1: none), so the scheduler need not walk the lists; optional.
+    sampled_array: np.ndarray | None = None
 
     @classmethod
     def empty(cls) -> ModelRunnerOutput:

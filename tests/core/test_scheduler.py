@@ -141,10 +141,10 @@ def test_new_block_ids_list_only_the_blocks_appended_this_step():
     first = out.scheduled_new_reqs[0].block_ids
     assert len(first) == 2
     out, _ = step(sched)  # token 8 fits the second block
-    assert out.scheduled_cached_reqs.new_block_ids == [[]]
+    assert [list(b) for b in out.scheduled_cached_reqs.new_block_ids] == [[]]
     out, _ = step(sched)  # token 9 needs a third block
     (new,) = out.scheduled_cached_reqs.new_block_ids
-    assert len(new) == 1 and sched.kv_cache_manager.get_block_ids("a") == first + new
+    assert len(new) == 1 and sched.kv_cache_manager.get_block_ids("a") == first + list(new)
 
 
 def test_a_prompt_of_exactly_max_model_len_samples_one_token_and_stops():
@@ -177,9 +177,10 @@ def test_fcfs_policy_ignores_priority():
 def _fill_cache(policy, specs):
     """Three 3-token requests fill a cache of six 2-token blocks; each decode needs a third."""
     sched = make_scheduler(num_blocks=7, block_size=2, policy=policy)
-    for rid, arrival, priority in specs:
+    for rid, arrival, priority, *max_tokens in specs:
         prompt = [ord(rid)] * 3  # distinct prompts: no shared prefix blocks
-        sched.add_request(make_request(rid, prompt, arrival=arrival, priority=priority))
+        sched.add_request(make_request(rid, prompt, arrival=arrival, priority=priority,
+                                       max_tokens=max_tokens[0] if max_tokens else 100))
     step(sched)  # prompts: 3 x 2 blocks = all 6 usable blocks
     step(sched)  # the first decodes still fit the second blocks
     assert sched.kv_cache_manager.get_num_free_blocks() == 0
@@ -204,9 +205,7 @@ def test_fcfs_preemption_picks_the_latest_arrival():
 
 
 def test_preempted_request_resumes_as_a_new_request_with_its_generated_tokens():
-    sched = _fill_cache("fcfs", [("a", 0.0, 0), ("b", 1.0, 0), ("c", 2.0, 0)])
-    sched.requests["a"].max_tokens = 3
-    sched.requests["b"].max_tokens = 3
+    sched = _fill_cache("fcfs", [("a", 0.0, 0, 3), ("b", 1.0, 0, 3), ("c", 2.0, 0)])
     out, _ = step(sched)  # c is preempted; a and b finish
     assert out.preempted_req_ids == {"c"}
     out, eco = step(sched)
@@ -504,14 +503,19 @@ def workloads(draw):
 
 
 @settings(max_examples=300, deadline=None, suppress_health_check=[HealthCheck.too_slow])
-@given(workloads())
-def test_random_workloads_keep_blocks_budgets_and_outputs_intact(w):
+@given(workloads(), st.booleans(), st.booleans())
+def test_random_workloads_keep_blocks_budgets_and_outputs_intact(w, run_ahead, vectorized):
+    """Random arrivals, aborts, preemption and prefix sharing; with `run_ahead` the next
+    step is scheduled before the last one's tokens are applied, as EngineCore does with
+    async scheduling; `vectorized` off plans every step one request at a time."""
     rng = random.Random(w["seed"])
     sched = make_scheduler(num_blocks=w["num_blocks"], block_size=w["block_size"],
                            max_model_len=w["max_model_len"], max_num_seqs=w["max_num_seqs"],
                            max_num_batched_tokens=w["max_num_batched_tokens"],
                            chunked=w["chunked"], policy=w["policy"], threshold=w["threshold"],
                            caching=w["caching"])
+    sched.vectorized = vectorized
+    sched.check_invariants = True
     cap = sched.max_request_tokens
     bases = [[rng.randrange(1, VOCAB) for _ in range(cap)] for _ in range(3)]
     pending = []
@@ -531,30 +535,13 @@ def test_random_workloads_keep_blocks_budgets_and_outputs_intact(w):
     streamed: dict[str, list[int]] = {rid: [] for rid in reqs}
     finish: dict[str, FinishReason] = {}
     aborted, just_finished = set(), set()
+    inflight = None
 
-    for step_no in range(600):
-        while pending and pending[0][0] <= step_no:
-            sched.add_request(pending.pop(0)[1])
-        if not pending and not sched.has_unfinished_requests():
-            break
-        if rng.random() < w["abort_rate"] and sched.requests:
-            rid = rng.choice(sorted(sched.requests))
-            sched.finish_requests(rid, RequestStatus.FINISHED_ABORTED)
-            assert sched.kv_cache_manager.get_block_ids(rid) == []
-            aborted.add(rid)
-            just_finished.add(rid)
-        out = sched.schedule()
-        assert just_finished <= out.finished_req_ids
-        just_finished = set()
-        counts = out.num_scheduled_tokens
-        assert out.total_num_scheduled_tokens == sum(counts.values())
-        assert out.total_num_scheduled_tokens <= w["max_num_batched_tokens"]
-        assert len(counts) <= w["max_num_seqs"] and all(n > 0 for n in counts.values())
-        assert all(reqs[r].num_computed_tokens <= w["max_model_len"] for r in counts)
-        check_blocks(sched)
-        runner_out = runner.execute(out)
-        if rng.random() < w["abort_rate"] and counts:  # an abort lands while the step runs
-            rid = rng.choice(sorted(counts))
+    def apply(step):
+        out, runner_out = step
+        live = sorted(r for r in out.num_scheduled_tokens if r in sched.requests)
+        if rng.random() < w["abort_rate"] and live:
+            rid = rng.choice(live)  # lands while the step runs
             sched.finish_requests(rid, RequestStatus.FINISHED_ABORTED)
             aborted.add(rid)
             just_finished.add(rid)
@@ -567,6 +554,39 @@ def test_random_workloads_keep_blocks_budgets_and_outputs_intact(w):
                 just_finished.add(o.request_id)
                 assert sched.kv_cache_manager.get_block_ids(o.request_id) == []
         check_blocks(sched)
+
+    for step_no in range(600):
+        while pending and pending[0][0] <= step_no:
+            sched.add_request(pending.pop(0)[1])
+        if not pending and not sched.has_unfinished_requests() and inflight is None:
+            break
+        if rng.random() < w["abort_rate"] and sched.requests:
+            rid = rng.choice(sorted(sched.requests))
+            sched.finish_requests(rid, RequestStatus.FINISHED_ABORTED)
+            assert sched.kv_cache_manager.get_block_ids(rid) == []
+            aborted.add(rid)
+            just_finished.add(rid)
+        if inflight is not None and sched.needs_output_history():
+            apply(inflight)  # penalties and min_tokens read the tokens: no running ahead
+            inflight = None
+        dispatched = None
+        if sched.has_unfinished_requests():
+            out = sched.schedule()
+            assert just_finished <= out.finished_req_ids
+            just_finished = set()
+            counts = out.num_scheduled_tokens
+            assert out.total_num_scheduled_tokens == sum(counts.values())
+            assert out.total_num_scheduled_tokens <= w["max_num_batched_tokens"]
+            assert len(counts) <= w["max_num_seqs"] and all(n > 0 for n in counts.values())
+            assert all(reqs[r].num_computed_tokens <= w["max_model_len"] for r in counts)
+            check_blocks(sched)
+            dispatched = (out, runner.execute(out))
+        if inflight is not None:
+            apply(inflight)
+        inflight = dispatched
+        if not run_ahead and inflight is not None:
+            apply(inflight)
+            inflight = None
     else:
         pytest.fail("the workload did not drain: the scheduler livelocked")
 
@@ -577,6 +597,7 @@ def test_random_workloads_keep_blocks_budgets_and_outputs_intact(w):
     event(f"prefix hits: {min(stats.prefix_cache_hits, 1)}")
     event(f"aborted: {min(len(aborted), 1)}")
     assert sched.kv_cache_manager.req_to_blocks == {}
+    assert not sched.waiting and not sched.running
     for rid, req in reqs.items():
         if rid in aborted:
             continue
