@@ -14,7 +14,7 @@ import time
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--model", default="configs/llama-3-8b")
-    ap.add_argument("--batch-sizes", default="64,256")
+    ap.add_argument("--batch-sizes", default="64,256,512")
     ap.add_argument("--input-len", type=int, default=512)
     ap.add_argument("--output-len", type=int, default=128)
     args = ap.parse_args()
@@ -31,16 +31,24 @@ def main() -> None:
         ids = torch.randint(0, config.vocab_size, (b, args.input_len), device="cuda")
         kw = dict(do_sample=False, cache_implementation="static", pad_token_id=0,
                   eos_token_id=None)
-        with torch.no_grad():
-            # The warm-up is the timed call itself: a static cache sized for
-            # another length would be a new shape (and a new compilation).
-            for _ in range(2):
-                torch.cuda.synchronize()
-                t0 = time.perf_counter()
-                out = model.generate(ids, max_new_tokens=args.output_len,
-                                     min_new_tokens=args.output_len, **kw)
-                torch.cuda.synchronize()
-                total = time.perf_counter() - t0
+        try:
+            with torch.no_grad():
+                # The warm-up is the timed call itself: a static cache sized for
+                # another length would be a new shape (and a new compilation).
+                for _ in range(2):
+                    torch.cuda.synchronize()
+                    t0 = time.perf_counter()
+                    out = model.generate(ids, max_new_tokens=args.output_len,
+                                         min_new_tokens=args.output_len, **kw)
+                    torch.cuda.synchronize()
+                    total = time.perf_counter() - t0
+        except torch.cuda.OutOfMemoryError:
+            # The largest batch sizes may not fit: that bounds the peer's best.
+            print(json.dumps({"peer": "transformers-static", "batch_size": b,
+                              "out_of_memory": True}), flush=True)
+            del ids
+            torch.cuda.empty_cache()
+            continue
         new = out.shape[1] - args.input_len
         print(json.dumps({"peer": "transformers-static", "batch_size": b,
                           "output_tokens_per_s": b * new / total,

@@ -15,6 +15,7 @@ frontend process, beside the core). Runs on the CPU.
 from __future__ import annotations
 
 import argparse
+import functools
 import tempfile
 import time
 from unittest import mock
@@ -45,6 +46,7 @@ def main(argv: list[str] | None = None) -> dict:
     args = ap.parse_args(argv)
 
     import jax
+    import jax.numpy as jnp
 
     import jaxllm.worker.model_runner as mr
     from jaxllm import EngineArgs, RequestOutputKind, SamplingParams
@@ -61,15 +63,35 @@ def main(argv: list[str] | None = None) -> dict:
         num_kv_blocks=n * ((args.input_len + args.steps + 64) // 16 + 1)))
     runner = engine.engine_core.engine_core.model_runner
     rng = np.random.default_rng(0)
-    hidden = np.zeros((max(n, 2048), 64), np.float32)
-    runner._forward = lambda state, kv, ids, pos, md, prev, src: (kv, hidden)
-    runner._logits = lambda state, h, idx: None
-    # A device array, as the real sampler returns (the runner starts its copy home).
+
+    # The device work is stubbed by jitted functions that take the real step's
+    # inputs, so the host still pays for dispatching them and for moving their
+    # arguments (token ids, positions, attention and sampling metadata) to the
+    # device, as it does in a real step; they return right away.
+    @jax.jit
+    def forward(ids, positions, md, prev, src):
+        del positions, md, prev, src
+        return jnp.zeros((ids.shape[0], 64), jnp.float32)
+
+    @jax.jit
+    def logits(hidden, indices):
+        return hidden[indices]
+
+    @functools.partial(jax.jit, static_argnums=2)
+    def sample(logits, md, size):
+        # Token ids that change every step (they derive from the per-request keys).
+        ids = (md.rng_keys[:, 0] % 31997 + 3).astype(jnp.int32) + 0 * logits[:, 0].astype(
+            jnp.int32)
+        return jnp.zeros(size, jnp.int32).at[:ids.shape[0]].set(ids)
+
+    runner._forward = lambda state, kv, ids, pos, md, prev, src: (
+        kv, forward(ids, pos, md, prev, src))
+    runner._forward_exec = {}
+    runner._logits = lambda state, hidden, indices: logits(hidden, indices)
     # Patched only while this benchmark steps: `jaxllm bench` may run in a process
     # (a test) that builds real engines afterwards.
     stub_sampler = mock.patch.object(mr, "run_sampler", lambda logits, md, size: SamplerOutput(
-        jax.device_put(rng.integers(3, 32000, size).astype(np.int32),
-                       runner._no_prev.sharding)))
+        sample(logits, md, size)))
     runner.kv_caches = [None]  # never touched by the stubs
 
     # Streaming deltas, as the server asks for them.
