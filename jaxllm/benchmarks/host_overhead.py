@@ -101,14 +101,17 @@ def main(argv: list[str] | None = None) -> dict:
         engine.add_request(str(i), {"prompt_token_ids": rng.integers(3, 32000,
                                                                      args.input_len).tolist()},
                            params)
-    times, core_times = [], []
+    times, core_times, core_cpu = [], [], []
     core = engine.engine_core
     get_output = core.get_output
 
     def timed_get_output():
-        t = time.perf_counter()
+        t, c = time.perf_counter(), time.thread_time()
         out = get_output()
         core_times.append(time.perf_counter() - t)
+        # CPU time of this thread alone: on a shared VM, wall time also counts
+        # the moments the hypervisor gives the core to another guest.
+        core_cpu.append(time.thread_time() - c)
         return out
 
     core.get_output = timed_get_output
@@ -117,7 +120,7 @@ def main(argv: list[str] | None = None) -> dict:
             engine.step()  # prefill
         for _ in range(5):
             engine.step()
-        del core_times[:]
+        del core_times[:], core_cpu[:]
         for _ in range(args.steps):
             t0 = time.perf_counter()
             engine.step()
@@ -128,6 +131,7 @@ def main(argv: list[str] | None = None) -> dict:
     result = {"workload": "host-overhead", "num_running": n,
               "engine_core_ms_per_step_median": core_ms,
               "engine_core_ms_per_step_p90": float(np.percentile(core_times, 90) * 1e3),
+              "engine_core_cpu_ms_per_step_median": float(np.median(core_cpu) * 1e3),
               "ms_per_step_median": ms,
               "ms_per_step_p90": float(np.percentile(times, 90) * 1e3),
               "target_ms": 1.0}
@@ -135,6 +139,8 @@ def main(argv: list[str] | None = None) -> dict:
     print_table([("running requests", str(n)),
                  ("engine core step (median / p90)",
                   f"{core_ms:.3f} / {result['engine_core_ms_per_step_p90']:.3f} ms"),
+                 ("engine core step, CPU time of its thread (median)",
+                  f"{result['engine_core_cpu_ms_per_step_median']:.3f} ms"),
                  ("whole offline step, + output processing (median / p90)",
                   f"{ms:.3f} / {result['ms_per_step_p90']:.3f} ms"),
                  ("target", "<= 1 ms")])
