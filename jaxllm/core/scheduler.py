@@ -7,6 +7,12 @@ is cut into chunks (chunked prefill). When the cache runs out of blocks the
 lowest-priority, latest-arrived running request is preempted: its blocks are
 freed and it is recomputed later. `update_from_output` appends the sampled
 tokens, applies stop conditions and turns the step into EngineCoreOutputs.
+
+The running requests form a RunningBatch whose per-step counters are arrays:
+the usual step (decodes and chunks that find their blocks) is planned and
+applied in numpy passes over all of them; the per-request code handles what
+is left (preemption, pooling, logprobs) and is the reference the tests run
+the array path against (`vectorized=False`).
 """
 
 from __future__ import annotations
@@ -187,7 +193,7 @@ class Scheduler:
         if self._running_unsorted:
             running.sort(self._priority_key)
             self._running_unsorted = False
-        i, token_budget, num_prompt_tokens = 0, token_budget, 0
+        i, num_prompt_tokens = 0, 0
         if self.vectorized and running:
             i, token_budget, num_prompt_tokens = self._schedule_running_arrays(
                 token_budget, num_scheduled, cached, sampling)
