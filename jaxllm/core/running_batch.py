@@ -95,11 +95,13 @@ class RunningBatch:
         self.ids.pop()
         return self.requests.pop()
 
-    def keep(self, keep: np.ndarray) -> None:
-        """Keeps the requests where `keep` is true, in order."""
-        if keep.all():
+    def remove(self, indices: list[int]) -> None:
+        """Removes the requests at `indices`; the others keep their order."""
+        if not indices:
             return
-        for i in np.flatnonzero(~keep).tolist():
+        keep = np.ones(len(self.requests), bool)
+        keep[indices] = False
+        for i in indices:
             self._detach(i)
         self._permute(np.flatnonzero(keep))
 

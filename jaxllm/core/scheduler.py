@@ -115,11 +115,8 @@ class Scheduler:
         if isinstance(request_ids, str):
             request_ids = (request_ids,)
         to_finish = [self.requests[r] for r in dict.fromkeys(request_ids) if r in self.requests]
-        gone = [r.batch_index for r in to_finish if r.status == RequestStatus.RUNNING]
-        if gone:
-            keep = np.ones(len(self.running), bool)
-            keep[gone] = False
-            self.running.keep(keep)
+        self.running.remove([r.batch_index for r in to_finish
+                             if r.status == RequestStatus.RUNNING])
         self.waiting.remove_many(r for r in to_finish if r.status != RequestStatus.RUNNING)
         for request in to_finish:
             request.status = finished_status
@@ -383,10 +380,7 @@ class Scheduler:
                 # Preempted while its step ran, so queued to resume: the token
                 # that came back finished it, and it leaves the queue too.
                 self.waiting.remove_many(r for _, r in finished if r.batch_index < 0)
-            if gone:
-                keep = np.ones(len(self.running), bool)
-                keep[gone] = False
-                self.running.keep(keep)
+            self.running.remove(gone)
             for _, request in finished:
                 self._free_request(request)
         self._last_num_generation_tokens = num_generated
