@@ -1,6 +1,12 @@
 """jaxllm: vLLM's v1 inference engine rebuilt on JAX/XLA."""
 
+import os as _os
 import time as _time
+
+# The KV cache takes hbm_utilization of the device's whole memory, as vLLM's
+# gpu_memory_utilization does; JAX's GPU allocator would otherwise cap this
+# process at 75% of it. Set before JAX starts its backend (a value already set wins).
+_os.environ.setdefault("XLA_PYTHON_CLIENT_MEM_FRACTION", "0.95")
 
 # When this process first imported jaxllm: start-up logs measure from here.
 IMPORT_TIME = _time.time()

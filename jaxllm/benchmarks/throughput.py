@@ -46,14 +46,14 @@ def main(argv: list[str] | None = None) -> dict:
     ap.add_argument("--num-prompts", type=int, default=1000)
     ap.add_argument("--input-len", type=int, default=512)
     ap.add_argument("--output-len", type=int, default=128)
-    ap.add_argument("--max-num-seqs", type=int, default=256)
+    ap.add_argument("--max-num-seqs", type=int, default=512)
     ap.add_argument("--max-num-batched-tokens", type=int, default=8192)
-    ap.add_argument("--token-buckets", default="256,1024,8192")
-    ap.add_argument("--request-buckets", default="64,256")
+    ap.add_argument("--token-buckets", default="512,1024,8192")
+    ap.add_argument("--request-buckets", default="64,512")
     ap.add_argument("--attention-backend", default="auto")
     ap.add_argument("--hbm-utilization", type=float, default=0.9)
     ap.add_argument("--async-scheduling", action=argparse.BooleanOptionalAction, default=True)
-    ap.add_argument("--hf-peer-batch-sizes", default="64,256,512",
+    ap.add_argument("--hf-peer-batch-sizes", default="64,256,384,512",
                     help="transformers static-cache peer batch sizes ('' to skip)")
     args = ap.parse_args(argv)
 

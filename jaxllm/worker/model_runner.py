@@ -56,6 +56,18 @@ _DTYPES = {"float32": jnp.float32, "bfloat16": jnp.bfloat16, "float16": jnp.floa
 _CPU_DEFAULT_KV_BYTES = 1 << 30
 
 
+def device_memory_total(platform: str, bytes_limit: int) -> int:
+    """The device's whole memory, from its allocator's pool size.
+
+    JAX's GPU allocator takes XLA_PYTHON_CLIENT_MEM_FRACTION of the device's
+    memory (0.75 unless set; `import jaxllm` sets 0.95 where nothing else did);
+    elsewhere the pool is the whole memory.
+    """
+    if platform != "gpu":
+        return bytes_limit
+    return int(bytes_limit / float(os.environ.get("XLA_PYTHON_CLIENT_MEM_FRACTION", "0.75")))
+
+
 def enable_compilation_cache(path: str | None) -> str:
     """JAX's persistent compilation cache, so a restart skips XLA compilation."""
     path = path or os.environ.get("JAXLLM_CACHE_DIR") or os.path.join(
@@ -226,7 +238,11 @@ class ModelRunner:
         if budget is None and device.platform != "cpu":
             stats = device.memory_stats() or {}
             limit, used = stats.get("bytes_limit", 0), stats.get("bytes_in_use", 0)
-            budget = int(limit * cc.hbm_utilization) - used - self._activation_reserve()
+            # hbm_utilization is a share of the device's whole memory, as vLLM's
+            # gpu_memory_utilization; the allocator's pool may be smaller.
+            total = device_memory_total(device.platform, limit)
+            budget = min(int(total * cc.hbm_utilization), limit) - used
+            budget -= self._activation_reserve()
             budget *= self.mesh.shape["model"]  # the cache is sharded over kv heads
         if budget is None:
             # CPU: room for every sequence at full length, capped.
@@ -236,6 +252,11 @@ class ModelRunner:
         if num_blocks < 2:
             raise ValueError(f"KV cache budget of {budget} bytes holds no block "
                              f"({per_block} bytes each): raise hbm_utilization or kv_cache_bytes")
+        tokens = (num_blocks - 1) * self.block_size
+        logger.info("KV cache: %d blocks, %d tokens (%.2f GiB); %.1f sequences of "
+                    "max_model_len %d fit at once", num_blocks - 1, tokens,
+                    num_blocks * per_block / 2**30, tokens / self.max_model_len,
+                    self.max_model_len)
         return num_blocks
 
     def _activation_reserve(self) -> int:
