@@ -29,8 +29,10 @@ def make_model_dir(path: str) -> str:
     import json
     import os
 
+    # Llama-3-8B's layer count (the forward's arguments have its number of
+    # arrays), tiny widths.
     cfg = {"architectures": ["LlamaForCausalLM"], "model_type": "llama", "hidden_size": 64,
-           "intermediate_size": 128, "num_hidden_layers": 2, "num_attention_heads": 4,
+           "intermediate_size": 128, "num_hidden_layers": 32, "num_attention_heads": 4,
            "num_key_value_heads": 2, "vocab_size": 32000, "max_position_embeddings": 4096,
            "rms_norm_eps": 1e-5, "eos_token_id": 2, "bos_token_id": 1}
     with open(os.path.join(path, "config.json"), "w") as f:
@@ -65,16 +67,18 @@ def main(argv: list[str] | None = None) -> dict:
     rng = np.random.default_rng(0)
 
     # The device work is stubbed by jitted functions that take the real step's
-    # inputs, so the host still pays for dispatching them and for moving their
-    # arguments (token ids, positions, attention and sampling metadata) to the
-    # device, as it does in a real step; they return right away.
-    @jax.jit
-    def forward(ids, positions, md, prev, src):
-        del positions, md, prev, src
-        return jnp.zeros((ids.shape[0], 64), jnp.float32)
+    # arguments (the weights, the donated KV caches, token ids, positions,
+    # attention and sampling metadata), so the host still pays for dispatching
+    # them and for moving the step's inputs to the device, as it does in a real
+    # step; they return right away.
+    @functools.partial(jax.jit, donate_argnums=1)
+    def forward(state, kv, *inputs):
+        del state
+        return kv, jnp.zeros((inputs[0].shape[0], 64), jnp.float32)
 
     @jax.jit
-    def logits(hidden, indices):
+    def logits(state, hidden, indices):
+        del state
         return hidden[indices]
 
     @functools.partial(jax.jit, static_argnums=2)
@@ -84,15 +88,15 @@ def main(argv: list[str] | None = None) -> dict:
             jnp.int32)
         return jnp.zeros(size, jnp.int32).at[:ids.shape[0]].set(ids)
 
-    runner._forward = lambda state, kv, ids, pos, md, prev, src: (
-        kv, forward(ids, pos, md, prev, src))
+    runner._forward = forward
     runner._forward_exec = {}
-    runner._logits = lambda state, hidden, indices: logits(hidden, indices)
+    runner._logits = logits
     # Patched only while this benchmark steps: `jaxllm bench` may run in a process
     # (a test) that builds real engines afterwards.
     stub_sampler = mock.patch.object(mr, "run_sampler", lambda logits, md, size: SamplerOutput(
         sample(logits, md, size)))
-    runner.kv_caches = [None]  # never touched by the stubs
+    # One small array per layer: the stubs pass the caches through untouched.
+    runner.kv_caches = [jnp.zeros(8, jnp.float32) for _ in runner.kv_caches]
 
     # Streaming deltas, as the server asks for them.
     params = SamplingParams(temperature=0.8, top_p=0.95, max_tokens=10**6, ignore_eos=True,
