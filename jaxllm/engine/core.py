@@ -13,6 +13,7 @@ min_tokens), the core finishes the step in flight before scheduling the next.
 
 from __future__ import annotations
 
+import gc
 import logging
 import time
 from typing import TYPE_CHECKING
@@ -32,6 +33,24 @@ if TYPE_CHECKING:
     from jaxllm.worker.model_runner import StepHandle
 
 logger = logging.getLogger(__name__)
+
+
+def freeze_gc() -> None:
+    """The garbage-collector policy of a process that runs an engine core.
+
+    What is alive once the engine has started (modules, the model's Python
+    objects, compiled executables) lives as long as the process: frozen, the
+    collector never scans it again. A step makes and drops hundreds of small
+    objects (outputs, token lists); nearly all die by reference counting, so
+    the young generation is collected after 50,000 allocations, not 700: with
+    the default, collections took ~1 ms of a 256-request step on a 2-core VM.
+    Only for a process the engine owns (freezing keeps a discarded engine's
+    cycles alive for good).
+    """
+    gc.collect()
+    gc.freeze()
+    gen0, gen1, gen2 = gc.get_threshold()
+    gc.set_threshold(max(gen0, 50_000), gen1, gen2)
 
 
 class EngineCore:

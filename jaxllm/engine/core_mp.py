@@ -130,9 +130,10 @@ class EngineCoreProc:
 
     def __init__(self, config: EngineConfig, input_address: str, output_address: str,
                  ctx: zmq.Context):
-        from jaxllm.engine.core import EngineCore
+        from jaxllm.engine.core import EngineCore, freeze_gc
 
         self.engine_core = EngineCore(config)
+        freeze_gc()
         self.codec = Codec()
         self.input_queue: queue.Queue = queue.Queue()
         self.output_queue: queue.Queue = queue.Queue()

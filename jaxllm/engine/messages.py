@@ -29,7 +29,12 @@ class EngineCoreRequest(msgspec.Struct, omit_defaults=True, kw_only=True):  # ty
     priority: int = 0
 
 
-class LogprobsLists(msgspec.Struct, array_like=True):  # type: ignore[call-arg]
+# The per-step messages are made by the hundred every step and can hold no
+# reference cycle (they hold lists of numbers and each other, never themselves):
+# gc=False keeps them out of the cyclic collector's generations.
+
+
+class LogprobsLists(msgspec.Struct, array_like=True, gc=False):  # type: ignore[call-arg]
     """Logprobs of several positions.
 
     Row i: `token_ids[i][0]` is the chosen (sampled or prompt) token and the
@@ -46,7 +51,8 @@ class LogprobsLists(msgspec.Struct, array_like=True):  # type: ignore[call-arg]
                              self.ranks[start:stop])
 
 
-class EngineCoreOutput(msgspec.Struct, array_like=True, omit_defaults=True):  # type: ignore[call-arg]
+class EngineCoreOutput(msgspec.Struct, array_like=True, omit_defaults=True,  # type: ignore[call-arg]
+                       gc=False):
     request_id: str
     new_token_ids: list[int]
     new_logprobs: LogprobsLists | None = None
@@ -61,7 +67,7 @@ class EngineCoreOutput(msgspec.Struct, array_like=True, omit_defaults=True):  # 
         return self.finish_reason is not None
 
 
-class SchedulerStats(msgspec.Struct, omit_defaults=True):  # type: ignore[call-arg]
+class SchedulerStats(msgspec.Struct, omit_defaults=True, gc=False):  # type: ignore[call-arg]
     num_running_reqs: int = 0
     num_waiting_reqs: int = 0
     kv_cache_usage: float = 0.0
@@ -72,7 +78,7 @@ class SchedulerStats(msgspec.Struct, omit_defaults=True):  # type: ignore[call-a
     num_generation_tokens: int = 0  # sampled this step
 
 
-class EngineCoreOutputs(msgspec.Struct, omit_defaults=True):  # type: ignore[call-arg]
+class EngineCoreOutputs(msgspec.Struct, omit_defaults=True, gc=False):  # type: ignore[call-arg]
     outputs: list[EngineCoreOutput] = []
     scheduler_stats: SchedulerStats | None = None
     timestamp: float = 0.0

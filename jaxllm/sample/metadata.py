@@ -28,8 +28,9 @@ the same tokens whatever its row, its batch and its padding.
 from __future__ import annotations
 
 import itertools
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, field
+from typing import Any
 
 import jax
 import numpy as np
@@ -140,6 +141,10 @@ class SamplingRows:
         # rows and their requests stay the same (every decode step in between).
         self._version = 0  # bumped by every add, remove and move
         self._static: tuple | None = None
+        # Moves arrays to the device (the runner sets it, with its sharding): the
+        # row-only arrays are then sent once per batch layout, not every step
+        # (`variant_metadata` must then be given the same function).
+        self.device_put: Callable[[Any], Any] | None = None
 
     # ---- row lifecycle -------------------------------------------------------
 
@@ -266,8 +271,7 @@ class SamplingRows:
         keys[:n] = _key_data(static["key_base"],
                              self._num_out[rows] if out_index is None else out_index)
         return SamplingMetadata(
-            temperature=static["temperature"], top_k=static["top_k"], top_p=static["top_p"],
-            min_p=static["min_p"], greedy=static["greedy"], rng_keys=keys,
+            *static["rows"], rng_keys=keys,
             penalties=self._penalties(rows, R) if static["any_penalties"] else None,
             logit_adjust=self._logit_adjust(rows, R) if static["any_adjust"] else None,
             num_logprobs=static["num_logprobs"], all_greedy=static["all_greedy"],
@@ -290,10 +294,12 @@ class SamplingRows:
         greedy = self._greedy[rows]
         top_k, top_p = self._top_k[rows], self._top_p[rows]
         all_greedy = bool(greedy.all())
+        # temperature, top_k, top_p, min_p, greedy (SamplingMetadata's order)
+        row_arrays = (pad(self._temperature[rows], 1.0, np.float32), pad(top_k, 0, np.int32),
+                      pad(top_p, 1.0, np.float32), pad(self._min_p[rows], 0.0, np.float32),
+                      pad(greedy, True, bool))
         static = dict(
-            temperature=pad(self._temperature[rows], 1.0, np.float32),
-            top_k=pad(top_k, 0, np.int32), top_p=pad(top_p, 1.0, np.float32),
-            min_p=pad(self._min_p[rows], 0.0, np.float32), greedy=pad(greedy, True, bool),
+            rows=self.device_put(row_arrays) if self.device_put else row_arrays,
             key_base=_key_base(self._seeded[rows], self._seed[rows], engine_seed,
                                self._stream[rows]),
             any_penalties=bool(self._has_penalties[rows].any()),
@@ -361,9 +367,14 @@ def _check_ids(ids: np.ndarray, vocab_size: int, name: str) -> np.ndarray:
     return ids
 
 
-def variant_metadata(padded_size: int, vocab_size: int) -> Iterator[SamplingMetadata]:
-    """One dummy `SamplingMetadata` per compiled variant (for compiling ahead of serving)."""
+def variant_metadata(padded_size: int, vocab_size: int,
+                     device_put: Callable[[Any], Any] | None = None
+                     ) -> Iterator[SamplingMetadata]:
+    """One dummy `SamplingMetadata` per compiled variant (for compiling ahead of serving);
+    `device_put` as `SamplingRows.device_put` (the row arrays' placement is part of
+    what a compiled variant expects)."""
     R, V = padded_size, vocab_size
+    put = device_put or (lambda x: x)
     penalties = Penalties(np.ones(R, np.float32), np.zeros(R, np.float32),
                           np.zeros(R, np.float32), np.zeros((R, V), np.int32),
                           np.zeros((R, V), bool))
@@ -371,8 +382,8 @@ def variant_metadata(padded_size: int, vocab_size: int) -> Iterator[SamplingMeta
     for (all_greedy, tktp), pen, adj, nlp in itertools.product(
             modes, (None, penalties), (None, np.zeros((R, V), np.float32)), (0, MAX_LOGPROBS)):
         yield SamplingMetadata(
-            temperature=np.ones(R, np.float32), top_k=np.zeros(R, np.int32),
-            top_p=np.ones(R, np.float32), min_p=np.zeros(R, np.float32),
-            greedy=np.full(R, all_greedy), rng_keys=np.zeros((R, 2), np.uint32),
+            *put((np.ones(R, np.float32), np.zeros(R, np.int32), np.ones(R, np.float32),
+                  np.zeros(R, np.float32), np.full(R, all_greedy))),
+            rng_keys=np.zeros((R, 2), np.uint32),
             penalties=pen, logit_adjust=adj, num_logprobs=nlp, all_greedy=all_greedy,
             use_top_k_top_p=tktp)

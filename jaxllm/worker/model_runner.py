@@ -116,6 +116,33 @@ def run_sampler(logits: jax.Array, md: SamplingMetadata, size: int) -> SamplerOu
     return SamplerOutput(token_ids, *_jit_logprobs(logits, token_ids))
 
 
+def pack_step_inputs(t_pad: int, num_reqs: int, width: int) -> tuple[np.ndarray, ...]:
+    """The step's integer inputs as two host arrays, so a step moves two buffers
+    to the device and not eight (each transfer costs the host ~7 us).
+
+    `tok` [4, t_pad]: input ids, positions, slot mapping, src (the row of the
+    in-flight step's output that holds a token the host has not seen; -1 none).
+    `req` [num_reqs, width + 3]: page table, then kv_lens, cu_q_lens[1:] and
+    num_seqs (in every row). Returns them zeroed (src -1), with writable views:
+    (tok, req, input_ids, positions, slots, src, page_indices, kv_lens, cu_end).
+    """
+    tok = np.zeros((4, t_pad), np.int32)
+    tok[3] = -1
+    req = np.zeros((num_reqs, width + 3), np.int32)
+    return (tok, req, tok[0], tok[1], tok[2], tok[3], req[:, :width], req[:, width],
+            req[:, width + 1])
+
+
+def unpack_step_inputs(tok: jax.Array, req: jax.Array) -> tuple:
+    """(input_ids, positions, AttentionMetadata, src) from `pack_step_inputs`' arrays."""
+    width = req.shape[1] - 3
+    cu = jnp.concatenate([jnp.zeros(1, jnp.int32), req[:, width + 1]])
+    md = AttentionMetadata(slot_mapping=tok[2], kv_lens=req[:, width],
+                           page_indices=req[:, :width], cu_q_lens=cu,
+                           num_seqs=req[:1, width + 2])
+    return tok[0], tok[1], md, tok[3]
+
+
 @functools.cache
 def _step_functions(graphdef: Any, state_def: Any) -> tuple[Any, Any, Any]:
     """The jitted forward/logits/prompt-logprobs for one model graph.
@@ -130,7 +157,8 @@ def _step_functions(graphdef: Any, state_def: Any) -> tuple[Any, Any, Any]:
     def merge(weights):
         return nnx.merge(graphdef, jax.tree.unflatten(state_def, weights))
 
-    def forward(weights, kv_caches, input_ids, positions, md, prev_tokens, src):
+    def forward(weights, kv_caches, tok, req, prev_tokens):
+        input_ids, positions, md, src = unpack_step_inputs(tok, req)
         # Tokens sampled by the previous step that the host has not seen yet
         # (async scheduling) are read from its device output: src >= 0 names the row.
         input_ids = jnp.where(src >= 0, prev_tokens[jnp.maximum(src, 0)], input_ids)
@@ -211,6 +239,8 @@ class ModelRunner:
         self.kv_caches = self._allocate_kv_caches(cc.num_blocks)
         self.input_batch = InputBatch(sc.max_num_seqs, mc.max_model_len,
                                       self.buckets.max_blocks_per_req, self.vocab_size)
+        replicated = NamedSharding(self.mesh, P())
+        self.input_batch.sampling.device_put = lambda x: jax.device_put(x, replicated)
         self._step_count = 0
         self.wait_seconds = 0.0  # host time spent waiting for sampled tokens (benchmarks)
         self.dispatch_seconds = 0.0  # host time spent preparing and launching steps
@@ -301,7 +331,7 @@ class ModelRunner:
                 "mesh": [list(self.mesh.axis_names), list(self.mesh.devices.shape)]}
 
     def _run_forward(self, *args: Any) -> tuple:
-        compiled = self._forward_exec.get(args[2].shape[0])
+        compiled = self._forward_exec.get(args[2].shape[1])
         return (compiled or self._forward)(*args)
 
     # ------------------------------------------------------------- precompile
@@ -318,8 +348,7 @@ class ModelRunner:
         for kind, arg in tqdm(jobs, desc="Precompiling buckets", unit="shape",
                               disable=os.environ.get("JAXLLM_NO_PROGRESS") == "1"):
             if kind == "forward":
-                args = (self.state, self.kv_caches, *self._dummy_inputs(arg), self._no_prev,
-                        np.full(arg, -1, np.int32))
+                args = (self.state, self.kv_caches, *self._dummy_inputs(arg), self._no_prev)
                 compiled = self.aot_cache and self.aot_cache.load_or_compile(
                     "forward", self._forward, args, donate_argnums=(1,))
                 if compiled is not None:
@@ -330,7 +359,8 @@ class ModelRunner:
                 logits[r] = self._logits(self.state, hidden[t], np.zeros(r, np.int32))
             elif kind == "sample":
                 seen = set()
-                for md in variant_metadata(arg, self.vocab_size):
+                for md in variant_metadata(arg, self.vocab_size,
+                                           self.input_batch.sampling.device_put):
                     for fn, part in ((_jit_adjust, _adjust_part(md)), (_jit_draw, _draw_part(md))):
                         key = (fn, jax.tree_util.tree_structure(part))
                         if part is not None and key not in seen:
@@ -346,13 +376,10 @@ class ModelRunner:
                 if aot else "")
         logger.info("precompiled %d shapes in %.1fs%s", len(jobs), time.perf_counter() - t0, note)
 
-    def _dummy_inputs(self, t: int) -> tuple:
-        s, w = self.buckets.max_num_seqs, self.buckets.max_blocks_per_req
-        md = AttentionMetadata(
-            slot_mapping=np.zeros(t, np.int32), kv_lens=np.zeros(s, np.int32),
-            page_indices=np.zeros((s, w), np.int32), cu_q_lens=np.zeros(s + 1, np.int32),
-            num_seqs=np.zeros(1, np.int32))
-        return np.zeros(t, np.int32), np.zeros(t, np.int32), md
+    def _dummy_inputs(self, t: int) -> tuple[np.ndarray, np.ndarray]:
+        """The forward's packed integer inputs for a token bucket of `t` (no request)."""
+        return pack_step_inputs(t, self.buckets.max_num_seqs,
+                                self.buckets.max_blocks_per_req)[:2]
 
     # ------------------------------------------------------------------- step
 
@@ -386,19 +413,21 @@ class ModelRunner:
         r_pad = self.buckets.pad_requests(n)
         s, bs = self.buckets.max_num_seqs, self.block_size
 
-        # Vectorized input preparation over the persistent rows.
-        cu = np.zeros(s + 1, np.int32)
-        cu[1:n + 1] = np.cumsum(nsched)
-        cu[n + 1:] = t_real
+        # Vectorized input preparation over the persistent rows, written into
+        # the two packed arrays the forward takes. Padding tokens write slot 0
+        # (the null block); padding requests have no tokens and no KV.
+        (tok, req, input_ids, positions, slots, src, page_indices, kv_lens,
+         cu_end) = pack_step_inputs(t_pad, s, self.buckets.max_blocks_per_req)
+        cu_end[:n] = cu = np.cumsum(nsched)
+        cu_end[n:] = t_real
+        req[:, -1] = n
         req_of_tok = np.repeat(np.arange(n, dtype=np.int32), nsched)
+        first = cu - nsched
         computed = ib.num_computed_tokens[rows]
-        positions = np.zeros(t_pad, np.int32)
         pos = positions[:t_real]
-        pos[:] = computed[req_of_tok] + (np.arange(t_real) - cu[req_of_tok])
+        pos[:] = computed[req_of_tok] + (np.arange(t_real) - first[req_of_tok])
         tok_rows = rows[req_of_tok]
-        input_ids = np.zeros(t_pad, np.int32)
         input_ids[:t_real] = ib.token_ids[tok_rows, np.minimum(pos, self.max_model_len - 1)]
-        src = np.full(t_pad, -1, np.int32)
         unknown = pos >= ib.num_tokens[tok_rows]
         prev_tokens = self._no_prev
         if unknown.any():
@@ -406,19 +435,14 @@ class ModelRunner:
             if (src[:t_real][unknown] < 0).any():
                 raise RuntimeError("a scheduled token is neither known nor in flight")
             prev_tokens = self._last_sampled
-        slots = np.zeros(t_pad, np.int32)  # padding -> slot 0 of the null block
         slots[:t_real] = ib.block_table[tok_rows, pos // bs] * bs + pos % bs
-        kv_lens = np.zeros(s, np.int32)
         kv_lens[:n] = end = computed + nsched
-        page_indices = np.zeros((s, self.buckets.max_blocks_per_req), np.int32)
         page_indices[:n] = ib.block_table[rows]
-        md = AttentionMetadata(slots, kv_lens, page_indices, cu,
-                               np.array([n], np.int32))
         logits_indices = np.zeros(r_pad, np.int32)
-        logits_indices[:n] = cu[1:n + 1] - 1
+        logits_indices[:n] = cu - 1
 
-        self.kv_caches, hidden = self._run_forward(self.state, self.kv_caches, input_ids,
-                                                   positions, md, prev_tokens, src)
+        self.kv_caches, hidden = self._run_forward(self.state, self.kv_caches, tok, req,
+                                                   prev_tokens)
         # A prompt chunk that stops short of the prompt's end samples nothing.
         done = end >= ib.num_tokens[rows] + ib.num_pending[rows]
         smd = ib.sampling.make_metadata(rows, r_pad, self.seed, self._step_count,
@@ -426,7 +450,7 @@ class ModelRunner:
         out = run_sampler(self._logits(self.state, hidden, logits_indices), smd, s)
         prompt_lp = None
         if ib.wants_prompt_logprobs[rows].any():
-            prompt_lp = self._dispatch_prompt_logprobs(req_ids, rows, nsched, computed, cu,
+            prompt_lp = self._dispatch_prompt_logprobs(req_ids, rows, nsched, computed, first,
                                                        hidden, t_pad)
         ib.num_computed_tokens[rows] = end
         gen = done & ib.samples[rows]
@@ -508,7 +532,7 @@ class ModelRunner:
             out[h.req_ids[i]] = v.tolist()
         return out
 
-    def _dispatch_prompt_logprobs(self, req_ids, rows, nsched, computed, cu, hidden,
+    def _dispatch_prompt_logprobs(self, req_ids, rows, nsched, computed, first, hidden,
                                   t_pad) -> tuple | None:
         ib = self.input_batch
         spans = {}
@@ -518,8 +542,8 @@ class ModelRunner:
             stop = min(start + nsched[i], ib.num_prompt_tokens[row] - 1)
             if start >= stop:
                 continue
-            targets[cu[i]:cu[i] + stop - start] = ib.token_ids[row, start + 1:stop + 1]
-            spans[req_ids[i]] = slice(cu[i], cu[i] + stop - start)
+            targets[first[i]:first[i] + stop - start] = ib.token_ids[row, start + 1:stop + 1]
+            spans[req_ids[i]] = slice(first[i], first[i] + stop - start)
         if not spans:
             return None
         return self._prompt_logprobs(self.state, hidden, targets), spans

@@ -5,8 +5,6 @@ from __future__ import annotations
 
 import logging
 
-import numpy as np
-
 from jaxllm import LLM, SamplingParams
 from jaxllm.worker import aot_cache
 
@@ -41,8 +39,7 @@ def test_a_restart_loads_the_forward_programs_and_generates_the_same(model_dir, 
     # The loaded program still updates the KV cache in place (donation kept).
     kv0 = second.kv_caches[0]
     ptr = kv0.unsafe_buffer_pointer()
-    args = (second.state, second.kv_caches, *second._dummy_inputs(16), second._no_prev,
-            np.full(16, -1, np.int32))
+    args = (second.state, second.kv_caches, *second._dummy_inputs(16), second._no_prev)
     second.kv_caches, _ = second._run_forward(*args)
     assert kv0.is_deleted()
     assert second.kv_caches[0].unsafe_buffer_pointer() == ptr
