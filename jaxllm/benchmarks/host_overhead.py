@@ -79,8 +79,8 @@ def main(argv: list[str] | None = None) -> dict:
         return kv, jnp.zeros((inputs[0].shape[0], 64), jnp.float32)
 
     @jax.jit
-    def logits(state, hidden, indices):
-        del state
+    def logits(head, hidden, indices):
+        del head
         return hidden[indices]
 
     @functools.partial(jax.jit, static_argnums=2)

@@ -236,11 +236,22 @@ class LlamaForCausalLM(nnx.Module):
             new_caches.append(kv_cache)
         return self.norm(x), new_caches
 
-    def compute_logits(self, hidden: jax.Array) -> jax.Array:
-        """Float32 logits `[N, vocab]` (sharded over vocab on 'model') for hidden `[N, H]`."""
-        head = self.embed_tokens if self.lm_head is None else self.lm_head
-        return jnp.einsum("nh,vh->nv", hidden.astype(self.dtype), head[...],
+    @property
+    def logits_head(self) -> nnx.Param:
+        """The `[vocab, H]` matrix the logits come from (the embedding when tied)."""
+        return self.embed_tokens if self.lm_head is None else self.lm_head
+
+    @staticmethod
+    def head_logits(head: jax.Array, hidden: jax.Array) -> jax.Array:
+        """Float32 logits `[N, vocab]` (sharded over vocab on 'model') for hidden `[N, H]`.
+
+        A function of the head matrix alone, so the runner's logits step takes
+        one weight array rather than the whole model's."""
+        return jnp.einsum("nh,vh->nv", hidden.astype(head.dtype), head,
                           preferred_element_type=jnp.float32)
+
+    def compute_logits(self, hidden: jax.Array) -> jax.Array:
+        return self.head_logits(self.logits_head[...], hidden)
 
     @staticmethod
     def hf_weight_map(hf_config: Any) -> list[WeightSource]:

@@ -144,14 +144,16 @@ def unpack_step_inputs(tok: jax.Array, req: jax.Array) -> tuple:
 
 
 @functools.cache
-def _step_functions(graphdef: Any, state_def: Any) -> tuple[Any, Any, Any]:
+def _step_functions(graphdef: Any, state_def: Any, head_logits: Any) -> tuple[Any, Any, Any]:
     """The jitted forward/logits/prompt-logprobs for one model graph.
 
     Cached per graph so that engines built on the same model in one process
     share compiled executables (the graph is closed over, not hashed per call).
     The weights come in as the flat list of the state's leaves (`state_def` is
     its tree structure): flattening an `nnx.State` on every call costs the host
-    ~0.7 ms for a 32-layer model, a list next to nothing.
+    ~0.7 ms for a 32-layer model, a list next to nothing. The logits steps take
+    the head matrix alone (`head_logits(head, hidden)`, the model's): every
+    array argument costs a dispatch ~1 us.
     """
 
     def merge(weights):
@@ -165,12 +167,11 @@ def _step_functions(graphdef: Any, state_def: Any) -> tuple[Any, Any, Any]:
         hidden, kv_caches = merge(weights)(input_ids, positions, kv_caches, md)
         return kv_caches, hidden
 
-    def logits(weights, hidden, logits_indices):
-        return merge(weights).compute_logits(hidden[logits_indices])
+    def logits(head, hidden, logits_indices):
+        return head_logits(head, hidden[logits_indices])
 
-    def prompt_logprobs(weights, hidden, targets):
-        return compute_prompt_logprobs(merge(weights).compute_logits(hidden), targets,
-                                       MAX_LOGPROBS)
+    def prompt_logprobs(head, hidden, targets):
+        return compute_prompt_logprobs(head_logits(head, hidden), targets, MAX_LOGPROBS)
 
     return (jax.jit(forward, donate_argnums=(1,)), jax.jit(logits), jax.jit(prompt_logprobs))
 
@@ -226,6 +227,8 @@ class ModelRunner:
 
         t0 = time.perf_counter()
         model = load_model(mc, self.mesh, self.attn_backend)
+        self._head = model.logits_head[...]  # one of the weights, by reference
+        self._head_logits = type(model).head_logits
         self.graphdef, state = nnx.split(model)
         # The weights as a flat list of arrays (see _step_functions).
         self.state_def = jax.tree.structure(state)
@@ -318,7 +321,7 @@ class ModelRunner:
         return make()
 
     def _build_functions(self) -> None:
-        fns = _step_functions(self.graphdef, self.state_def)
+        fns = _step_functions(self.graphdef, self.state_def, self._head_logits)
         self._forward, self._logits, self._prompt_logprobs = fns
 
     def _aot_context(self) -> dict[str, Any]:
@@ -356,7 +359,7 @@ class ModelRunner:
                 self.kv_caches, hidden[arg] = self._run_forward(*args)
             elif kind == "logits":
                 t, r = arg
-                logits[r] = self._logits(self.state, hidden[t], np.zeros(r, np.int32))
+                logits[r] = self._logits(self._head, hidden[t], np.zeros(r, np.int32))
             elif kind == "sample":
                 seen = set()
                 for md in variant_metadata(arg, self.vocab_size,
@@ -369,7 +372,7 @@ class ModelRunner:
                                    fn(logits[arg], part, size=b.max_num_seqs))
                 _jit_logprobs(logits[arg], out)  # `out`: token ids of the last draw
             else:
-                self._prompt_logprobs(self.state, hidden[arg], np.zeros(arg, np.int32))
+                self._prompt_logprobs(self._head, hidden[arg], np.zeros(arg, np.int32))
         jax.block_until_ready(self.kv_caches)
         aot = self.aot_cache
         note = (f" (forward programs: {aot.loaded} loaded from disk, {aot.traced} traced)"
@@ -447,7 +450,7 @@ class ModelRunner:
         done = end >= ib.num_tokens[rows] + ib.num_pending[rows]
         smd = ib.sampling.make_metadata(rows, r_pad, self.seed, self._step_count,
                                         out_index=np.maximum(end - ib.num_prompt_tokens[rows], 0))
-        out = run_sampler(self._logits(self.state, hidden, logits_indices), smd, s)
+        out = run_sampler(self._logits(self._head, hidden, logits_indices), smd, s)
         prompt_lp = None
         if ib.wants_prompt_logprobs[rows].any():
             prompt_lp = self._dispatch_prompt_logprobs(req_ids, rows, nsched, computed, first,
@@ -546,7 +549,7 @@ class ModelRunner:
             spans[req_ids[i]] = slice(first[i], first[i] + stop - start)
         if not spans:
             return None
-        return self._prompt_logprobs(self.state, hidden, targets), spans
+        return self._prompt_logprobs(self._head, hidden, targets), spans
 
     @staticmethod
     def _collect_prompt_logprobs(pending: tuple | None) -> dict[str, LogprobsLists]:
