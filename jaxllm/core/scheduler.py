@@ -475,7 +475,7 @@ class Scheduler:
         if req_id in so.sampling_req_ids:
             request.num_output_placeholders -= 1
         index = runner.req_id_to_index.get(req_id)
-        sampled = runner.sampled_token_ids[index] if index is not None else ()
+        sampled = runner.tokens_of(index) if index is not None else ()
 
         new_token_ids: list[int] = []
         for token_id in sampled:

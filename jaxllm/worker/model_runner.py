@@ -491,8 +491,6 @@ class ModelRunner:
         live = h.gen & (rows >= 0)
         ib.append_sampled(rows[live], sampled[live])
         ib.num_pending[rows[live]] -= 1
-        sampled_lists = [[t] if g else [] for t, g in zip(sampled.tolist(), h.gen.tolist(),
-                                                          strict=True)]
         logprobs = None
         if out.logprobs is not None:
             logprobs = LogprobsLists(np.asarray(out.logprob_token_ids)[:n].tolist(),
@@ -500,7 +498,7 @@ class ModelRunner:
                                      np.asarray(out.ranks)[:n].tolist())
         return ModelRunnerOutput(req_ids=h.req_ids,
                                  req_id_to_index=dict(zip(h.req_ids, range(n), strict=True)),
-                                 sampled_token_ids=sampled_lists, logprobs=logprobs,
+                                 sampled_token_ids=None, logprobs=logprobs,
                                  prompt_logprobs=self._collect_prompt_logprobs(h.prompt_lp),
                                  pooler_output=self._pool(h),
                                  sampled_array=np.where(h.gen, sampled, -1))

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 
 import numpy as np
@@ -14,8 +15,9 @@ class ModelRunnerOutput:
     req_ids: list[str]
     req_id_to_index: dict[str, int]
     # One list per request: the sampled token, or [] for a prompt chunk that
-    # does not reach the end of the prompt (nothing is sampled for it).
-    sampled_token_ids: list[list[int]]
+    # does not reach the end of the prompt (nothing is sampled for it). None
+    # when `sampled_array` holds them all (see `tokens_of`).
+    sampled_token_ids: list[list[int]] | None
     # Row i belongs to req_ids[i]; only when some request asked for logprobs.
     logprobs: LogprobsLists | None = None
     # Prompt logprobs of the positions computed this step, per request.
@@ -29,3 +31,10 @@ class ModelRunnerOutput:
     @classmethod
     def empty(cls) -> ModelRunnerOutput:
         return cls([], {}, [])
+
+    def tokens_of(self, index: int) -> Sequence[int]:
+        """The tokens sampled for request `index` of this step."""
+        if self.sampled_token_ids is not None:
+            return self.sampled_token_ids[index]
+        token = int(self.sampled_array[index])
+        return (token,) if token >= 0 else ()
