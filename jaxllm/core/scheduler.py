@@ -401,8 +401,12 @@ class Scheduler:
         per-request path and the number of tokens generated.
         """
         b, n = self.running, len(req_ids)
-        reqs = list(map(self.requests.get, req_ids))
-        batch_index = np.array([-1 if r is None else r.batch_index for r in reqs], np.int64)
+        if req_ids == b.ids:  # the usual decode step: the whole batch, in its order
+            reqs, batch_index = list(b.requests), np.arange(n)
+        else:
+            reqs = list(map(self.requests.get, req_ids))
+            batch_index = np.array([-1 if r is None else r.batch_index for r in reqs],
+                                   np.int64)
         tokens = runner.sampled_array
         if tokens is None:  # -1: no token, -2: more than one (per-request path)
             tokens = np.array([(s[0] if len(s) == 1 else -2) if s else -1
