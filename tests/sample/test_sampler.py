@@ -298,3 +298,23 @@ def test_variants_are_the_documented_set_and_each_compiles_and_runs():
         out = sample(logits, md)
         assert out.token_ids.shape == (4,)
         assert (out.logprobs is None) == (md.num_logprobs == 0)
+
+
+def test_rng_keys_follow_the_documented_splitmix_derivation_at_any_output_index():
+    mask = (1 << 64) - 1
+
+    def mix(x):  # splitmix64's finalizer, in Python integers
+        x = ((x ^ (x >> 30)) * 0xBF58476D1CE4E5B9) & mask
+        x = ((x ^ (x >> 27)) * 0x94D049BB133111EB) & mask
+        return x ^ (x >> 31)
+
+    seed, index = 1234, [0, 1, 17, 65535, 65536, 10**9]  # both sides of the index table
+    base = mix(seed ^ 0x9E3779B97F4A7C15)
+    want = [[h >> 32, h & 0xFFFFFFFF]
+            for h in (mix(base ^ mix(i ^ 0x8CB92BA72F3D8DD7)) for i in index)]
+    got = rng_key_data(np.ones(len(index), bool), [seed] * len(index), 0,
+                       np.zeros(len(index)), index)
+    assert got.dtype == np.uint32 and got.tolist() == want
+    # Indices all inside the table take the gather path; the result is the same.
+    assert rng_key_data(np.ones(4, bool), [seed] * 4, 0, np.zeros(4), index[:4]).tolist() \
+        == want[:4]
