@@ -97,8 +97,8 @@ def main(argv: list[str] | None = None) -> dict:
     # (a test) that builds real engines afterwards.
     stub_sampler = mock.patch.object(mr, "run_sampler", lambda logits, md, size: SamplerOutput(
         sample(logits, md, size)))
-    # One small array per layer: the stubs pass the caches through untouched.
-    runner.kv_caches = [jnp.zeros(8, jnp.float32) for _ in runner.kv_caches]
+    # A small stand-in for the (one, all-layer) cache: the stub passes it through.
+    runner.kv_cache = jnp.zeros(8, jnp.float32)
 
     # Streaming deltas, as the server asks for them.
     params = SamplingParams(temperature=0.8, top_p=0.95, max_tokens=10**6, ignore_eos=True,

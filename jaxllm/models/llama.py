@@ -143,6 +143,7 @@ class LlamaAttention(nnx.Module):
         self.sm_scale = d ** -0.5
         self.sliding_window = arch.sliding_windows[layer]
         self.attn_backend = attn_backend
+        self.layer, self.num_layers = layer, arch.num_layers
 
     def __call__(self, x: jax.Array, positions: jax.Array, kv_cache: jax.Array,
                  md: AttentionMetadata) -> tuple[jax.Array, jax.Array]:
@@ -155,9 +156,12 @@ class LlamaAttention(nnx.Module):
         if self.q_norm is not None:
             q, k = self.q_norm(q), self.k_norm(k)
         q, k = self.rope(q, positions), self.rope(k, positions)
-        kv_cache = self.attn_backend.write_kv(kv_cache, k, v, md)
+        # The cache holds every layer's pages; this layer's come after the previous ones'.
+        page_offset = self.layer * (kv_cache.shape[0] // self.num_layers)
+        kv_cache = self.attn_backend.write_kv(kv_cache, k, v, md, page_offset)
         o = self.attn_backend.attend(q, kv_cache, md, sm_scale=self.sm_scale,
-                                     sliding_window=self.sliding_window)
+                                     sliding_window=self.sliding_window,
+                                     page_offset=page_offset)
         out = jnp.einsum("tnd,hnd->th", o, self.o_proj[...])
         if self.o_bias is not None:
             out = out + self.o_bias[...]
@@ -225,16 +229,20 @@ class LlamaForCausalLM(nnx.Module):
                         _param(rngs, (arch.vocab_size, arch.hidden_size), dtype,
                                P("model", None)))
 
-    def __call__(self, input_ids: jax.Array, positions: jax.Array,
-                 kv_caches: list[jax.Array], md: AttentionMetadata
-                 ) -> tuple[jax.Array, list[jax.Array]]:
-        """Hidden states after the final norm `[T, hidden]` and the updated KV caches."""
+    def __call__(self, input_ids: jax.Array, positions: jax.Array, kv_cache: jax.Array,
+                 md: AttentionMetadata) -> tuple[jax.Array, jax.Array]:
+        """Hidden states after the final norm `[T, hidden]` and the updated KV cache.
+
+        `kv_cache` holds the pages of every layer, `num_layers` equal runs along
+        axis 0 (see jaxllm/layers/attention.py).
+        """
+        if kv_cache.shape[0] % len(self.layers):
+            raise ValueError(f"KV cache of {kv_cache.shape[0]} pages does not split into "
+                             f"{len(self.layers)} layers")
         x = jnp.take(self.embed_tokens[...], input_ids, axis=0)
-        new_caches = []
-        for layer, kv_cache in zip(self.layers, kv_caches, strict=True):
+        for layer in self.layers:
             x, kv_cache = layer(x, positions, kv_cache, md)
-            new_caches.append(kv_cache)
-        return self.norm(x), new_caches
+        return self.norm(x), kv_cache
 
     @property
     def logits_head(self) -> nnx.Param:

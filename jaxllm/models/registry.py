@@ -1,7 +1,8 @@
 """Hugging Face architecture name -> the Flax NNX class that implements it.
 
 A model class takes `(hf_config, *, dtype, rngs, attn_backend)`, is called as
-`model(input_ids, positions, kv_caches, md) -> (hidden, kv_caches)`, has
+`model(input_ids, positions, kv_cache, md) -> (hidden, kv_cache)` (one cache
+array for all layers, see jaxllm/layers/attention.py), has
 `compute_logits(hidden)`, and tells the loader where its weights live in a
 checkpoint (`hf_weight_map`, `hf_ignored_tensor`).
 """

@@ -160,13 +160,13 @@ def _step_functions(graphdef: Any, state_def: Any, head_logits: Any) -> tuple[An
     def merge(weights):
         return nnx.merge(graphdef, jax.tree.unflatten(state_def, weights))
 
-    def forward(weights, kv_caches, tok, req, prev_tokens):
+    def forward(weights, kv_cache, tok, req, prev_tokens):
         input_ids, positions, md, src = unpack_step_inputs(tok, req)
         # Tokens sampled by the previous step that the host has not seen yet
         # (async scheduling) are read from its device output: src >= 0 names the row.
         input_ids = jnp.where(src >= 0, prev_tokens[jnp.maximum(src, 0)], input_ids)
-        hidden, kv_caches = merge(weights)(input_ids, positions, kv_caches, md)
-        return kv_caches, hidden
+        hidden, kv_cache = merge(weights)(input_ids, positions, kv_cache, md)
+        return kv_cache, hidden
 
     def logits(head, hidden, logits_indices):
         return head_logits(head, hidden[logits_indices])
@@ -240,7 +240,7 @@ class ModelRunner:
                                     cc.block_size, config.token_buckets, config.request_buckets)
         self.num_layers, self.num_kv_heads, self.head_dim = kv_cache_spec(mc.hf_config)
         cc.num_blocks = self._num_kv_blocks()
-        self.kv_caches = self._allocate_kv_caches(cc.num_blocks)
+        self.kv_cache = self._allocate_kv_cache(cc.num_blocks)
         self.input_batch = InputBatch(sc.max_num_seqs, mc.max_model_len,
                                       self.buckets.max_blocks_per_req, self.vocab_size)
         replicated = NamedSharding(self.mesh, P())
@@ -311,15 +311,14 @@ class ModelRunner:
         logits = r * self.vocab_size * 4 * 6
         return int(2 * act + logits + (256 << 20))
 
-    def _allocate_kv_caches(self, num_blocks: int) -> list[jax.Array]:
+    def _allocate_kv_cache(self, num_blocks: int) -> jax.Array:
+        """One array for every layer's pages: layer l's block b is page l * num_blocks + b."""
         from jaxllm.distributed.mesh import kv_cache_sharding
 
-        shape = self.attn_backend.kv_cache_shape(num_blocks, self.block_size, self.num_kv_heads,
-                                                 self.head_dim)
+        shape = self.attn_backend.kv_cache_shape(self.num_layers * num_blocks, self.block_size,
+                                                 self.num_kv_heads, self.head_dim)
         sharding = kv_cache_sharding(self.mesh, self.attn_backend)
-        make = jax.jit(lambda: [jnp.zeros(shape, self.dtype) for _ in range(self.num_layers)],
-                       out_shardings=[sharding] * self.num_layers)
-        return make()
+        return jax.jit(lambda: jnp.zeros(shape, self.dtype), out_shardings=sharding)()
 
     def _build_functions(self) -> None:
         fns = _step_functions(self.graphdef, self.state_def, self._head_logits)
@@ -352,12 +351,12 @@ class ModelRunner:
         for kind, arg in tqdm(jobs, desc="Precompiling buckets", unit="shape",
                               disable=os.environ.get("JAXLLM_NO_PROGRESS") == "1"):
             if kind == "forward":
-                args = (self.state, self.kv_caches, *self._dummy_inputs(arg), self._no_prev)
+                args = (self.state, self.kv_cache, *self._dummy_inputs(arg), self._no_prev)
                 compiled = self.aot_cache and self.aot_cache.load_or_compile(
                     "forward", self._forward, args, donate_argnums=(1,))
                 if compiled is not None:
                     self._forward_exec[arg] = compiled
-                self.kv_caches, hidden[arg] = self._run_forward(*args)
+                self.kv_cache, hidden[arg] = self._run_forward(*args)
             elif kind == "logits":
                 t, r = arg
                 logits[r] = self._logits(self._head, hidden[t], np.zeros(r, np.int32))
@@ -374,7 +373,7 @@ class ModelRunner:
                 _jit_logprobs(logits[arg], out)  # `out`: token ids of the last draw
             else:
                 self._prompt_logprobs(self._head, hidden[arg], np.zeros(arg, np.int32))
-        jax.block_until_ready(self.kv_caches)
+        jax.block_until_ready(self.kv_cache)
         aot = self.aot_cache
         note = (f" (forward programs: {aot.loaded} loaded from disk, {aot.traced} traced)"
                 if aot else "")
@@ -445,8 +444,8 @@ class ModelRunner:
         logits_indices = np.zeros(r_pad, np.int32)
         logits_indices[:n] = cu - 1
 
-        self.kv_caches, hidden = self._run_forward(self.state, self.kv_caches, tok, req,
-                                                   prev_tokens)
+        self.kv_cache, hidden = self._run_forward(self.state, self.kv_cache, tok, req,
+                                                  prev_tokens)
         # A prompt chunk that stops short of the prompt's end samples nothing.
         done = end >= ib.num_tokens[rows] + ib.num_pending[rows]
         smd = ib.sampling.make_metadata(rows, r_pad, self.seed, self._step_count,
@@ -497,9 +496,7 @@ class ModelRunner:
             logprobs = LogprobsLists(np.asarray(out.logprob_token_ids)[:n].tolist(),
                                      np.asarray(out.logprobs)[:n].tolist(),
                                      np.asarray(out.ranks)[:n].tolist())
-        return ModelRunnerOutput(req_ids=h.req_ids,
-                                 req_id_to_index=dict(zip(h.req_ids, range(n), strict=True)),
-                                 sampled_token_ids=None, logprobs=logprobs,
+        return ModelRunnerOutput(req_ids=h.req_ids, sampled_token_ids=None, logprobs=logprobs,
                                  prompt_logprobs=self._collect_prompt_logprobs(h.prompt_lp),
                                  pooler_output=self._pool(h),
                                  sampled_array=np.where(h.gen, sampled, -1))
@@ -564,4 +561,4 @@ class ModelRunner:
 
     @functools.cached_property
     def kv_cache_bytes(self) -> int:
-        return sum(c.nbytes for c in self.kv_caches)
+        return self.kv_cache.nbytes

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from dataclasses import dataclass, field
+from functools import cached_property
 
 import numpy as np
 
@@ -13,7 +14,6 @@ from jaxllm.engine.messages import LogprobsLists
 @dataclass
 class ModelRunnerOutput:
     req_ids: list[str]
-    req_id_to_index: dict[str, int]
     # One list per request: the sampled token, or [] for a prompt chunk that
     # does not reach the end of the prompt (nothing is sampled for it). None
     # when `sampled_array` holds them all (see `tokens_of`).
@@ -30,7 +30,13 @@ class ModelRunnerOutput:
 
     @classmethod
     def empty(cls) -> ModelRunnerOutput:
-        return cls([], {}, [])
+        return cls([], [])
+
+    @cached_property
+    def req_id_to_index(self) -> dict[str, int]:
+        """Position of each request in `req_ids`; built on first use (a decode step
+        of the whole batch in order never asks)."""
+        return {r: i for i, r in enumerate(self.req_ids)}
 
     def tokens_of(self, index: int) -> Sequence[int]:
         """The tokens sampled for request `index` of this step."""

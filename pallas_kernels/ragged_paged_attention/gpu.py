@@ -174,7 +174,7 @@ def work_items(cu_q_lens: jax.Array, num_seqs: jax.Array, num_tokens: int,
 def _kernel(item_req_ref, item_tok_ref, cu_ref, kvlen_ref, pidx_ref, q_ref, kv_ref,
             *out_refs, block_q: int, block_kv: int, group: int, num_q_heads: int, kv_heads: int,
             page_size: int, pages_per_seq: int, num_tokens: int, num_splits: int,
-            kv_evict_first: bool,
+            kv_evict_first: bool, page_offset: int,
             sm_scale: float, sliding_window: int | None, soft_cap: float | None):
     o_ref = out_refs[0]
     lse_ref = out_refs[1] if num_splits > 1 else None
@@ -258,7 +258,7 @@ def _kernel(item_req_ref, item_tok_ref, cu_ref, kvlen_ref, pidx_ref, q_ref, kv_r
                 page = _load(pidx_ref, (rr * pages_per_seq + col,), mask=in_len, other=0)
             else:
                 page = _load(pidx_ref, (rr * pages_per_seq + col,))
-            krow = (page * (2 * kv_heads) + 2 * h) * page_size + kpos % page_size
+            krow = ((page + page_offset) * (2 * kv_heads) + 2 * h) * page_size + kpos % page_size
             krow = jnp.broadcast_to(krow[:, None], (block_kv, head_dim))
             if masked:
                 ld_mask = jnp.broadcast_to(in_len[:, None], (block_kv, head_dim))
@@ -317,8 +317,10 @@ def ragged_paged_attention(
     block_sizes: BlockSizes | None = None,
     items: tuple[jax.Array, jax.Array] | None = None,
     interpret: bool = False,
+    page_offset: int = 0,
 ) -> jax.Array:
-    """Ragged paged attention; `kv_cache` is `[P, 2 * Hkv, page_size, D]` (see module doc)."""
+    """Ragged paged attention; `kv_cache` is `[P, 2 * Hkv, page_size, D]` (see module doc;
+    `page_offset` as in reference.py)."""
     num_tokens, num_q_heads, head_dim = q.shape
     num_pages, two_h, page_size, _ = kv_cache.shape
     num_kv_heads = two_h // 2
@@ -345,7 +347,7 @@ def ragged_paged_attention(
         _kernel, kv_heads=num_kv_heads, block_q=bs.block_q, block_kv=bs.block_kv, group=group,
         num_q_heads=num_q_heads, page_size=page_size, pages_per_seq=pages_per_seq,
         num_tokens=num_tokens, num_splits=splits, kv_evict_first=bs.kv_evict_first,
-        sm_scale=float(sm_scale),
+        page_offset=page_offset, sm_scale=float(sm_scale),
         sliding_window=sliding_window, soft_cap=soft_cap)
     rows = num_tokens * num_q_heads
     if splits == 1:

@@ -196,7 +196,7 @@ def _kernel(req_ref, w0_ref, lo_ref, hi_ref, cu_ref, kvlen_ref, pidx_ref, q_ref,
             out_ref, q_smem, o_smem, k_smem, v_smem, q_bar, k_bar, v_bar, k_free, v_free,
             sched_bar, *, group: int, page_size: int, block_kv: int, num_stages: int,
             scale: float, schedule_barrier: bool, num_works: int, num_ctas: int,
-            num_kv_heads: int, interpret: bool):
+            num_kv_heads: int, interpret: bool, page_offset: int):
     bq = CTA_ROWS // group  # tokens per window
     chunk = min(bq, ROWS_PER_WG)  # rows per (query head, token run) of a warpgroup
     num_chunks = ROWS_PER_WG // chunk
@@ -406,7 +406,7 @@ def _kernel(req_ref, w0_ref, lo_ref, hi_ref, cu_ref, kvlen_ref, pidx_ref, q_ref,
                 slot = lax.rem(g, i32(num_stages))
                 base = s * pages_per_step
                 # Page ids first: their loads are in flight while we wait for the slot.
-                pages = [pidx_ref[rr, jnp.minimum(base + j, last_page)]
+                pages = [pidx_ref[rr, jnp.minimum(base + j, last_page)] + page_offset
                          for j in range(pages_per_step)]
 
                 @pl.when(g >= num_stages)
@@ -457,22 +457,23 @@ def ragged_paged_attention(
     items: tuple[jax.Array, ...] | None = None,
     interpret: bool = False,
     fallback_block_sizes: gpu.BlockSizes | None = None,
+    page_offset: int = 0,
 ) -> jax.Array:
     """Ragged paged attention; Mosaic GPU body where `supported()`, else `gpu.py`'s.
 
     `items` (optional) must come from this module's `work_items(..., 128 // G)`
     (used on the fast path only); `fallback_block_sizes` goes to
-    `gpu.ragged_paged_attention` on the fallback.
+    `gpu.ragged_paged_attention` on the fallback; `page_offset` as in reference.py.
     """
     if not supported(q, kv_cache, page_indices, sliding_window=sliding_window,
                      soft_cap=soft_cap, interpret=interpret, block_sizes=block_sizes):
         return gpu.ragged_paged_attention(
             q, kv_cache, kv_lens, page_indices, cu_q_lens, num_seqs, sm_scale=sm_scale,
             sliding_window=sliding_window, soft_cap=soft_cap,
-            block_sizes=fallback_block_sizes, interpret=interpret)
+            block_sizes=fallback_block_sizes, interpret=interpret, page_offset=page_offset)
     return _mgpu_call(q, kv_cache, kv_lens, page_indices, cu_q_lens, num_seqs,
                       sm_scale=sm_scale, block_sizes=block_sizes, items=items,
-                      interpret=interpret)
+                      interpret=interpret, page_offset=page_offset)
 
 
 def _num_sms() -> int:
@@ -483,7 +484,7 @@ def _num_sms() -> int:
 
 
 def _mgpu_call(q, kv_cache, kv_lens, page_indices, cu_q_lens, num_seqs, *, sm_scale,
-               block_sizes, items, interpret):
+               block_sizes, items, interpret, page_offset=0):
     num_tokens, num_q_heads, head_dim = q.shape
     num_pages, two_h, page_size, _ = kv_cache.shape
     num_kv_heads = two_h // 2
@@ -523,7 +524,7 @@ def _mgpu_call(q, kv_cache, kv_lens, page_indices, cu_q_lens, num_seqs, *, sm_sc
         _kernel, group=group, page_size=page_size, block_kv=bs.block_kv,
         num_stages=bs.num_stages, scale=float(sm_scale) * LOG2E,
         schedule_barrier=bs.schedule_barrier, num_works=num_works, num_ctas=num_ctas,
-        num_kv_heads=num_kv_heads, interpret=bool(interpret))
+        num_kv_heads=num_kv_heads, interpret=bool(interpret), page_offset=page_offset)
     sem = {}
     if bs.semantics is not None:
         sem["lowering_semantics"] = getattr(plgpu.LoweringSemantics, bs.semantics.capitalize())

@@ -11,6 +11,9 @@ Semantics (shared/DESIGN.md, "Kernels"):
   so one page holds both K and V of `page_size` positions.
 * `page_indices[r]` is request r's block table; `kv_lens[r]` is its context
   length including this step's new tokens (already written to the cache).
+* `page_offset` (static, default 0) is added to every page index: the caches
+  of all layers can live in one array, layer l's pages at `l * P + page`, so a
+  step passes the device one cache instead of one per layer.
 * Causal by absolute position: query j of request r sits at
   `kv_lens[r] - q_len[r] + j` and sees keys at positions <= its own, and, with
   a sliding window W, only keys at positions > its own - W.
@@ -34,18 +37,19 @@ def kv_cache_shape(num_pages: int, page_size: int, num_kv_heads: int,
 
 
 def write_kv(kv_cache: jax.Array, k: jax.Array, v: jax.Array,
-             slot_mapping: jax.Array) -> jax.Array:
+             slot_mapping: jax.Array, page_offset: int = 0) -> jax.Array:
     """Writes new K/V rows (`[num_tokens, num_kv_heads, head_dim]`) to their slots.
 
-    `slot_mapping[t] = page * page_size + offset`. Padding tokens point at a
-    scratch slot (page 0 is reserved for that), so they never touch live KV.
+    `slot_mapping[t] = page * page_size + offset`, `page` counted from
+    `page_offset`. Padding tokens point at a scratch slot (page 0 is reserved
+    for that), so they never touch live KV.
     Under donation this scatter updates the cache in place.
     """
     num_pages, page_size, two_h, head_dim = kv_cache.shape
     kv = jnp.stack([k, v], axis=2).reshape(k.shape[0], two_h, head_dim)
     flat = kv_cache.reshape(num_pages * page_size, two_h, head_dim)
-    flat = flat.at[slot_mapping].set(kv.astype(kv_cache.dtype), mode="drop",
-                                     unique_indices=False)
+    slots = slot_mapping + page_offset * page_size
+    flat = flat.at[slots].set(kv.astype(kv_cache.dtype), mode="drop", unique_indices=False)
     return flat.reshape(kv_cache.shape)
 
 
@@ -73,6 +77,7 @@ def ragged_paged_attention(
     sm_scale: float,
     sliding_window: int | None = None,
     soft_cap: float | None = None,
+    page_offset: int = 0,
 ) -> jax.Array:
     num_tokens, num_q_heads, head_dim = q.shape
     _, page_size, two_h, _ = kv_cache.shape
@@ -86,7 +91,8 @@ def ragged_paged_attention(
     n = jnp.reshape(num_seqs, (-1,))[0]
 
     def one_request(r, out):
-        kv = kv_cache[page_indices[r]].reshape(max_len, two_h, head_dim).astype(jnp.float32)
+        kv = kv_cache[page_indices[r] + page_offset].reshape(max_len, two_h, head_dim)
+        kv = kv.astype(jnp.float32)
         k, v = kv[:, 0::2], kv[:, 1::2]  # [L, Hkv, D]
         s = jnp.einsum("tkgd,lkd->tkgl", qf, k)
         if soft_cap is not None:

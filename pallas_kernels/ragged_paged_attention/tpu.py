@@ -102,7 +102,7 @@ def _kernel(kvlen_ref, pidx_ref, cu_ref, nseq_ref, lo_ref, hi_ref,  # scalar pre
             kv_buf, sems, m_ref, l_ref, acc_ref,  # scratch
             *, block_q: int, group: int, page_size: int, pages_per_block: int,
             pages_per_seq: int, num_req: int, sm_scale: float,
-            sliding_window: int | None, soft_cap: float | None):
+            sliding_window: int | None, soft_cap: float | None, page_offset: int):
     del nseq_ref  # folded into lo/hi by the wrapper
     num_kv_heads, rows, head_dim = q_ref.shape
     block_kv = pages_per_block * page_size
@@ -134,7 +134,7 @@ def _kernel(kvlen_ref, pidx_ref, cu_ref, nseq_ref, lo_ref, hi_ref,  # scalar pre
         out = []
         for j in range(pages_per_block):
             col = b * pages_per_block + j
-            page = pidx_ref[r * pages_per_seq + jnp.minimum(col, pages_per_seq - 1)]
+            page = pidx_ref[r * pages_per_seq + jnp.minimum(col, pages_per_seq - 1)] + page_offset
             desc = pltpu.make_async_copy(
                 kv_hbm.at[page], kv_buf.at[slot, :, pl.ds(j * page_size, page_size), :],
                 sems.at[slot])
@@ -241,8 +241,10 @@ def ragged_paged_attention(
     soft_cap: float | None = None,
     block_sizes: BlockSizes | None = None,
     interpret=False,
+    page_offset: int = 0,
 ) -> jax.Array:
-    """Ragged paged attention; `kv_cache` is `[P, 2 * Hkv, page_size, D]` (see module doc).
+    """Ragged paged attention; `kv_cache` is `[P, 2 * Hkv, page_size, D]` (see module doc;
+    `page_offset` as in reference.py).
 
     `interpret=True` runs in TPU interpret mode (any host); a
     `pltpu.InterpretParams` is passed through as is.
@@ -270,7 +272,8 @@ def ragged_paged_attention(
     kernel = functools.partial(
         _kernel, block_q=block_q, group=group, page_size=page_size,
         pages_per_block=bs.pages_per_block, pages_per_seq=pages_per_seq, num_req=num_req,
-        sm_scale=float(sm_scale), sliding_window=sliding_window, soft_cap=soft_cap)
+        sm_scale=float(sm_scale), sliding_window=sliding_window, soft_cap=soft_cap,
+        page_offset=page_offset)
     qo_spec = pl.BlockSpec((num_kv_heads, rows, head_dim), lambda i, *_: (0, i, 0))
     block_kv = bs.pages_per_block * page_size
     grid_spec = pltpu.PrefetchScalarGridSpec(

@@ -55,7 +55,7 @@ def sample_all(sched, out, token=7, logprobs=None, prompt_logprobs=None, pooled=
         req = sched.requests[rid]
         done = req.num_computed_tokens >= req.num_tokens and not req.is_pooling
         sampled.append([token(rid) if callable(token) else token] if done else [])
-    return ModelRunnerOutput(req_ids, {r: i for i, r in enumerate(req_ids)}, sampled,
+    return ModelRunnerOutput(req_ids, sampled,
                              logprobs=logprobs, prompt_logprobs=prompt_logprobs or {},
                              pooler_output=pooled or {})
 
@@ -457,7 +457,7 @@ class FakeRunner:
                 sampled.append([tok])
             else:
                 sampled.append([])
-        return ModelRunnerOutput(req_ids, {r: i for i, r in enumerate(req_ids)}, sampled)
+        return ModelRunnerOutput(req_ids, sampled)
 
 
 def check_blocks(sched: Scheduler) -> None:

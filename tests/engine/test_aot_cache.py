@@ -37,12 +37,12 @@ def test_a_restart_loads_the_forward_programs_and_generates_the_same(model_dir, 
     assert sorted((tmp_path / "jaxllm-aot").glob("forward-*.jaxexe")) == files
 
     # The loaded program still updates the KV cache in place (donation kept).
-    kv0 = second.kv_caches[0]
+    kv0 = second.kv_cache
     ptr = kv0.unsafe_buffer_pointer()
-    args = (second.state, second.kv_caches, *second._dummy_inputs(16), second._no_prev)
-    second.kv_caches, _ = second._run_forward(*args)
+    args = (second.state, second.kv_cache, *second._dummy_inputs(16), second._no_prev)
+    second.kv_cache, _ = second._run_forward(*args)
     assert kv0.is_deleted()
-    assert second.kv_caches[0].unsafe_buffer_pointer() == ptr
+    assert second.kv_cache.unsafe_buffer_pointer() == ptr
 
     # A damaged file is traced again (and rewritten); the other one still loads.
     files[0].write_bytes(b"not a program")

@@ -87,9 +87,9 @@ def run_prefill_and_decode(model: nnx.Module, prompts: list[np.ndarray],
     """(prefill logits of the real rows [sum(L), V], decode logits [R, V]) as numpy."""
     backend = model.layers[0].self_attn.attn_backend
     arch = model.arch
-    shape = backend.kv_cache_shape(1 + REQUEST_BUCKET * TABLE_WIDTH, BLOCK_SIZE,
-                                   arch.num_kv_heads, arch.head_dim)
-    caches = [jnp.zeros(shape, model.dtype, device=kv_sharding) for _ in range(arch.num_layers)]
+    shape = backend.kv_cache_shape(arch.num_layers * (1 + REQUEST_BUCKET * TABLE_WIDTH),
+                                   BLOCK_SIZE, arch.num_kv_heads, arch.head_dim)
+    caches = jnp.zeros(shape, model.dtype, device=kv_sharding)
     graphdef, state = nnx.split(model)
 
     @jax.jit
