@@ -249,6 +249,7 @@ class ModelRunner:
         self.wait_seconds = 0.0  # host time spent waiting for sampled tokens (benchmarks)
         self.dispatch_seconds = 0.0  # host time spent preparing and launching steps
         s = self.buckets.max_num_seqs
+        self._arange = np.arange(s + 1, dtype=np.int32)
         # The last dispatched step's sampled ids (device, [max_num_seqs]).
         # Placed like the sampler's output, so that the forward compiled with
         # it at start-up is the one that later takes in-flight tokens.
@@ -421,15 +422,21 @@ class ModelRunner:
         # (the null block); padding requests have no tokens and no KV.
         (tok, req, input_ids, positions, slots, src, page_indices, kv_lens,
          cu_end) = pack_step_inputs(t_pad, s, self.buckets.max_blocks_per_req)
-        cu_end[:n] = cu = np.cumsum(nsched)
-        cu_end[n:] = t_real
-        req[:, -1] = n
-        req_of_tok = np.repeat(np.arange(n, dtype=np.int32), nsched)
-        first = cu - nsched
         computed = ib.num_computed_tokens[rows]
         pos = positions[:t_real]
-        pos[:] = computed[req_of_tok] + (np.arange(t_real) - first[req_of_tok])
-        tok_rows = rows[req_of_tok]
+        if t_real == n:  # one token per request (decode): token i belongs to request i
+            cu, first = self._arange[1:n + 1], self._arange[:n]
+            pos[:] = computed
+            tok_rows = rows
+        else:
+            cu = np.cumsum(nsched)
+            req_of_tok = np.repeat(self._arange[:n], nsched)
+            first = cu - nsched
+            pos[:] = computed[req_of_tok] + (np.arange(t_real) - first[req_of_tok])
+            tok_rows = rows[req_of_tok]
+        cu_end[:n] = cu
+        cu_end[n:] = t_real
+        req[:, -1] = n
         input_ids[:t_real] = ib.token_ids[tok_rows, np.minimum(pos, self.max_model_len - 1)]
         unknown = pos >= ib.num_tokens[tok_rows]
         prev_tokens = self._no_prev
