@@ -17,9 +17,7 @@ the array path against (`vectorized=False`).
 
 from __future__ import annotations
 
-import collections
 import itertools
-import operator
 import os
 import time
 from collections.abc import Iterable
@@ -35,16 +33,6 @@ from jaxllm.core.running_batch import RunningBatch
 from jaxllm.core.sched_output import CachedRequestData, NewRequestData, SchedulerOutput
 from jaxllm.engine.messages import EngineCoreOutput, EngineCoreOutputs, SchedulerStats
 from jaxllm.worker.runner_output import ModelRunnerOutput
-
-_OUTPUT_IDS = operator.attrgetter("output_token_ids")
-_ALL_IDS = operator.attrgetter("all_token_ids")
-_REQUEST_ID = operator.attrgetter("request_id")
-_NUM_CACHED = operator.attrgetter("num_cached_tokens")
-_NONE = itertools.repeat(None)
-
-
-def _consume(it: Iterable) -> None:
-    collections.deque(it, maxlen=0)
 
 
 class Scheduler:
@@ -376,11 +364,12 @@ class Scheduler:
         finished: list[tuple[int, Request]] = []  # (position in the step, request)
         rest: Iterable[int] = range(len(req_ids))
         num_generated = 0
+        compact: tuple[list[str], list[int]] | tuple[None, None] = (None, None)
         if (self.vectorized and req_ids and runner.req_ids == req_ids
                 and runner.logprobs is None and not runner.prompt_logprobs
                 and not runner.pooler_output):
-            rest, num_generated = self._update_arrays(scheduler_output, runner, req_ids,
-                                                      outputs, finished)
+            rest, num_generated, compact = self._update_arrays(scheduler_output, runner,
+                                                               req_ids, outputs, finished)
         for j in rest:
             num_generated += self._update_request(j, req_ids[j], scheduler_output, runner,
                                                   outputs, finished)
@@ -399,18 +388,20 @@ class Scheduler:
         if self.check_invariants:
             self.running.check(self.kv_cache_manager.block_state)
         return EngineCoreOutputs(outputs=[o for o in outputs if o is not None],
-                                 scheduler_stats=self.make_stats(), timestamp=time.time())
+                                 scheduler_stats=self.make_stats(), timestamp=time.time(),
+                                 token_req_ids=compact[0] or None, token_ids=compact[1] or None)
 
     def _update_arrays(self, so: SchedulerOutput, runner: ModelRunnerOutput, req_ids: list[str],
                        outputs: list[EngineCoreOutput | None],
-                       finished: list[tuple[int, Request]]) -> tuple[list[int], int]:
+                       finished: list[tuple[int, Request]]) -> tuple[list[int], int, tuple]:
         """`update_from_output` for the step's plain requests, with array passes.
 
         Plain: in the running batch, generating (not pooling), at most one new
         token, and a step without logprobs. Stop conditions are evaluated for
         all of them at once; Python only appends each token to its request's
         history and makes its output. Returns the positions left to the
-        per-request path and the number of tokens generated.
+        per-request path, the number of tokens generated and the compact
+        tokens (request ids, token ids; see EngineCoreOutputs).
         """
         b, n = self.running, len(req_ids)
         if req_ids == b.ids:  # the usual decode step: the whole batch, in its order
@@ -451,25 +442,30 @@ class Scheduler:
         b.num_tokens[rows] = num_tokens
         b.pending[rows[samples]] -= 1  # the requests' placeholders
 
-        # Python only where each request must change: its token history and
-        # its output (positional: msgspec takes those fastest).
+        # Python only where each request must change: its token history.
         tok_list = tok.tolist()
         if has.all():
-            got, got_pos, got_tok = reqs, pos, tok_list
+            got, got_tok = reqs, tok_list
         else:
             keep = has.tolist()
-            got, got_pos, got_tok = (list(itertools.compress(x, keep))
-                                     for x in (reqs, pos, tok_list))
-        # map() runs these loops in C: ~0.1 us a request instead of ~1 us.
-        _consume(map(list.append, map(_OUTPUT_IDS, got), got_tok))
-        _consume(map(list.append, map(_ALL_IDS, got), got_tok))
-        made = map(EngineCoreOutput, map(_REQUEST_ID, got), map(list, zip(got_tok)), _NONE,
-                   _NONE, _NONE, _NONE, _NONE, map(_NUM_CACHED, got))
-        if len(got_pos) == len(outputs):  # every position, in order
-            outputs[:] = made
+            got, got_tok = (list(itertools.compress(x, keep)) for x in (reqs, tok_list))
+        for request, token in zip(got, got_tok, strict=True):
+            request.output_token_ids.append(token)
+            request.all_token_ids.append(token)
+        # Outputs: a token that is neither its request's first (which reports
+        # the prefix-cache hits) nor its last goes out in the compact lists.
+        compact = has & (status == 0) & (num_output > 1)
+        if compact.all():
+            compact_ids, compact_tok = ids, tok_list
         else:
-            for j, out in zip(got_pos, made, strict=True):
-                outputs[j] = out
+            keep = compact.tolist()
+            compact_ids = list(itertools.compress(ids, keep))
+            compact_tok = list(itertools.compress(tok_list, keep))
+            for k in np.flatnonzero(has & ~compact & (status == 0)).tolist():
+                request = reqs[k]  # positional: msgspec takes those fastest
+                outputs[pos[k]] = EngineCoreOutput(request.request_id, [tok_list[k]], None,
+                                                   None, None, None, None,
+                                                   request.num_cached_tokens)
         if self.enable_prefix_caching:  # the blocks these tokens filled
             for k in np.flatnonzero(has & (num_tokens % self.block_size == 0)).tolist():
                 reqs[k].hash_new_blocks()
@@ -483,7 +479,7 @@ class Scheduler:
                 stop_reason=request.stop_reason,
                 num_cached_tokens=max(0, request.num_cached_tokens))
             finished.append((pos[k], request))
-        return np.flatnonzero(~plain).tolist(), int(has.sum())
+        return np.flatnonzero(~plain).tolist(), int(has.sum()), (compact_ids, compact_tok)
 
     def _update_request(self, j: int, req_id: str, so: SchedulerOutput,
                         runner: ModelRunnerOutput, outputs: list[EngineCoreOutput | None],

@@ -255,7 +255,7 @@ class AsyncLLM:
             self._fail_all(EngineDeadError(f"output handler failed: {e}"))
 
     async def _process(self, outputs: EngineCoreOutputs) -> None:
-        items = outputs.outputs
+        items = outputs.all_outputs()
         for start in range(0, max(len(items), 1), _OUTPUT_CHUNK):
             chunk = EngineCoreOutputs(outputs=items[start:start + _OUTPUT_CHUNK])
             states = [s for o in chunk.outputs

@@ -199,7 +199,8 @@ class EngineCoreProc:
                 # An idle step still reports stats, e.g. the KV usage after an abort.
                 self._stats_dirty = False
                 outputs = self.engine_core.step()
-                if outputs.outputs or outputs.scheduler_stats is not None:
+                if (outputs.outputs or outputs.token_req_ids
+                        or outputs.scheduler_stats is not None):
                     self.output_queue.put((OUTPUTS, outputs))
 
     def _process_inputs(self) -> None:

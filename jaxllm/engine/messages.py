@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import enum
+import itertools
 
 import msgspec
 
@@ -86,6 +87,25 @@ class EngineCoreOutputs(msgspec.Struct, omit_defaults=True, gc=False):  # type: 
     finished_requests: list[str] | None = None
     # Set on a fatal error: the core is going away.
     engine_error: str | None = None
+    # The common case in compact form: one new token for each of these requests
+    # and nothing else (not finished, no logprobs, not their first token). The
+    # core sends two lists instead of one output object per request; readers
+    # take `all_outputs()`, which makes the objects on their side.
+    token_req_ids: list[str] | None = None
+    token_ids: list[int] | None = None
+
+    def all_outputs(self) -> list[EngineCoreOutput]:
+        """`outputs` plus one EngineCoreOutput per compact token (made once, in place)."""
+        if self.token_req_ids:
+            self.outputs.extend(map(EngineCoreOutput, self.token_req_ids,
+                                    map(list, zip(self.token_ids)), *_UNSET_FIELDS))
+        self.token_req_ids = self.token_ids = None
+        return self.outputs
+
+
+# EngineCoreOutput's fields after the token ids for a compact token: nothing, and
+# num_cached_tokens -1 ("as reported with the request's first token").
+_UNSET_FIELDS = (*(itertools.repeat(None) for _ in range(5)), itertools.repeat(-1))
 
 
 class EngineCoreRequestType(enum.Enum):

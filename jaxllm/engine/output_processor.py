@@ -132,7 +132,7 @@ class OutputProcessor:
         results: list[RequestOutput | PoolingRequestOutput] = []
         to_abort: list[str] = []
         now = time.time()
-        for out in outputs.outputs:
+        for out in outputs.all_outputs():
             state = self.request_states.get(out.request_id)
             if state is None:
                 continue  # aborted meanwhile
@@ -146,7 +146,8 @@ class OutputProcessor:
                 state.first_token_time = now
             if out.new_token_ids:
                 state.last_token_time = now
-            state.num_cached_tokens = out.num_cached_tokens
+            if out.num_cached_tokens >= 0:  # -1: unchanged (compact tokens)
+                state.num_cached_tokens = out.num_cached_tokens
             self._update(state, out)
             if state.finished and out.finish_reason is None:
                 to_abort.append(state.request_id)  # a stop string: the core still runs it

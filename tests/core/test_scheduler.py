@@ -66,7 +66,7 @@ def step(sched, token=7):
 
 
 def by_id(engine_outputs):
-    return {o.request_id: o for o in engine_outputs.outputs}
+    return {o.request_id: o for o in engine_outputs.all_outputs()}
 
 
 # ------------------------------------------------------------------ budgets and chunking
@@ -83,7 +83,7 @@ def test_long_prompt_is_split_into_chunks_within_the_token_budget():
         computed.append(new[0].num_computed_tokens if new
                         else out.scheduled_cached_reqs.num_computed_tokens[0])
         if chunks[-1] == 8:
-            assert eco.outputs == []  # a partial prompt samples nothing
+            assert eco.all_outputs() == []  # a partial prompt samples nothing
     assert chunks == [8, 8, 4] and computed == [0, 8, 16]
     assert sched.requests["a"].output_token_ids == [7]
 
@@ -214,7 +214,7 @@ def test_preempted_request_resumes_as_a_new_request_with_its_generated_tokens():
     assert resumed.output_token_ids == [7, 7]
     # a and b took c's freed blocks for their decodes, so c recomputes all 5 tokens.
     assert resumed.num_computed_tokens == 0 and out.num_scheduled_tokens == {"c": 5}
-    assert [o.new_token_ids for o in eco.outputs] == [[7]]
+    assert [o.new_token_ids for o in eco.all_outputs()] == [[7]]
     assert sched.requests["c"].num_preemptions == 1
 
 
@@ -251,7 +251,7 @@ def test_stop_conditions(case):
     it, seen = iter(sampled), []
     while sched.has_unfinished_requests():
         _, eco = step(sched, token=lambda _rid: next(it))
-        for o in eco.outputs:
+        for o in eco.all_outputs():
             seen += o.new_token_ids
             last = o
     assert seen == streamed
@@ -267,7 +267,7 @@ def test_max_model_len_caps_prompt_plus_output():
         out = sched.schedule()
         assert sched.requests["a"].num_computed_tokens <= 8  # counts this step's tokens
         eco = sched.update_from_output(out, sample_all(sched, out, lambda _rid: next(it)))
-        for o in eco.outputs:
+        for o in eco.all_outputs():
             total += o.new_token_ids
             last = o
     assert len(total) == 3 and last.finish_reason == FinishReason.LENGTH
@@ -300,17 +300,17 @@ def test_request_aborted_while_its_step_runs_gets_no_output():
     out = sched.schedule()
     runner_out = sample_all(sched, out)
     sched.finish_requests("a", RequestStatus.FINISHED_ABORTED)
-    assert sched.update_from_output(out, runner_out).outputs == []
+    assert sched.update_from_output(out, runner_out).all_outputs() == []
 
 
 def test_pooling_request_finishes_after_its_prompt_with_the_pooled_output():
     sched = make_scheduler(max_num_batched_tokens=4)
     sched.add_request(make_request("p", 6, pooling=True))
     out = sched.schedule()
-    assert sched.update_from_output(out, sample_all(sched, out)).outputs == []
+    assert sched.update_from_output(out, sample_all(sched, out)).all_outputs() == []
     out = sched.schedule()
     eco = sched.update_from_output(out, sample_all(sched, out, pooled={"p": [0.5, 0.25]}))
-    (o,) = eco.outputs
+    (o,) = eco.all_outputs()
     assert o.pooling_output == [0.5, 0.25] and o.finish_reason == FinishReason.STOP
     assert o.new_token_ids == [] and not sched.has_unfinished_requests()
 
@@ -333,7 +333,7 @@ def test_prompt_logprobs_of_a_partial_chunk_are_forwarded():
     out = sched.schedule()
     plp = LogprobsLists([[101], [102], [103]], [[-1.0], [-1.0], [-1.0]], [1, 1, 1])
     (o,) = sched.update_from_output(out, sample_all(sched, out, prompt_logprobs={"a": plp})
-                                    ).outputs
+                                    ).all_outputs()
     assert o.new_prompt_logprobs == plp and o.new_token_ids == [] and not o.finished
 
 
@@ -546,7 +546,7 @@ def test_random_workloads_keep_blocks_budgets_and_outputs_intact(w, run_ahead, v
             aborted.add(rid)
             just_finished.add(rid)
         eco = sched.update_from_output(out, runner_out)
-        for o in eco.outputs:
+        for o in eco.all_outputs():
             assert o.request_id not in aborted
             streamed[o.request_id] += o.new_token_ids
             if o.finished:
@@ -618,3 +618,30 @@ def test_repeated_prompts_hit_every_full_block_but_the_last_token(prompt_len, bl
             hit = by_id(eco).get(rid, None) or hit
         assert hit.num_cached_tokens == (0 if rid == "first"
                                          else (prompt_len - 1) // block_size * block_size)
+
+
+def test_decode_tokens_go_out_compact_after_each_requests_first():
+    """A token that is neither a request's first nor its last travels in two plain
+    lists, not as an output object; `all_outputs()` makes the objects on the reader's
+    side, marking the prefix-cache count as already reported (-1)."""
+    import msgspec
+
+    from jaxllm.engine.messages import EngineCoreOutputs
+
+    sched = make_scheduler()
+    for rid in "ab":
+        sched.add_request(make_request(rid, 6, max_tokens=3))
+    _, eco = step(sched)  # first tokens: explicit, with the prefix-cache hits (b: a's block)
+    assert eco.token_req_ids is None
+    assert sorted((o.request_id, o.num_cached_tokens) for o in eco.outputs) == [("a", 0), ("b", 4)]
+    _, eco = step(sched, token=8)
+    assert eco.outputs == [] and eco.token_req_ids == ["a", "b"] and eco.token_ids == [8, 8]
+    wire = msgspec.msgpack.decode(msgspec.msgpack.encode(eco), type=EngineCoreOutputs)
+    outs = wire.all_outputs()
+    assert [(o.request_id, o.new_token_ids, o.num_cached_tokens, o.finished) for o in outs] == [
+        ("a", [8], -1, False), ("b", [8], -1, False)]
+    assert wire.token_req_ids is None and wire.all_outputs() == outs  # made once
+    _, eco = step(sched, token=9)  # max_tokens: the last token is explicit, finished
+    assert eco.token_req_ids is None
+    assert [(o.new_token_ids, o.finish_reason) for o in eco.outputs] == [
+        ([9], FinishReason.LENGTH)] * 2

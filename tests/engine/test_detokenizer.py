@@ -105,3 +105,17 @@ def test_delta_outputs_carry_each_token_once_with_logprobs(tokenizer):
         assert comp.logprobs[0][7].rank == 1
     assert got == ids and text == "hello world"
     assert comp.cumulative_logprob == pytest.approx(-0.5 * len(ids))
+
+
+def test_compact_tokens_keep_the_reported_prefix_cache_hits(tokenizer):
+    ids = tokenizer("hello world again", add_special_tokens=False).input_ids
+    op = OutputProcessor(tokenizer)
+    params = SamplingParams(output_kind=RequestOutputKind.DELTA)
+    parent = ParentRequest("c", 1, RequestOutputKind.DELTA)
+    op.add_request(_request("c", ids, params), "p", parent, 0)
+    (first,) = op.process_outputs(EngineCoreOutputs([EngineCoreOutput(
+        "c", ids[:1], num_cached_tokens=16)])).request_outputs
+    (second,) = op.process_outputs(EngineCoreOutputs(
+        token_req_ids=["c"], token_ids=ids[1:2])).request_outputs
+    assert first.num_cached_tokens == second.num_cached_tokens == 16
+    assert second.outputs[0].token_ids == ids[1:2]
