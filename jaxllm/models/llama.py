@@ -38,7 +38,7 @@ from jax.sharding import PartitionSpec as P
 
 from jaxllm.errors import ParameterError
 from jaxllm.layers.attention import AttentionBackend, AttentionMetadata
-from jaxllm.layers.norm import RMSNorm
+from jaxllm.layers.norm import RMSNorm, rms_norm
 from jaxllm.layers.rotary import RotaryEmbedding
 
 MODEL_TYPES = ("llama", "mistral", "qwen2", "qwen3")
@@ -119,7 +119,7 @@ def _param(rngs: nnx.Rngs, shape: tuple[int, ...], dtype: jnp.dtype, spec: P,
     if init == "normal":
         value = (_INIT_STD * jax.random.normal(rngs.params(), shape, jnp.float32)).astype(dtype)
     else:
-        value = jnp.zeros(shape, dtype)
+        value = (jnp.ones if init == "ones" else jnp.zeros)(shape, dtype)
     # Placement happens in the loader (or a jitted init's out_shardings), not here.
     return nnx.Param(value, out_sharding=spec, eager_sharding=False)
 
@@ -134,11 +134,7 @@ class LlamaAttention(nnx.Module):
                          if arch.qkv_bias else None)
         self.o_proj = _param(rngs, (h, arch.num_heads, d), dtype, P(None, "model", None))
         self.o_bias = _param(rngs, (h,), dtype, P(None), "zeros") if arch.o_bias else None
-        if arch.qk_norm:
-            self.q_norm = RMSNorm(d, eps=arch.rms_norm_eps, dtype=dtype)
-            self.k_norm = RMSNorm(d, eps=arch.rms_norm_eps, dtype=dtype)
-        else:
-            self.q_norm = self.k_norm = None
+        self.qk_norm, self.eps = arch.qk_norm, arch.rms_norm_eps
         self.rope = rope
         self.sm_scale = d ** -0.5
         self.sliding_window = arch.sliding_windows[layer]
@@ -146,15 +142,16 @@ class LlamaAttention(nnx.Module):
         self.layer, self.num_layers = layer, arch.num_layers
 
     def __call__(self, x: jax.Array, positions: jax.Array, kv_cache: jax.Array,
-                 md: AttentionMetadata) -> tuple[jax.Array, jax.Array]:
+                 md: AttentionMetadata, qk_norms: jax.Array | None
+                 ) -> tuple[jax.Array, jax.Array]:
         qkv = jnp.einsum("th,kgdh->tkgd", x, self.qkv_proj[...])
         if self.qkv_bias is not None:
             qkv = qkv + self.qkv_bias[...]
         t, kv_heads, _, d = qkv.shape
         q = qkv[:, :, :self.group].reshape(t, kv_heads * self.group, d)
         k, v = qkv[:, :, self.group], qkv[:, :, self.group + 1]
-        if self.q_norm is not None:
-            q, k = self.q_norm(q), self.k_norm(k)
+        if self.qk_norm:  # Qwen3: RMSNorm over each head's q and k
+            q, k = rms_norm(q, qk_norms[0], self.eps), rms_norm(k, qk_norms[1], self.eps)
         q, k = self.rope(q, positions), self.rope(k, positions)
         # The cache holds every layer's pages; this layer's come after the previous ones'.
         page_offset = self.layer * (kv_cache.shape[0] // self.num_layers)
@@ -193,18 +190,19 @@ class LlamaMLP(nnx.Module):
 class LlamaDecoderLayer(nnx.Module):
     def __init__(self, arch: LlamaArch, layer: int, *, dtype: jnp.dtype, rngs: nnx.Rngs,
                  attn_backend: AttentionBackend, rope: RotaryEmbedding):
-        self.input_layernorm = RMSNorm(arch.hidden_size, eps=arch.rms_norm_eps, dtype=dtype)
         self.self_attn = LlamaAttention(arch, layer, dtype=dtype, rngs=rngs,
                                         attn_backend=attn_backend, rope=rope)
-        self.post_attention_layernorm = RMSNorm(arch.hidden_size, eps=arch.rms_norm_eps,
-                                                dtype=dtype)
         self.mlp = LlamaMLP(arch, dtype=dtype, rngs=rngs)
+        self.eps = arch.rms_norm_eps
 
     def __call__(self, x: jax.Array, positions: jax.Array, kv_cache: jax.Array,
-                 md: AttentionMetadata) -> tuple[jax.Array, jax.Array]:
-        attn, kv_cache = self.self_attn(self.input_layernorm(x), positions, kv_cache, md)
+                 md: AttentionMetadata, norms: jax.Array, qk_norms: jax.Array | None
+                 ) -> tuple[jax.Array, jax.Array]:
+        """`norms`: this layer's [input, post-attention] RMSNorm weights `[2, hidden]`."""
+        attn, kv_cache = self.self_attn(rms_norm(x, norms[0], self.eps), positions, kv_cache,
+                                        md, qk_norms)
         x = x + attn
-        x = x + self.mlp(self.post_attention_layernorm(x))
+        x = x + self.mlp(rms_norm(x, norms[1], self.eps))
         return x, kv_cache
 
 
@@ -225,6 +223,12 @@ class LlamaForCausalLM(nnx.Module):
                               rope=rope)
             for i in range(arch.num_layers)])
         self.norm = RMSNorm(arch.hidden_size, eps=arch.rms_norm_eps, dtype=dtype)
+        # Every layer's RMSNorm weights in one array each (input and post-attention;
+        # Qwen3's q and k): a jitted step pays the host per array it takes.
+        self.layer_norms = _param(rngs, (arch.num_layers, 2, arch.hidden_size), dtype,
+                                  P(None, None, None), "ones")
+        self.qk_norms = (_param(rngs, (arch.num_layers, 2, arch.head_dim), dtype,
+                                P(None, None, None), "ones") if arch.qk_norm else None)
         self.lm_head = (None if arch.tie_word_embeddings else
                         _param(rngs, (arch.vocab_size, arch.hidden_size), dtype,
                                P("model", None)))
@@ -240,8 +244,11 @@ class LlamaForCausalLM(nnx.Module):
             raise ValueError(f"KV cache of {kv_cache.shape[0]} pages does not split into "
                              f"{len(self.layers)} layers")
         x = jnp.take(self.embed_tokens[...], input_ids, axis=0)
-        for layer in self.layers:
-            x, kv_cache = layer(x, positions, kv_cache, md)
+        norms = self.layer_norms[...]
+        qk_norms = None if self.qk_norms is None else self.qk_norms[...]
+        for i, layer in enumerate(self.layers):
+            x, kv_cache = layer(x, positions, kv_cache, md, norms[i],
+                                None if qk_norms is None else qk_norms[i])
         return self.norm(x), kv_cache
 
     @property
@@ -306,18 +313,26 @@ def hf_weight_map(arch: LlamaArch) -> list[WeightSource]:
     def stack(ts: list[np.ndarray]) -> np.ndarray:
         return np.stack(ts, axis=0)
 
+    def by_layer(ts: list[np.ndarray]) -> np.ndarray:
+        stacked = np.stack(ts, axis=0)
+        return stacked.reshape(arch.num_layers, -1, *stacked.shape[1:])
+
+    layers = range(arch.num_layers)
     out = [WeightSource(("embed_tokens",), ("model.embed_tokens.weight",), _only),
-           WeightSource(("norm", "weight"), ("model.norm.weight",), _only)]
+           WeightSource(("norm", "weight"), ("model.norm.weight",), _only),
+           WeightSource(("layer_norms",), tuple(
+               f"model.layers.{i}.{n}.weight" for i in layers
+               for n in ("input_layernorm", "post_attention_layernorm")), by_layer)]
+    if arch.qk_norm:
+        out.append(WeightSource(("qk_norms",), tuple(
+            f"model.layers.{i}.self_attn.{n}_norm.weight" for i in layers for n in "qk"),
+            by_layer))
     if not arch.tie_word_embeddings:
         out.append(WeightSource(("lm_head",), ("lm_head.weight",), _only))
     for i in range(arch.num_layers):
         pre, at = f"model.layers.{i}.", f"model.layers.{i}.self_attn."
         path = ("layers", i)
         out += [
-            WeightSource(path + ("input_layernorm", "weight"),
-                         (pre + "input_layernorm.weight",), _only),
-            WeightSource(path + ("post_attention_layernorm", "weight"),
-                         (pre + "post_attention_layernorm.weight",), _only),
             WeightSource(path + ("self_attn", "qkv_proj"),
                          tuple(f"{at}{p}_proj.weight" for p in "qkv"), fuse_qkv),
             WeightSource(path + ("self_attn", "o_proj"), (at + "o_proj.weight",), o_heads),
@@ -331,9 +346,6 @@ def hf_weight_map(arch: LlamaArch) -> list[WeightSource]:
         if arch.o_bias:
             out.append(WeightSource(path + ("self_attn", "o_bias"), (at + "o_proj.bias",),
                                     _only))
-        if arch.qk_norm:
-            out += [WeightSource(path + ("self_attn", f"{n}_norm", "weight"),
-                                 (f"{at}{n}_norm.weight",), _only) for n in "qk"]
         if arch.mlp_bias:
             out += [WeightSource(path + ("mlp", "gate_up_bias"),
                                  (pre + "mlp.gate_proj.bias", pre + "mlp.up_proj.bias"), stack),

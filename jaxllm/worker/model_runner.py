@@ -250,6 +250,7 @@ class ModelRunner:
         self.dispatch_seconds = 0.0  # host time spent preparing and launching steps
         s = self.buckets.max_num_seqs
         self._arange = np.arange(s + 1, dtype=np.int32)
+        self._rows_memo: tuple[int, list[str], np.ndarray] | None = None
         # The last dispatched step's sampled ids (device, [max_num_seqs]).
         # Placed like the sampler's output, so that the forward compiled with
         # it at start-up is the one that later takes in-flight tokens.
@@ -410,7 +411,7 @@ class ModelRunner:
         ib = self.input_batch
         req_ids = list(so.num_scheduled_tokens)
         n = len(req_ids)
-        rows = np.fromiter(map(ib.req_id_to_row.__getitem__, req_ids), np.int32, n)
+        rows = self._rows_of(req_ids)
         nsched = np.fromiter(so.num_scheduled_tokens.values(), np.int32, n)
         t_real = int(nsched.sum())
         t_pad = self.buckets.pad_tokens(t_real)
@@ -508,6 +509,17 @@ class ModelRunner:
                                  pooler_output=self._pool(h),
                                  sampled_array=np.where(h.gen, sampled, -1))
 
+    def _rows_of(self, req_ids: list[str]) -> np.ndarray:
+        """The persistent rows of `req_ids` (read-only). A decode step asks for the same
+        ids as the step before, twice per step; while no row moved, that answer stands."""
+        ib, memo = self.input_batch, self._rows_memo
+        if memo is not None and memo[0] == ib.layout_version and memo[1] == req_ids:
+            return memo[2]
+        rows = np.fromiter(map(ib.req_id_to_row.__getitem__, req_ids), np.int32, len(req_ids))
+        rows.flags.writeable = False
+        self._rows_memo = (ib.layout_version, list(req_ids), rows)
+        return rows
+
     def _update_states(self, so: SchedulerOutput) -> None:
         ib = self.input_batch
         for req_id in so.finished_req_ids | so.preempted_req_ids:
@@ -518,8 +530,7 @@ class ModelRunner:
         cached = so.scheduled_cached_reqs
         if not cached.req_ids:
             return
-        rows = np.fromiter(map(ib.req_id_to_row.__getitem__, cached.req_ids), np.int32,
-                           len(cached.req_ids))
+        rows = self._rows_of(cached.req_ids)
         ib.num_computed_tokens[rows] = cached.num_computed_tokens
         # Only the few requests that got blocks (a decode step: ~1 in 16) reach Python.
         for row, blocks in itertools.compress(zip(rows.tolist(), cached.new_block_ids,
