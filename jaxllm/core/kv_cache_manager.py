@@ -123,6 +123,15 @@ class KVCacheManager:
                 self._num_cached_blocks[req_id] = num_full
         return new_blocks
 
+    def extend_running(self, request: Request, num_total: int) -> list[KVCacheBlock] | None:
+        """`allocate_slots` for a request that holds blocks, brings no hits and will hold
+        `num_total` tokens: the scheduler's decode path, one call per request that needs
+        a block."""
+        req_blocks = self.req_to_blocks.get(request.request_id)
+        if not req_blocks:
+            return self.allocate_slots(request, num_total - request.num_computed_tokens)
+        return self._extend(request, req_blocks, num_total)
+
     def _extend(self, request: Request, req_blocks: list[KVCacheBlock],
                 num_total: int) -> list[KVCacheBlock] | None:
         """`allocate_slots` for a request that holds blocks and brings no hits:

@@ -315,7 +315,7 @@ class Scheduler:
 
         kv, stop, new_block_ids = self.kv_cache_manager, m, {}
         for i in np.flatnonzero(need).tolist():
-            new_blocks = kv.allocate_slots(b.requests[i], int(take[i]))
+            new_blocks = kv.extend_running(b.requests[i], int(end[i]))
             if new_blocks is None:
                 stop = i
                 break
@@ -423,7 +423,10 @@ class Scheduler:
             ids, reqs = [req_ids[j] for j in pos], [reqs[j] for j in pos]
             rows, tok = batch_index[pos], tokens[pos]
         has = tok >= 0
-        samples = np.fromiter(map(so.sampling_req_ids.__contains__, ids), bool, len(ids))
+        if len(so.sampling_req_ids) == len(req_ids):  # every scheduled request samples
+            samples = np.ones(len(ids), bool)
+        else:
+            samples = np.fromiter(map(so.sampling_req_ids.__contains__, ids), bool, len(ids))
         num_output = b.num_output[rows] + has
         num_tokens = b.num_tokens[rows] + has
         reached_min = has & (num_output >= b.min_tokens[rows])

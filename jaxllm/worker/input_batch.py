@@ -112,6 +112,10 @@ class InputBatch:
             return
         pos = self.num_tokens[rows]
         ok = pos < self.max_model_len
-        self.token_ids[rows[ok], pos[ok]] = token_ids[ok]
-        self.num_tokens[rows[ok]] += 1
+        if ok.all():  # the usual case: no masking
+            self.token_ids[rows, pos] = token_ids
+            self.num_tokens[rows] += 1
+        else:
+            self.token_ids[rows[ok], pos[ok]] = token_ids[ok]
+            self.num_tokens[rows[ok]] += 1
         self.sampling.append_tokens(rows, token_ids)
