@@ -43,6 +43,29 @@ _FINISH_REASONS = {
 }
 
 
+class _BatchCounter:
+    """An int attribute of a Request that lives in its RunningBatch's array `column`
+    while the request runs (`batch_index >= 0`), and in `private` otherwise."""
+
+    def __init__(self, column: str, private: str):
+        self.column, self.private = column, private
+
+    def __get__(self, request: Request | None, owner: type) -> int:
+        if request is None:
+            return self  # type: ignore[return-value]
+        i = request.batch_index
+        if i < 0:
+            return getattr(request, self.private)
+        return int(getattr(request._batch, self.column)[i])
+
+    def __set__(self, request: Request, value: int) -> None:
+        i = request.batch_index
+        if i < 0:
+            setattr(request, self.private, value)
+        else:
+            getattr(request._batch, self.column)[i] = value
+
+
 class Request:
     """One generation or pooling request as the scheduler tracks it.
 
@@ -114,32 +137,11 @@ class Request:
     def has_block_hasher(self) -> bool:
         return self._block_hasher is not None
 
-    @property
-    def num_computed_tokens(self) -> int:
-        """Tokens of `all_token_ids` whose KV is in the cache."""
-        i = self.batch_index
-        return self._num_computed_tokens if i < 0 else int(self._batch.computed[i])
-
-    @num_computed_tokens.setter
-    def num_computed_tokens(self, value: int) -> None:
-        if self.batch_index < 0:
-            self._num_computed_tokens = value
-        else:
-            self._batch.computed[self.batch_index] = value
-
-    @property
-    def num_output_placeholders(self) -> int:
-        """Tokens scheduled to be sampled whose ids have not come back yet
-        (at most one: async scheduling runs one step ahead)."""
-        i = self.batch_index
-        return self._num_output_placeholders if i < 0 else int(self._batch.pending[i])
-
-    @num_output_placeholders.setter
-    def num_output_placeholders(self, value: int) -> None:
-        if self.batch_index < 0:
-            self._num_output_placeholders = value
-        else:
-            self._batch.pending[self.batch_index] = value
+    # Tokens of `all_token_ids` whose KV is in the cache.
+    num_computed_tokens = _BatchCounter("computed", "_num_computed_tokens")
+    # Tokens scheduled to be sampled whose ids have not come back yet (at most
+    # one: async scheduling runs one step ahead).
+    num_output_placeholders = _BatchCounter("pending", "_num_output_placeholders")
 
     @property
     def num_tokens(self) -> int:
