@@ -10,6 +10,7 @@ import typing
 from typing import Any
 
 from jaxllm.config import EngineArgs
+from jaxllm.errors import ParameterError
 
 _SKIP = {"model", "token_buckets", "request_buckets", "gpu_memory_utilization",
          "num_gpu_blocks_override"}
@@ -63,21 +64,37 @@ def _params(ns: argparse.Namespace):
                           stop=ns.stop)
 
 
+def _has_chat_template(llm: Any) -> bool:
+    return bool(getattr(llm.get_tokenizer(), "chat_template", None))
+
+
+def _use_chat_template(llm: Any, chat: bool | None) -> bool:
+    """--chat / --no-chat as given; unset, wrap only when the tokenizer has a template."""
+    has_template = _has_chat_template(llm)
+    if chat and not has_template:
+        raise ParameterError("chat", "the model's tokenizer has no chat template; "
+                             "drop --chat (or pass --no-chat) to send prompts as plain text")
+    return has_template if chat is None else chat
+
+
 def cmd_generate(ns: argparse.Namespace) -> int:
     from jaxllm.entrypoints.llm import LLM
 
     prompts = list(ns.prompts)
     if ns.prompts_file:
-        with open(ns.prompts_file) as f:
-            prompts += [line.rstrip("\n") for line in f if line.strip()]
+        try:
+            with open(ns.prompts_file) as f:
+                prompts += [line.rstrip("\n") for line in f if line.strip()]
+        except OSError as e:
+            raise ParameterError("prompts_file", f"cannot read {ns.prompts_file!r}: {e}") from e
     if not prompts:
-        print("jaxllm generate: give prompts as arguments or --prompts-file", file=sys.stderr)
-        return 2
+        raise ParameterError("prompts", "give prompts as arguments or --prompts-file")
+    params = _params(ns)  # before the model loads: a bad flag fails at once
     llm = LLM(**vars(engine_args_from(ns)))
-    if ns.chat:
-        outs = llm.chat([[{"role": "user", "content": p}] for p in prompts], _params(ns))
+    if _use_chat_template(llm, ns.chat):
+        outs = llm.chat([[{"role": "user", "content": p}] for p in prompts], params)
     else:
-        outs = llm.generate(prompts, _params(ns))
+        outs = llm.generate(prompts, params)
     for prompt, out in zip(prompts, outs, strict=True):
         for comp in out.outputs:
             if ns.json:
@@ -91,7 +108,11 @@ def cmd_generate(ns: argparse.Namespace) -> int:
 def cmd_chat(ns: argparse.Namespace) -> int:
     from jaxllm.entrypoints.llm import LLM
 
+    params = _params(ns)
     llm = LLM(**vars(engine_args_from(ns)))
+    if not _has_chat_template(llm):
+        raise ParameterError("model", "its tokenizer has no chat template, which `jaxllm chat` "
+                             "needs; use `jaxllm generate --no-chat` for plain completions")
     history: list[dict[str, Any]] = []
     print("jaxllm chat: type a message, an empty line or Ctrl-D to quit.")
     while True:
@@ -102,7 +123,7 @@ def cmd_chat(ns: argparse.Namespace) -> int:
         if not line:
             break
         history.append({"role": "user", "content": line})
-        out = llm.chat(history, _params(ns), use_tqdm=False)[0].outputs[0].text
+        out = llm.chat(history, params, use_tqdm=False)[0].outputs[0].text
         print(out.strip())
         history.append({"role": "assistant", "content": out})
     return 0
@@ -115,8 +136,9 @@ def build_parser() -> argparse.ArgumentParser:
     gen = sub.add_parser("generate", help="offline generation for prompts")
     gen.add_argument("prompts", nargs="*")
     gen.add_argument("--prompts-file", default=None)
-    gen.add_argument("--chat", action=argparse.BooleanOptionalAction, default=True,
-                     help="wrap each prompt in the model's chat template (default on)")
+    gen.add_argument("--chat", action=argparse.BooleanOptionalAction, default=None,
+                     help="wrap each prompt in the model's chat template "
+                          "(default: on when the tokenizer has one)")
     gen.add_argument("--json", action="store_true", help="one JSON object per completion")
     add_engine_args(gen)
     _sampling_args(gen)
@@ -166,7 +188,11 @@ def main(argv: list[str] | None = None) -> int:
     ns = build_parser().parse_args(argv)
     if getattr(ns, "gpu_memory_utilization", None):
         ns.hbm_utilization = ns.gpu_memory_utilization
-    return ns.func(ns)
+    try:
+        return ns.func(ns)
+    except ParameterError as e:  # bad input: one line naming the field, as `serve` prints
+        print(f"jaxllm {ns.command}: error: {e}", file=sys.stderr)
+        return 2
 
 
 if __name__ == "__main__":
