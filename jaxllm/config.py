@@ -105,6 +105,8 @@ class EngineConfig:
     scheduler_config: SchedulerConfig
     parallel_config: ParallelConfig
     attention_backend: str = "auto"
+    # Run the Pallas attention body in Pallas interpret mode (CPU testing).
+    attention_interpret: bool = False
     compilation_cache_dir: str | None = None
     token_buckets: list[int] | None = None
     request_buckets: list[int] | None = None
@@ -140,6 +142,9 @@ class EngineArgs:
     scheduling_policy: str = "fcfs"
     long_prefill_token_threshold: int = 0
     attention_backend: str = "auto"
+    # Run the Pallas attention body in Pallas interpret mode (CPU testing): with
+    # attention_backend="pallas_tpu" | "pallas_gpu" on a host without that chip.
+    attention_interpret: bool = False
     compilation_cache_dir: str | None = None
     token_buckets: list[int] | None = None
     request_buckets: list[int] | None = None
@@ -188,6 +193,7 @@ class EngineArgs:
                 long_prefill_token_threshold=self.long_prefill_token_threshold),
             parallel_config=ParallelConfig(self.tensor_parallel_size, self.data_parallel_size),
             attention_backend=self.attention_backend,
+            attention_interpret=self.attention_interpret,
             compilation_cache_dir=self.compilation_cache_dir,
             token_buckets=self.token_buckets, request_buckets=self.request_buckets,
             precompile=self.precompile, async_scheduling=self.async_scheduling)

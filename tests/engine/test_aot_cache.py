@@ -78,21 +78,16 @@ def test_it_can_be_turned_off(tmp_path, monkeypatch):
     assert aot_cache.ExecutableCache.create(str(tmp_path), {}, []) is None
 
 
-def test_a_backend_whose_kernels_do_not_reload_turns_the_caches_off(model_dir, tmp_path,
-                                                                   monkeypatch):
+def test_a_backend_whose_kernels_do_not_reload_turns_the_caches_off(model_dir, tmp_path):
     import jax
 
     from jaxllm.config import EngineArgs
-    from jaxllm.layers.attention import get_attention_backend
-    from jaxllm.worker import model_runner
     from jaxllm.worker.model_runner import ModelRunner
 
     # The Mosaic GPU backend on this CPU host: its interpret-mode build.
-    monkeypatch.setattr(model_runner, "get_attention_backend",
-                        lambda name: get_attention_backend(name, interpret=True))
-
     config = EngineArgs(model=model_dir, compilation_cache_dir=str(tmp_path), precompile=False,
-                        attention_backend="pallas_gpu_mosaic", **ENGINE).create_engine_config()
+                        attention_backend="pallas_gpu_mosaic", attention_interpret=True,
+                        **ENGINE).create_engine_config()
     try:
         runner = ModelRunner(config)
         assert runner.attn_backend.name == "pallas_gpu_mosaic"
