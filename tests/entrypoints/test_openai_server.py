@@ -248,6 +248,64 @@ def test_tokenize_and_detokenize_round_trip(server):
     assert chat["count"] > tok["count"]
 
 
+def test_prompt_logprobs_come_back_on_each_choice_without_echo(server, client):
+    prompt = "Once upon"
+    ids = post(server, "/tokenize", {"model": MODEL, "prompt": prompt}).json()["tokens"]
+    out = client.completions.create(model=MODEL, prompt=prompt, max_tokens=2, temperature=0.0,
+                                    extra_body={"prompt_logprobs": 2})
+    plain = client.completions.create(model=MODEL, prompt=prompt, max_tokens=2,
+                                      temperature=0.0)
+    assert "prompt_logprobs" not in plain.choices[0].to_dict()
+    body = out.choices[0].to_dict()["prompt_logprobs"]
+    # vLLM's shape: None for the first token, then {token id: {logprob, rank, decoded_token}}.
+    assert len(body) == len(ids) == out.usage.prompt_tokens and body[0] is None
+    for tid, entry in zip(ids[1:], body[1:], strict=True):
+        ranks = {int(t): lp["rank"] for t, lp in entry.items()}
+        assert tid in ranks and {1, 2} <= set(ranks.values()) and len(entry) <= 3
+        assert all(lp["logprob"] <= 0 and isinstance(lp["decoded_token"], str)
+                   for lp in entry.values())
+
+    # With echo the legacy logprobs carry the same prompt values; prompt_logprobs keeps its k.
+    echoed = client.completions.create(model=MODEL, prompt=prompt, max_tokens=1, echo=True,
+                                       logprobs=3, temperature=0.0,
+                                       extra_body={"prompt_logprobs": 1}).choices[0]
+    trimmed = echoed.to_dict()["prompt_logprobs"]
+    assert all(len(e) <= 2 for e in trimmed[1:])
+    assert echoed.logprobs.token_logprobs[1:len(ids)] == pytest.approx(
+        [e[str(t)]["logprob"] for t, e in zip(ids[1:], trimmed[1:], strict=True)])
+    assert max(len(top) for top in echoed.logprobs.top_logprobs[1:len(ids)]) >= 3
+
+    chat = client.chat.completions.create(
+        model=MODEL, messages=[{"role": "user", "content": "hi"}], max_tokens=1,
+        temperature=0.0, extra_body={"prompt_logprobs": 0})
+    body = chat.to_dict()["prompt_logprobs"]
+    assert len(body) == chat.usage.prompt_tokens and body[0] is None
+    assert all(len(e) == 1 for e in body[1:])
+
+
+def test_add_special_tokens_decides_whether_a_bos_is_prepended(server, client):
+    prompt = "hello"
+
+    def tokens(add: bool) -> int:
+        r = post(server, "/tokenize", {"model": MODEL, "prompt": prompt,
+                                       "add_special_tokens": add})
+        return r.json()["count"]
+
+    def completion_tokens(**extra) -> int:
+        return client.completions.create(model=MODEL, prompt=prompt, max_tokens=1,
+                                         extra_body=extra).usage.prompt_tokens
+
+    assert tokens(True) == tokens(False) + 1  # the tiny tokenizer prepends <s>
+    assert completion_tokens() == completion_tokens(add_special_tokens=True) == tokens(True)
+    assert completion_tokens(add_special_tokens=False) == tokens(False)
+    # Chat templates write their own BOS; as in vLLM, chat adds none unless asked.
+    msgs = [{"role": "user", "content": prompt}]
+    chat = [client.chat.completions.create(model=MODEL, messages=msgs, max_tokens=1,
+                                           extra_body=extra).usage.prompt_tokens
+            for extra in ({}, {"add_special_tokens": True})]
+    assert chat[1] == chat[0] + 1
+
+
 def test_disconnect_mid_stream_aborts_and_frees_blocks(server):
     before = wait_idle(server)
     body = {"model": MODEL, "prompt": "a long story", "max_tokens": LONG, "stream": True,

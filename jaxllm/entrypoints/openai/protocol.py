@@ -144,6 +144,18 @@ def _omitted_when_none() -> Any:
     return Field(default=None, exclude_if=lambda v: v is None)
 
 
+class PromptLogprob(OpenAIBaseModel):
+    """One entry of vLLM's `prompt_logprobs`: keyed by token id in the enclosing dict."""
+
+    logprob: float
+    rank: int | None = None
+    decoded_token: str | None = None
+
+
+# vLLM's shape: None for the first prompt token, then {token id: PromptLogprob} per token.
+PromptLogprobs = list[dict[int, PromptLogprob] | None]
+
+
 class CompletionChoice(OpenAIBaseModel):
     index: int
     text: str
@@ -151,6 +163,7 @@ class CompletionChoice(OpenAIBaseModel):
     finish_reason: str | None = None
     stop_reason: int | str | None = None
     token_ids: list[int] | None = _omitted_when_none()
+    prompt_logprobs: PromptLogprobs | None = _omitted_when_none()
 
 
 class CompletionResponse(OpenAIBaseModel):
@@ -195,6 +208,8 @@ class ChatCompletionRequest(SamplingFields):
     continue_final_message: bool = False
     chat_template: str | None = None
     chat_template_kwargs: dict[str, Any] | None = None
+    # As in vLLM, off by default: the chat template already writes BOS and the like.
+    add_special_tokens: bool = False
 
     def check(self) -> None:
         self.check_stream_options()
@@ -280,6 +295,7 @@ class ChatCompletionResponse(OpenAIBaseModel):
     model: str
     choices: list[ChatCompletionChoice]
     usage: UsageInfo | None = None
+    prompt_logprobs: PromptLogprobs | None = _omitted_when_none()
 
 
 class DeltaMessage(OpenAIBaseModel):

@@ -21,6 +21,7 @@ from jaxllm.entrypoints.openai.protocol import (
 from jaxllm.entrypoints.openai.serving_engine import (
     OpenAIServing,
     error_body,
+    prompt_logprobs_body,
     raise_if_failed,
     random_id,
     sse,
@@ -51,7 +52,8 @@ def chat_logprobs(token_ids: list[int], logprobs: list[dict[int, Logprob]],
 
 class OpenAIServingChat(OpenAIServing):
     def render(self, req: ChatCompletionRequest) -> tuple[str, list[int]]:
-        """The prompt text and its token ids (the template carries the special tokens)."""
+        """The prompt text and its token ids (the template usually writes the special
+        tokens; `add_special_tokens` adds the tokenizer's as well)."""
         if self.tokenizer is None:
             raise ParameterError("messages", "the server runs without a tokenizer "
                                  "(--skip-tokenizer-init); use /v1/completions with token ids")
@@ -59,7 +61,7 @@ class OpenAIServingChat(OpenAIServing):
             req.messages_as_dicts(), req.chat_template or self.chat_template,
             req.add_generation_prompt, continue_final_message=req.continue_final_message,
             **(req.chat_template_kwargs or {}))
-        return text, self.tokenizer(text, add_special_tokens=False).input_ids
+        return text, self.tokenizer(text, add_special_tokens=req.add_special_tokens).input_ids
 
     async def create_chat_completion(self, req: ChatCompletionRequest
                                      ) -> ChatCompletionResponse | AsyncIterator[str]:
@@ -100,7 +102,9 @@ class OpenAIServingChat(OpenAIServing):
                 token_ids=comp.token_ids if req.return_token_ids else None))
         num_generated = sum(len(c.token_ids) for c in out.outputs)
         return ChatCompletionResponse(id=request_id, model=model, choices=choices,
-                                      usage=usage(len(out.prompt_token_ids), num_generated))
+                                      usage=usage(len(out.prompt_token_ids), num_generated),
+                                      prompt_logprobs=prompt_logprobs_body(
+                                          out, req.prompt_logprobs))
 
     async def _stream(self, req: ChatCompletionRequest, request_id: str, model: str,
                       requests: list, echo: str) -> AsyncIterator[str]:

@@ -15,6 +15,7 @@ from jaxllm.entrypoints.openai.protocol import (
 from jaxllm.entrypoints.openai.serving_engine import (
     OpenAIServing,
     error_body,
+    prompt_logprobs_body,
     raise_if_failed,
     random_id,
     sse,
@@ -74,6 +75,13 @@ def completion_logprobs(token_ids: list[int], logprobs: list[dict[int, Logprob] 
 
 
 class OpenAIServingCompletion(OpenAIServing):
+    def _tokenized(self, prompt: PromptType, add_special_tokens: bool) -> PromptType:
+        """A text prompt with its token ids, BOS and the like only if `add_special_tokens`."""
+        if not isinstance(prompt, str) or self.tokenizer is None:
+            return prompt  # token ids as given; without a tokenizer the engine says why not
+        ids = self.tokenizer(prompt, add_special_tokens=add_special_tokens).input_ids
+        return {"prompt": prompt, "prompt_token_ids": ids}
+
     def _decode(self, token_id: int) -> str:
         if self.tokenizer is None:
             return f"token_id:{token_id}"
@@ -85,8 +93,9 @@ class OpenAIServingCompletion(OpenAIServing):
         req.check()
         params = req.to_sampling_params(req.max_tokens, req.logprobs, self.default_sampling())
         if req.echo and req.logprobs is not None:
-            params.prompt_logprobs = req.logprobs
-        prompts = _prompts(req.prompt)
+            # Echoed logprobs come from the prompt's; an explicit prompt_logprobs may want more.
+            params.prompt_logprobs = max(req.logprobs, req.prompt_logprobs or 0)
+        prompts = [self._tokenized(p, req.add_special_tokens) for p in _prompts(req.prompt)]
         request_id = random_id("cmpl")
         requests = self.add_requests(request_id, prompts, params, req.priority)
         if req.stream:
@@ -112,9 +121,10 @@ class OpenAIServingCompletion(OpenAIServing):
                         echoed = completion_logprobs(out.prompt_token_ids, out.prompt_logprobs,
                                                      req.logprobs, 0, self._decode)
                         logprobs = _concat(echoed, logprobs)
-                choice = CompletionChoice(index=i * req.n + comp.index, text=prefix + text,
-                                          logprobs=logprobs, finish_reason=comp.finish_reason,
-                                          stop_reason=comp.stop_reason)
+                choice = CompletionChoice(
+                    index=i * req.n + comp.index, text=prefix + text, logprobs=logprobs,
+                    finish_reason=comp.finish_reason, stop_reason=comp.stop_reason,
+                    prompt_logprobs=prompt_logprobs_body(out, req.prompt_logprobs))
                 if req.return_token_ids:
                     choice.token_ids = comp.token_ids
                 choices.append(choice)

@@ -14,7 +14,13 @@ from typing import Any
 
 from jaxllm.engine.async_llm import AsyncLLM, RequestOutputCollector
 from jaxllm.engine.input_processor import PromptType
-from jaxllm.entrypoints.openai.protocol import ErrorInfo, ErrorResponse, UsageInfo
+from jaxllm.entrypoints.openai.protocol import (
+    ErrorInfo,
+    ErrorResponse,
+    PromptLogprob,
+    PromptLogprobs,
+    UsageInfo,
+)
 from jaxllm.errors import EngineDeadError
 from jaxllm.outputs import RequestOutput
 from jaxllm.sampling_params import SamplingParams
@@ -143,6 +149,25 @@ def usage(prompt_tokens: int, completion_tokens: int) -> UsageInfo:
                      total_tokens=prompt_tokens + completion_tokens)
 
 
+def prompt_logprobs_body(out: RequestOutput, k: int | None) -> PromptLogprobs | None:
+    """vLLM's `prompt_logprobs` field: each prompt token and the top `k`, -inf as -9999.
+
+    The engine may have computed more than `k` (echo with a larger `logprobs`);
+    the extra entries are left out.
+    """
+    if k is None or out.prompt_logprobs is None:
+        return None
+    body: PromptLogprobs = []
+    for tid, entry in zip(out.prompt_token_ids, out.prompt_logprobs, strict=False):
+        if entry is None:
+            body.append(None)
+            continue
+        body.append({t: PromptLogprob(logprob=max(lp.logprob, -9999.0), rank=lp.rank,
+                                      decoded_token=lp.decoded_token)
+                     for t, lp in entry.items() if t == tid or (lp.rank or 0) <= k})
+    return body
+
+
 def raise_if_failed(out: RequestOutput) -> None:
     """A request the core rejected (finish reason 'error') is the client's fault: 400."""
     for comp in out.outputs:
@@ -151,5 +176,5 @@ def raise_if_failed(out: RequestOutput) -> None:
                             "prompt")
 
 
-__all__ = ["EngineDeadError", "HTTPError", "OpenAIServing", "error_body", "random_id", "sse",
-           "usage"]
+__all__ = ["EngineDeadError", "HTTPError", "OpenAIServing", "error_body",
+           "prompt_logprobs_body", "random_id", "sse", "usage"]
