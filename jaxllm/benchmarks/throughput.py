@@ -50,6 +50,7 @@ def main(argv: list[str] | None = None) -> dict:
     ap.add_argument("--max-num-batched-tokens", type=int, default=8192)
     ap.add_argument("--token-buckets", default="512,1024,8192")
     ap.add_argument("--request-buckets", default="64,512")
+    ap.add_argument("--block-size", type=int, default=16)
     ap.add_argument("--attention-backend", default="auto")
     ap.add_argument("--hbm-utilization", type=float, default=0.9)
     ap.add_argument("--async-scheduling", action=argparse.BooleanOptionalAction, default=True)
@@ -66,7 +67,7 @@ def main(argv: list[str] | None = None) -> dict:
     llm = LLM(args.model, load_format=args.load_format, dtype=args.dtype,
               skip_tokenizer_init=True,
               max_model_len=-(-(args.input_len + args.output_len + 16) // 128) * 128,
-              max_num_seqs=args.max_num_seqs,
+              max_num_seqs=args.max_num_seqs, block_size=args.block_size,
               max_num_batched_tokens=args.max_num_batched_tokens,
               token_buckets=[int(x) for x in args.token_buckets.split(",")],
               request_buckets=[int(x) for x in args.request_buckets.split(",")],
@@ -101,6 +102,7 @@ def main(argv: list[str] | None = None) -> dict:
     result = {
         "workload": "throughput", "num_prompts": args.num_prompts, "input_len": args.input_len,
         "output_len": args.output_len, "attention_backend": runner.attn_backend.name,
+        "block_size": args.block_size,
         "async_scheduling": args.async_scheduling,
         "hbm_bandwidth_GBps": bw / 1e9, "matmul_TFLOPs": peak / 1e12,
         "elapsed_s": elapsed, "output_tokens_per_s": out_tps,
