@@ -1,5 +1,7 @@
 """The sampler and its host-side rows: filters, draws, RNG rule, penalties, masks, logprobs."""
 
+import types
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -13,10 +15,38 @@ from jaxllm.sample.metadata import (
     variant_metadata,
 )
 from jaxllm.sampling_params import MAX_LOGPROBS, SamplingParams
+from pallas_kernels.sampling import topk_topp
 
 sample = jax.jit(sampler.sample)
 adjust_logits = jax.jit(sampler.adjust_logits)
-filter_logits = jax.jit(sampler.filter_logits)
+
+
+
+IMPLS = {"sort": ("sort", "lax"), "sort_free": ("threshold", "blocks")}
+_impl_fns: dict[str, types.SimpleNamespace] = {}
+
+
+@pytest.fixture(params=list(IMPLS))
+def impl(request, monkeypatch):
+    """Each top-k/top-p and top-logprobs implementation the sampler can take.
+
+    "auto" takes the sort and `lax.top_k` on the CPU, so the accelerators'
+    sort-free ones ("threshold", "blocks") are forced here. The implementation
+    is read at trace time, so each one has its own jitted functions (distinct
+    function objects: no trace of the other path is reused).
+    """
+    topk, logprobs = IMPLS[request.param]
+    monkeypatch.setattr(sampler, "TOP_K_TOP_P_IMPL", topk)
+    monkeypatch.setattr(sampler, "TOP_LOGPROBS_IMPL", logprobs)
+    if request.param not in _impl_fns:
+        _impl_fns[request.param] = types.SimpleNamespace(
+            name=request.param,
+            sample=jax.jit(lambda logits, md: sampler.sample(logits, md)),
+            filter_logits=jax.jit(lambda logits, md: sampler.filter_logits(logits, md)),
+            prompt_logprobs=jax.jit(lambda logits, ids, k: sampler.compute_prompt_logprobs(
+                logits, ids, k), static_argnames="k"))
+    return _impl_fns[request.param]
+
 
 # Upper 0.1% points of the chi-square distribution, by degrees of freedom.
 CHI2_CRIT_999 = {1: 10.828, 2: 13.816, 3: 16.266, 4: 18.467, 5: 20.515, 6: 22.458, 7: 24.322}
@@ -70,7 +100,7 @@ def test_greedy_rows_take_the_argmax_of_the_logits():
     assert np.array_equal(got, logits.argmax(-1))
 
 
-def test_temperature_min_p_top_k_top_p_keep_what_a_numpy_reference_keeps():
+def test_temperature_min_p_top_k_top_p_keep_what_a_numpy_reference_keeps(impl):
     rng = np.random.default_rng(1)
     n, vocab = 48, 64
     logits = (rng.standard_normal((n, vocab)) * 2).astype(np.float32)
@@ -79,7 +109,7 @@ def test_temperature_min_p_top_k_top_p_keep_what_a_numpy_reference_keeps():
     top_p = np.where(rng.random(n) < 0.3, 1.0, rng.uniform(0.1, 1.0, n))
     min_p = np.where(rng.random(n) < 0.3, 0.0, rng.uniform(0.0, 0.3, n))
     md = _metadata(n, temperature, top_k, top_p, min_p)
-    got = np.asarray(filter_logits(jnp.asarray(logits), md))
+    got = np.asarray(impl.filter_logits(jnp.asarray(logits), md))
     for r in range(n):
         keep = _np_keep(logits[r], temperature[r], top_k[r], top_p[r], min_p[r])
         assert np.array_equal(np.isfinite(got[r]), keep), r
@@ -87,19 +117,24 @@ def test_temperature_min_p_top_k_top_p_keep_what_a_numpy_reference_keeps():
                                    rtol=1e-6)
 
 
-@pytest.mark.parametrize("temperature,top_k,top_p,min_p", [
-    (0.7, 0, 1.0, 0.0),
-    (1.0, 3, 1.0, 0.0),
-    (1.0, 0, 0.8, 0.0),
-    (1.0, 0, 1.0, 0.2),
-    (1.5, 6, 0.9, 0.05),
-])
-def test_sampled_frequencies_match_the_filtered_softmax(temperature, top_k, top_p, min_p):
+# The sort-free filter's keep masks are checked row by row above; here its
+# draws, on the cases it changes (top-k, top-p), not every case twice.
+@pytest.mark.parametrize("impl,temperature,top_k,top_p,min_p", [
+    ("sort", 0.7, 0, 1.0, 0.0),
+    ("sort", 1.0, 3, 1.0, 0.0),
+    ("sort", 1.0, 0, 0.8, 0.0),
+    ("sort", 1.0, 0, 1.0, 0.2),
+    ("sort", 1.5, 6, 0.9, 0.05),
+    ("sort_free", 1.0, 0, 0.8, 0.0),
+    ("sort_free", 1.5, 6, 0.9, 0.05),
+], indirect=["impl"])
+def test_sampled_frequencies_match_the_filtered_softmax(impl, temperature, top_k, top_p,
+                                                        min_p):
     draws, vocab = 20_000, 8
     row = np.array([2.0, 1.5, 1.0, 0.5, 0.1, -0.5, -1.0, -2.0], np.float32)
     logits = jnp.asarray(np.tile(row, (draws, 1)))
     md = _metadata(draws, temperature, top_k, top_p, min_p, seeds=np.arange(draws) + 7)
-    tokens = np.asarray(sample(logits, md).token_ids)
+    tokens = np.asarray(impl.sample(logits, md).token_ids)
     counts = np.bincount(tokens, minlength=vocab)
     keep = _np_keep(row, temperature, top_k, top_p, min_p)
     assert counts[~keep].sum() == 0
@@ -219,16 +254,17 @@ def test_logit_bias_allowed_tokens_bad_words_and_min_tokens_mask_exactly_their_t
     assert only_min.make_metadata(np.array([0]), 2, engine_seed=0).logit_adjust is None
 
 
-def test_logprobs_and_ranks_are_the_raw_log_softmax():
+def test_logprobs_and_ranks_are_the_raw_log_softmax(impl):
     rng = np.random.default_rng(5)
-    vocab = 300
+    vocab = 6000  # > 2 * 20 blocks: "blocks" does not fall back to lax.top_k
+    assert -(-vocab // topk_topp.TOP_K_BLOCK) > 2 * MAX_LOGPROBS
     rows = SamplingRows(4, vocab)
     rows.add(0, SamplingParams(temperature=1.0, logprobs=3, logit_bias={0: 50.0}), [1])
     rows.add(1, SamplingParams(temperature=0.0), [1])
     md = rows.make_metadata(np.array([0, 1]), 4, engine_seed=0)
     assert md.num_logprobs == MAX_LOGPROBS
     logits = (rng.standard_normal((4, vocab)) * 3).astype(np.float32)
-    out = sample(jnp.asarray(logits), md)
+    out = impl.sample(jnp.asarray(logits), md)
     lp = _np_log_softmax(logits)  # raw: the bias of row 0 does not show here
     ids, got = np.asarray(out.logprob_token_ids), np.asarray(out.logprobs)
     assert ids.shape == (4, MAX_LOGPROBS + 1) and int(out.token_ids[0]) == 0
@@ -239,13 +275,43 @@ def test_logprobs_and_ranks_are_the_raw_log_softmax():
     assert np.array_equal(np.asarray(out.ranks), ranks) and out.ranks[1] == 1
 
 
+def _sorted_widths(fn, *args) -> set[int]:
+    """Lengths of the axes that the sorts and top_ks in `fn`'s jaxpr (nested too) work along."""
+    widths: set[int] = set()
+
+    def walk(jaxpr):
+        for eqn in jaxpr.eqns:
+            if eqn.primitive.name in ("sort", "top_k"):
+                axis = eqn.params.get("dimension", eqn.params.get("axis", -1))
+                widths.add(eqn.invars[0].aval.shape[axis])
+            for param in eqn.params.values():
+                for sub in param if isinstance(param, (tuple, list)) else (param,):
+                    sub = getattr(sub, "jaxpr", sub)
+                    if hasattr(sub, "eqns"):
+                        walk(sub)
+
+    walk(jax.make_jaxpr(fn)(*args).jaxpr)
+    return widths
+
+
+def test_the_sort_free_paths_never_sort_or_top_k_a_whole_vocab_row(impl):
+    vocab = 6000
+    rows = SamplingRows(4, vocab)
+    rows.add(0, SamplingParams(temperature=1.0, top_k=5, top_p=0.9, logprobs=3), [1])
+    md = rows.make_metadata(np.array([0]), 4, engine_seed=0)
+    assert md.use_top_k_top_p and md.num_logprobs == MAX_LOGPROBS
+    widths = _sorted_widths(impl.sample, jnp.zeros((4, vocab), jnp.float32), md)
+    assert (vocab in widths) == (impl.name == "sort"), widths
+
+
 @pytest.mark.parametrize("k", [0, 3])
-def test_prompt_logprobs_score_the_targets_with_their_ranks(k):
+def test_prompt_logprobs_score_the_targets_with_their_ranks(k, impl):
     rng = np.random.default_rng(6)
-    logits = rng.standard_normal((7, 50)).astype(np.float32)
-    targets = rng.integers(0, 50, 7)
-    fn = jax.jit(sampler.compute_prompt_logprobs, static_argnames="k")
-    ids, got, ranks = (np.asarray(a) for a in fn(jnp.asarray(logits), jnp.asarray(targets), k=k))
+    vocab = 1000  # > 2 * 3 blocks: "blocks" does not fall back to lax.top_k
+    logits = rng.standard_normal((7, vocab)).astype(np.float32)
+    targets = rng.integers(0, vocab, 7)
+    ids, got, ranks = (np.asarray(a) for a in impl.prompt_logprobs(
+        jnp.asarray(logits), jnp.asarray(targets), k=k))
     lp = _np_log_softmax(logits)
     assert ids.shape == (7, k + 1) and np.array_equal(ids[:, 0], targets)
     assert np.array_equal(ids[:, 1:], np.argsort(-lp, axis=-1)[:, :k])
