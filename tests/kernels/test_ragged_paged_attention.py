@@ -56,6 +56,14 @@ CASES = {
                             sliding_window=24, soft_cap=5.0),
     "d128_page32": Case(((1, 70), (8, 40)), head_dim=128, page_size=32, dtype=jnp.bfloat16),
     "d256_page128": Case(((1, 130), (5, 5)), head_dim=256, page_size=128, group=4),
+    # bf16 across the GQA groups (q rows per kv head change the bf16 tile shapes),
+    # with page size 64 and head_dim 256 folded in.
+    "bf16_gqa1": Case(((1, 33), (6, 20)), group=1, dtype=jnp.bfloat16),
+    "bf16_gqa4_page64": Case(((1, 100), (9, 70)), group=4, page_size=64, dtype=jnp.bfloat16),
+    "bf16_gqa8_d256": Case(((1, 40), (6, 6)), group=8, num_kv_heads=1, head_dim=256,
+                           dtype=jnp.bfloat16),
+    "window_gqa8": Case(((1, 60), (20, 45)), group=8, num_kv_heads=1, sliding_window=13,
+                        small_blocks=True),
 }
 
 
