@@ -136,7 +136,8 @@ def test_layers_share_one_cache_by_page_offset(backend):
         np.testing.assert_array_equal(pages, np.asarray(alone))
 
 
-@pytest.mark.parametrize("backend", [AttentionBackend(), PallasGPUBackend(True)])
+@pytest.mark.parametrize("backend", [AttentionBackend(), PallasTPUBackend(True),
+                                     PallasGPUBackend(True)])
 def test_layers_update_the_shared_cache_in_place(backend):
     """Write, attend, write the next layer's pages, attend: with the one cache donated,
     the program keeps a single copy of it (no cache-sized copy in the compiled HLO)."""
