@@ -179,6 +179,11 @@ class EngineArgs:
         if self.tensor_parallel_size < 1:
             raise ParameterError("tensor_parallel_size",
                                  f"must be at least 1, got {self.tensor_parallel_size}")
+        if self.data_parallel_size != 1:
+            # One engine runs one batch; replicas would only hold copies of the same work.
+            raise ParameterError("data_parallel_size",
+                                 f"must be 1, got {self.data_parallel_size}: run one engine "
+                                 "(server) per replica, each on its own devices")
         return EngineConfig(
             model_config=model_config,
             cache_config=CacheConfig(
@@ -233,6 +238,11 @@ class EngineArgs:
         max_len = self.max_model_len or limit
         if max_len < 1:
             raise ParameterError("max_model_len", f"must be at least 1, got {max_len}")
+        if max_len > limit and os.environ.get("JAXLLM_ALLOW_LONG_MAX_MODEL_LEN") != "1":
+            # As vLLM: positions past the trained range give garbage, not an error.
+            raise ParameterError("max_model_len",
+                                 f"{max_len} exceeds the model's max_position_embeddings "
+                                 f"({limit}); set JAXLLM_ALLOW_LONG_MAX_MODEL_LEN=1 to allow it")
         if self.load_format not in ("auto", "safetensors", "dummy"):
             raise ParameterError("load_format", "must be 'auto', 'safetensors' or 'dummy', "
                                  f"got {self.load_format!r}")

@@ -174,6 +174,19 @@ def test_unknown_model_directory_and_malformed_config_name_the_problem(tmp_path,
     assert e.value.field.startswith("config.json:")
 
 
+def test_max_model_len_past_the_trained_positions_and_data_parallel_are_refused(
+        model_dir, monkeypatch):
+    with pytest.raises(ParameterError) as e:
+        LLM(model_dir, max_model_len=257)  # the tiny checkpoint has 256 positions
+    assert e.value.field == "max_model_len" and "256" in str(e.value)
+    with pytest.raises(ParameterError) as e:
+        LLM(model_dir, data_parallel_size=2)
+    assert e.value.field == "data_parallel_size"
+    monkeypatch.setenv("JAXLLM_ALLOW_LONG_MAX_MODEL_LEN", "1")
+    config = EngineArgs(model=model_dir, max_model_len=257).create_engine_config()
+    assert config.model_config.max_model_len == 257
+
+
 def test_unknown_engine_argument_is_a_type_error(model_dir):
     with pytest.raises(TypeError, match="max_num_seq"):
         LLM(model_dir, max_num_seq=4)
