@@ -28,7 +28,8 @@ GREEDY = {"temperature": 0.0, "extra_body": {"ignore_eos": True}}
 
 @pytest.fixture(scope="module")
 def server(tmp_path_factory):
-    model = make_tiny_checkpoint(tmp_path_factory.mktemp("ckpt"), arch="llama")
+    model = make_tiny_checkpoint(tmp_path_factory.mktemp("ckpt"), arch="llama",
+                                 max_position_embeddings=MAX_MODEL_LEN)
     srv = RemoteServer([model, *TINY_ENGINE_FLAGS, "--max-model-len", str(MAX_MODEL_LEN),
                         "--max-num-seqs", "16", "--request-buckets", "4,16",
                         "--api-key", API_KEY, "--served-model-name", MODEL,
@@ -349,6 +350,98 @@ def test_metrics_and_the_periodic_stat_line(server):
         assert name in m
     logs = server.logs(200_000)
     assert "Avg generation throughput" in logs and "KV cache usage" in logs
+
+
+def test_streamed_n2_completions_reassemble_per_index_into_the_non_streamed_texts(client):
+    # Two prompts x n=2: choice index is prompt * n + sample, in both modes.
+    kw = dict(model=MODEL, prompt=["Once upon a", "The quick"], max_tokens=10, n=2,
+              temperature=0.9, seed=11, extra_body={"ignore_eos": True,
+                                                     "return_token_ids": True})
+    full = client.completions.create(**kw)
+    texts, ids, finish = {}, {}, {}
+    for chunk in client.completions.create(**kw, stream=True):
+        for c in chunk.choices:
+            texts[c.index] = texts.get(c.index, "") + c.text
+            ids[c.index] = ids.get(c.index, []) + (c.token_ids or [])
+            if c.finish_reason:
+                assert c.index not in finish  # one final chunk per choice
+                finish[c.index] = c.finish_reason
+    assert [c.index for c in full.choices] == [0, 1, 2, 3]
+    assert texts == {c.index: c.text for c in full.choices}
+    assert ids == {c.index: c.token_ids for c in full.choices}
+    assert all(len(t) == 10 for t in ids.values())
+    assert finish == {i: "length" for i in range(4)}
+    assert ids[0] != ids[1] and ids[2] != ids[3]  # the samples of one prompt differ
+
+
+def test_streamed_chat_n2_reassembles_per_index_into_the_non_streamed_messages(client):
+    kw = dict(model=MODEL, messages=[{"role": "user", "content": "Tell me"}], max_tokens=8,
+              n=2, temperature=0.9, seed=5, extra_body={"ignore_eos": True})
+    full = client.chat.completions.create(**kw)
+    texts, roles = {}, {}
+    for chunk in client.chat.completions.create(**kw, stream=True):
+        for c in chunk.choices:
+            if c.delta.role:
+                roles[c.index] = c.delta.role
+            texts[c.index] = texts.get(c.index, "") + (c.delta.content or "")
+    assert roles == {0: "assistant", 1: "assistant"}
+    assert texts == {c.index: c.message.content for c in full.choices}
+    assert texts[0] != texts[1]
+
+
+def test_streamed_chat_logprobs_equal_the_non_streamed_ones(client):
+    kw = dict(model=MODEL, messages=[{"role": "user", "content": "Say something"}],
+              max_tokens=9, logprobs=True, top_logprobs=2, **GREEDY)
+    full = client.chat.completions.create(**kw).choices[0].logprobs.content
+    streamed = []
+    for chunk in client.chat.completions.create(**kw, stream=True):
+        for c in chunk.choices:
+            streamed += c.logprobs.content if c.logprobs else []
+    assert len(full) == len(streamed) == 9
+    for a, b in zip(full, streamed, strict=True):
+        assert (a.token, a.bytes) == (b.token, b.bytes)
+        assert a.logprob == pytest.approx(b.logprob, abs=1e-5)
+        assert [t.token for t in a.top_logprobs] == [t.token for t in b.top_logprobs]
+        assert [t.logprob for t in a.top_logprobs] == pytest.approx(
+            [t.logprob for t in b.top_logprobs], abs=1e-5)
+        assert len(b.top_logprobs) == 2
+        assert b.logprob == pytest.approx(b.top_logprobs[0].logprob, abs=1e-5)  # greedy
+
+
+def _rise(before: dict[str, float], after: dict[str, float], name: str) -> float:
+    return after.get(name, 0.0) - before.get(name, 0.0)
+
+
+def test_metrics_count_prefix_hits_tokens_and_requests_of_a_repeated_prompt(server, client):
+    block_size = int(TINY_ENGINE_FLAGS[TINY_ENGINE_FLAGS.index("--block-size") + 1])
+    # Token ids no other test sends, so the first request finds nothing cached.
+    ids = [8 + (i * 37 + 11) % 240 for i in range(101)]
+    kw = dict(model=MODEL, prompt=ids, max_tokens=5, **GREEDY)
+    hit_tokens = (len(ids) - 1) // block_size * block_size  # the last token is always computed
+    m0 = wait_idle(server)
+    first = client.completions.create(**kw)
+    m1 = wait_idle(server)
+    second = client.completions.create(**kw)
+    m2 = wait_idle(server)
+    assert first.choices[0].text == second.choices[0].text
+    for before, after, out, hits in ((m0, m1, first, 0), (m1, m2, second, hit_tokens)):
+        assert out.usage.prompt_tokens == len(ids) and out.usage.completion_tokens == 5
+        assert _rise(before, after, "jaxllm:prefix_cache_queries_total") == len(ids)
+        assert _rise(before, after, "jaxllm:prefix_cache_hits_total") == hits
+        # Counts prefill work done: tokens found in the prefix cache are not computed.
+        # (vLLM's prompt_tokens counts the whole prompt of every request.)
+        assert _rise(before, after, "jaxllm:prompt_tokens_total") == \
+            out.usage.prompt_tokens - hits
+        assert _rise(before, after, "jaxllm:generation_tokens_total") == \
+            out.usage.completion_tokens
+        for name in ("jaxllm:request_success_total[length]",
+                     "jaxllm:time_to_first_token_seconds_count",
+                     "jaxllm:time_per_output_token_seconds_count",
+                     "jaxllm:e2e_request_latency_seconds_count"):
+            assert _rise(before, after, name) == 1, name
+        assert _rise(before, after, "jaxllm:num_preemptions_total") == 0
+    assert m2["jaxllm:prefix_cache_hit_rate"] == pytest.approx(
+        m2["jaxllm:prefix_cache_hits_total"] / m2["jaxllm:prefix_cache_queries_total"])
 
 
 def test_sigterm_finishes_in_flight_requests_and_leaves_no_process(server, client):
