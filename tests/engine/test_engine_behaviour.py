@@ -64,10 +64,33 @@ def test_preemption_happens_under_a_small_kv_budget_and_outputs_do_not_change(
     assert llm.llm_engine.last_stats.num_preemptions > 0
 
 
-def test_batch_of_one_equals_large_batch(model_dir, prompts, reference):
-    llm = LLM(model_dir, **{**BASE, "max_num_seqs": 1, "request_buckets": [1]},
-              enable_prefix_caching=False)
-    assert [_tokens(llm, [p])[0] for p in prompts[:3]] == reference[:3]
+def test_24_prompts_batched_across_request_buckets_and_chunks_equal_each_run_alone(model_dir):
+    """24 prompts of 1 to 60 tokens with 3 to 20 new tokens each: together they cross
+    both request buckets (24 running, then fewer as short ones finish) and their 614
+    prompt tokens are cut into 64-token chunks beside decodes; alone, each runs at
+    batch 1 with its prompt in one step. Greedy tokens must agree exactly."""
+    vocab = checkpoint_vocab_size(model_dir)
+    lengths = [1, 60, 7, 33, 2, 48, 15, 26, 9, 57, 4, 40,
+               21, 12, 52, 3, 29, 18, 44, 6, 37, 11, 55, 24]
+    prompts = random_prompts(vocab, lengths, seed=11)
+    params = [SamplingParams(temperature=0.0, max_tokens=3 + (7 * i) % 18, ignore_eos=True)
+              for i in range(len(prompts))]
+
+    alone = LLM(model_dir, **{**BASE, "max_num_seqs": 1, "request_buckets": [1]},
+                enable_prefix_caching=False)
+    expected = [_tokens(alone, [p], q)[0] for p, q in zip(prompts, params, strict=True)]
+
+    batched = LLM(model_dir, **{**BASE, "max_num_seqs": 24, "request_buckets": [8, 24]},
+                  enable_prefix_caching=False)
+    runner = batched.llm_engine.engine_core.engine_core.model_runner
+    runner.step_log = []
+    outs = batched.generate([{"prompt_token_ids": p} for p in prompts], params,
+                            use_tqdm=False)
+    steps = runner.step_log
+    # The batch really spanned both request buckets and was chunked by the budget.
+    assert max(s.num_reqs for s in steps) > 8 and min(s.num_reqs for s in steps) <= 8
+    assert sum(lengths) > 64 and max(s.num_tokens for s in steps) == 64
+    assert [o.outputs[0].token_ids for o in outs] == expected
 
 
 def test_no_compilation_after_warmup_during_a_mixed_workload(model_dir, prompts):
