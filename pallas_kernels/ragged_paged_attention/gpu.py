@@ -129,7 +129,11 @@ def default_block_sizes(num_tokens: int, num_seqs_max: int, group: int, head_dim
         splits = 1 << (min(splits, max_blocks).bit_length() - 1)
         return BlockSizes(block_q, block_kv, splits, num_warps=4, num_stages=3 if f32 else 4)
     if f32:
-        return BlockSizes(max(1, 64 // group), 64 if head_dim <= 128 else 32, 1, 4, 2)
+        if head_dim <= 128:
+            return BlockSizes(max(1, 64 // group), 64, 1, 4, 2)
+        # 64 query rows of 256 floats did not launch on the H100 (139,520 B of
+        # shared memory, 2026-11-24); 32 rows do.
+        return BlockSizes(max(1, 32 // group), 32, 1, 4, 2)
     if head_dim <= 128:
         return BlockSizes(max(1, 128 // group), 128, 1, num_warps=8 if head_dim == 128 else 4,
                           num_stages=3)
