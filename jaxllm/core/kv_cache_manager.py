@@ -127,7 +127,13 @@ class KVCacheManager:
         """`extend_running` for several requests in order, with one pool call for
         all their new blocks: a decode step's ~1 request in 16 that crosses a
         block boundary. Stops before the first request the free blocks cannot
-        serve: the result has one entry (its new blocks) per request served."""
+        serve: the result has one entry (its new blocks) per request served.
+
+        The blocks handed out are those of one call per request. The prefix cache
+        may keep one entry more: every block is taken before any is registered, so
+        a newly full block whose cached-free twin a later request of the batch
+        evicts becomes the cached copy (one call at a time it stays unregistered
+        and the content leaves the cache). Outputs never depend on it."""
         tables = [self.req_to_blocks.get(r.request_id) for r in requests]
         if not all(tables):  # a request without blocks takes the general path
             served = []
