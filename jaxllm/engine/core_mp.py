@@ -60,6 +60,7 @@ UTILITY_RESULT = b"U"
 UTILITY_METHODS = frozenset({"reset_prefix_cache", "has_unfinished_requests", "ping"})
 
 _PARENT_POLL_S = 0.5
+_ATTACH_TIMEOUT_MS = 5000  # how long a send waits for a live core's socket to attach
 _SHUTDOWN_TIMEOUT_S = 5.0
 
 
@@ -458,12 +459,17 @@ class MPClient(EngineCoreClient):
     def _send(self, req_type: EngineCoreRequestType, payload: bytes) -> None:
         if self.engine_dead or self._closing:
             raise self.dead_error()
+        frames = (req_type.value, payload)
         try:
             # NOBLOCK: with no peer (the core is gone) a PUSH socket would block forever.
-            self.input_socket.send_multipart((req_type.value, payload), flags=zmq.NOBLOCK,
-                                             copy=False)
+            self.input_socket.send_multipart(frames, flags=zmq.NOBLOCK, copy=False)
         except zmq.Again as e:
-            raise self.dead_error() from e
+            # ZeroMQ connects in the background: right after READY the core's end
+            # may not be attached yet. A live core is given a moment to attach.
+            if (self.proc.exitcode is not None
+                    or not self.input_socket.poll(_ATTACH_TIMEOUT_MS, zmq.POLLOUT)):
+                raise self.dead_error() from e
+            self.input_socket.send_multipart(frames, flags=zmq.NOBLOCK, copy=False)
 
     def add_request(self, request: EngineCoreRequest) -> None:
         self._send(EngineCoreRequestType.ADD, self.codec.encode(request))

@@ -158,3 +158,57 @@ def test_killed_engine_fails_waiters_and_new_requests_fast(mp_engine):
     with pytest.raises(EngineDeadError):
         client.get_output()
 
+
+
+class _LiveProcess:
+    exitcode = None
+
+
+def _client_with_unattached_input(tmp_path, exitcode):
+    """An MPClient's send path over a bound input socket that no core has attached to."""
+    import zmq
+
+    client = object.__new__(SyncMPClient)
+    client.engine_dead, client._closing, client.engine_error = False, False, None
+    client.proc = _LiveProcess()
+    client.proc.exitcode = exitcode
+    client.ctx = zmq.Context()
+    client.input_socket = client.ctx.socket(zmq.PUSH)
+    client.input_socket.setsockopt(zmq.LINGER, 0)
+    address = f"ipc://{tmp_path}/input"
+    client.input_socket.bind(address)
+    return client, address
+
+
+def test_a_send_waits_for_a_live_core_whose_socket_is_still_attaching(tmp_path):
+    """ZeroMQ connects in the background, so the core's READY can come before its input
+    socket is attached; a request sent at once must reach it, not read as a dead core."""
+    import threading
+
+    import zmq
+
+    client, address = _client_with_unattached_input(tmp_path, exitcode=None)
+    received = []
+
+    def core_attaches_late():
+        time.sleep(0.3)
+        pull = client.ctx.socket(zmq.PULL)
+        pull.connect(address)
+        received.append(pull.recv_multipart())
+        pull.close(linger=0)
+
+    thread = threading.Thread(target=core_attaches_late)
+    thread.start()
+    client._send(EngineCoreRequestType.ABORT, b"payload")
+    thread.join(timeout=10)
+    assert received == [[EngineCoreRequestType.ABORT.value, b"payload"]]
+    client.input_socket.close()
+
+
+def test_a_send_to_an_exited_core_fails_at_once(tmp_path):
+    client, _ = _client_with_unattached_input(tmp_path, exitcode=1)
+    t0 = time.monotonic()
+    with pytest.raises(EngineDeadError):
+        client._send(EngineCoreRequestType.ABORT, b"payload")
+    assert time.monotonic() - t0 < 1.0
+    client.input_socket.close()
