@@ -278,7 +278,7 @@ class AsyncLLM:
             if not had and state.first_token_time is not None:
                 ttft = state.first_token_time - state.arrival_time
                 for sl in self.stat_loggers:
-                    sl.record_first_token(ttft)
+                    sl.record_first_token(ttft, len(state.prompt_token_ids))
             if state.finished:
                 stats = FinishedRequestStats(
                     finish_reason=state.finish_reason or "abort",

@@ -48,8 +48,9 @@ class StatLogger:
     def record_scheduler(self, stats: SchedulerStats) -> None:
         pass
 
-    def record_first_token(self, ttft: float) -> None:
-        pass
+    def record_first_token(self, ttft: float, num_prompt_tokens: int) -> None:
+        """A request's first output token; its whole prompt counts now (vLLM's rule:
+        prefix-cache hits included, a preempted request's recompute not again)."""
 
     def record_finished(self, stats: FinishedRequestStats) -> None:
         pass
@@ -83,10 +84,12 @@ class LoggingStatLogger(StatLogger):
 
     def record_scheduler(self, stats: SchedulerStats) -> None:
         self.stats = stats
-        self.prompt_tokens += stats.num_prompt_tokens
         self.generation_tokens += stats.num_generation_tokens
         self.queries += self.cumulative.delta("queries", stats.prefix_cache_queries)
         self.hits += self.cumulative.delta("hits", stats.prefix_cache_hits)
+
+    def record_first_token(self, ttft: float, num_prompt_tokens: int) -> None:
+        self.prompt_tokens += num_prompt_tokens
 
     def log(self) -> str | None:
         now = time.monotonic()
@@ -142,7 +145,8 @@ class PrometheusStatLogger(StatLogger):
         self.prefix_hit_rate = gauge("jaxllm:prefix_cache_hit_rate",
                                      "Prefix-cache hits / queries since start.")
         self.preemptions = counter("jaxllm:num_preemptions", "Requests preempted.")
-        self.prompt_tokens = counter("jaxllm:prompt_tokens", "Prefill tokens processed.")
+        self.prompt_tokens = counter("jaxllm:prompt_tokens",
+                                     "Prompt tokens of requests that produced a first token.")
         self.generation_tokens = counter("jaxllm:generation_tokens", "Tokens generated.")
         self.ttft = histogram("jaxllm:time_to_first_token_seconds",
                               "Time from arrival to the first output token.", TTFT_BUCKETS)
@@ -169,11 +173,11 @@ class PrometheusStatLogger(StatLogger):
         if self.total_queries:
             self.prefix_hit_rate.set(self.total_hits / self.total_queries)
         self.preemptions.inc(self.cumulative.delta("preemptions", stats.num_preemptions))
-        self.prompt_tokens.inc(stats.num_prompt_tokens)
         self.generation_tokens.inc(stats.num_generation_tokens)
 
-    def record_first_token(self, ttft: float) -> None:
+    def record_first_token(self, ttft: float, num_prompt_tokens: int) -> None:
         self.ttft.observe(ttft)
+        self.prompt_tokens.inc(num_prompt_tokens)
 
     def record_finished(self, stats: FinishedRequestStats) -> None:
         self.e2e.observe(stats.e2e_latency)

@@ -60,11 +60,14 @@ def test_per_step_token_counts_and_gauges_are_exported_as_sums_and_latest_values
     logger = PrometheusStatLogger("m")
     logger.record_scheduler(SchedulerStats(num_running_reqs=2, num_waiting_reqs=1,
                                            kv_cache_usage=0.5, num_prompt_tokens=64))
+    logger.record_first_token(0.1, 40)
     logger.record_scheduler(SchedulerStats(num_running_reqs=3, kv_cache_usage=0.75,
                                            num_prompt_tokens=7, num_generation_tokens=2))
+    logger.record_first_token(0.2, 31)
     logger.record_scheduler(SchedulerStats(num_running_reqs=3, kv_cache_usage=0.75,
                                            num_generation_tokens=3))
     m = exported(logger)
+    # Prompts count whole, once, at their first token; not the tokens a step computed.
     assert m["jaxllm:prompt_tokens_total"] == 71
     assert m["jaxllm:generation_tokens_total"] == 5
     assert (m["jaxllm:num_requests_running"], m["jaxllm:num_requests_waiting"],
@@ -74,7 +77,7 @@ def test_per_step_token_counts_and_gauges_are_exported_as_sums_and_latest_values
 def test_each_finished_request_is_counted_once_by_reason_and_in_the_histograms():
     logger = PrometheusStatLogger("m")
     for ttft in (0.01, 0.2, 3.0):
-        logger.record_first_token(ttft)
+        logger.record_first_token(ttft, 10)
     logger.record_finished(FinishedRequestStats("length", 1.0, 10, 5, decode_time=0.4))
     logger.record_finished(FinishedRequestStats("stop", 2.0, 10, 1, decode_time=0.0))
     logger.record_finished(FinishedRequestStats("length", 4.0, 10, 3, decode_time=1.0))
@@ -124,5 +127,7 @@ def test_exported_preemptions_and_prefix_counts_equal_the_engines_under_a_tiny_k
     # A preempted request is looked up again when readmitted, with its outputs so far.
     assert stats.prefix_cache_queries > sum(map(len, prompts))
     assert m["jaxllm:generation_tokens_total"] == 4 * 24
+    # Each prompt once, although preempted requests computed theirs again.
+    assert m["jaxllm:prompt_tokens_total"] == sum(map(len, prompts))
     assert m["jaxllm:request_success_total[length]"] == 4
     assert m["jaxllm:e2e_request_latency_seconds_count"] == 4

@@ -428,10 +428,8 @@ def test_metrics_count_prefix_hits_tokens_and_requests_of_a_repeated_prompt(serv
         assert out.usage.prompt_tokens == len(ids) and out.usage.completion_tokens == 5
         assert _rise(before, after, "jaxllm:prefix_cache_queries_total") == len(ids)
         assert _rise(before, after, "jaxllm:prefix_cache_hits_total") == hits
-        # Counts prefill work done: tokens found in the prefix cache are not computed.
-        # (vLLM's prompt_tokens counts the whole prompt of every request.)
-        assert _rise(before, after, "jaxllm:prompt_tokens_total") == \
-            out.usage.prompt_tokens - hits
+        # The whole prompt of every request, prefix-cache hits included (as vLLM).
+        assert _rise(before, after, "jaxllm:prompt_tokens_total") == out.usage.prompt_tokens
         assert _rise(before, after, "jaxllm:generation_tokens_total") == \
             out.usage.completion_tokens
         for name in ("jaxllm:request_success_total[length]",
