@@ -13,6 +13,8 @@ from dataclasses import dataclass
 
 import numpy as np
 
+from jaxllm.errors import ParameterError
+
 _MIN_TOKEN_BUCKET = 16
 _MIN_REQUEST_BUCKET = 8
 
@@ -42,12 +44,15 @@ class Buckets:
             min(_MIN_TOKEN_BUCKET, max_num_batched_tokens), max_num_batched_tokens)))
         rb = sorted(set(request_buckets or _geometric(
             min(_MIN_REQUEST_BUCKET, max_num_seqs), max_num_seqs)))
+        for name, buckets in (("token_buckets", tb), ("request_buckets", rb)):
+            if buckets[0] < 1:
+                raise ParameterError(name, f"every bucket must be at least 1, got {buckets}")
         if tb[-1] < max_num_batched_tokens:
-            raise ValueError(f"token_buckets: the largest ({tb[-1]}) must cover "
-                             f"max_num_batched_tokens={max_num_batched_tokens}")
+            raise ParameterError("token_buckets", f"the largest ({tb[-1]}) must cover "
+                                 f"max_num_batched_tokens={max_num_batched_tokens}")
         if rb[-1] < max_num_seqs:
-            raise ValueError(f"request_buckets: the largest ({rb[-1]}) must cover "
-                             f"max_num_seqs={max_num_seqs}")
+            raise ParameterError("request_buckets", f"the largest ({rb[-1]}) must cover "
+                                 f"max_num_seqs={max_num_seqs}")
         width = -(-max_model_len // block_size)
         return cls(tuple(tb), tuple(rb), max_num_seqs, width)
 

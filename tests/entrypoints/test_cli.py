@@ -93,6 +93,8 @@ def test_generate_with_explicit_chat_on_a_model_without_template_is_a_one_line_e
     (["--max-tokens", "0", "hello"], "error: max_tokens: must be at least 1, got 0"),
     ([], "error: prompts: give prompts as arguments or --prompts-file"),
     (["--prompts-file", "/nonexistent/prompts.txt"], "error: prompts_file: cannot read"),
+    (["--token-buckets", "16", "--max-num-batched-tokens", "64", "hello"],
+     "error: token_buckets: the largest (16) must cover max_num_batched_tokens=64"),
 ])
 def test_generate_bad_input_exits_2_with_one_line_naming_the_field(capsys, args, message):
     rc, outs, err = _generate(capsys, *args)

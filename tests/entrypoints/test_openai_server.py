@@ -338,7 +338,9 @@ def test_client_timeout_on_a_plain_request_aborts_it(server):
     assert generated < LONG
 
 
-def test_metrics_and_the_periodic_stat_line(server):
+def test_metrics_and_the_periodic_stat_line(server, client):
+    # Traffic of its own, so that the test also holds when run alone.
+    client.completions.create(model=MODEL, prompt="Once upon a", max_tokens=4)
     m = server.metrics()
     for name in ("jaxllm:prompt_tokens_total", "jaxllm:generation_tokens_total",
                  "jaxllm:time_to_first_token_seconds_count",
@@ -348,8 +350,11 @@ def test_metrics_and_the_periodic_stat_line(server):
     for name in ("jaxllm:prefix_cache_hit_rate", "jaxllm:num_preemptions_total",
                  "jaxllm:prefix_cache_queries_total"):
         assert name in m
-    logs = server.logs(200_000)
-    assert "Avg generation throughput" in logs and "KV cache usage" in logs
+    deadline = time.monotonic() + 15  # the stat line comes every log-stats-interval
+    while "Avg generation throughput" not in (logs := server.logs(200_000)):
+        assert time.monotonic() < deadline, "no periodic stat line"
+        time.sleep(0.2)
+    assert "KV cache usage" in logs
 
 
 def test_streamed_n2_completions_reassemble_per_index_into_the_non_streamed_texts(client):
