@@ -153,7 +153,9 @@ class KVCacheManager:
             total += want
         pool = self.block_pool.get_new_blocks(total) if total else []
         served, start = [], 0
-        for request, table, num_total, want in zip(requests, tables, num_totals, wants):
+        # `wants` stops at the first request not served.
+        for request, table, num_total, want in zip(requests, tables, num_totals, wants,
+                                                   strict=False):
             new_blocks = pool[start:start + want]
             start += want
             table.extend(new_blocks)

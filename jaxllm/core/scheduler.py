@@ -319,7 +319,7 @@ class Scheduler:
                                         end[needing].tolist())
         if len(served) < len(needing):
             stop = needing[len(served)]
-        for i, new_blocks in zip(needing, served):
+        for i, new_blocks in zip(needing, served, strict=False):
             if new_blocks:
                 new_block_ids[i] = [blk.block_id for blk in new_blocks]
             b.num_blocks[i], b.num_cached_blocks[i] = kv.block_state(b.ids[i])

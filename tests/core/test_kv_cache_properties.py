@@ -12,8 +12,14 @@ from collections import Counter
 
 from hypothesis import HealthCheck, event, settings
 from hypothesis import strategies as st
-from hypothesis.stateful import (RuleBasedStateMachine, initialize, invariant, precondition,
-                                 rule, run_state_machine_as_test)
+from hypothesis.stateful import (
+    RuleBasedStateMachine,
+    initialize,
+    invariant,
+    precondition,
+    rule,
+    run_state_machine_as_test,
+)
 
 from jaxllm.core.block_hash import hash_request_tokens, make_block_hasher
 from jaxllm.core.kv_cache_manager import KVCacheManager
@@ -195,7 +201,7 @@ class KVCacheMachine(RuleBasedStateMachine):
         twin = copy.deepcopy(self.sim)
         batched = self.mgr.extend_running_many(reqs, totals)
         one_by_one = []
-        for req, num_total in zip(reqs, totals):
+        for req, num_total in zip(reqs, totals, strict=True):
             new_blocks = self.unchanged_if_none(
                 twin, lambda: twin.mgr.extend_running(req, num_total))  # noqa: B023
             if new_blocks is None:
@@ -204,7 +210,7 @@ class KVCacheMachine(RuleBasedStateMachine):
         assert [ids(b) for b in batched] == [ids(b) for b in one_by_one]
         self.assert_same_but_for_late_evicted_hashes(self.sim, twin, reqs[:len(batched)])
         event(f"extend_many served {'all' if len(batched) == len(reqs) else 'a prefix'}")
-        for req, num_total in zip(reqs[:len(batched)], totals):
+        for req, num_total in zip(reqs[:len(batched)], totals, strict=False):
             self.computed(req, num_total)
 
     def assert_same_but_for_late_evicted_hashes(self, batched: Sim, twin: Sim,
@@ -218,7 +224,8 @@ class KVCacheMachine(RuleBasedStateMachine):
         assert b_fp[1] == t_fp[1] and b_fp[3:] == t_fp[3:]
         served_blocks = {b.block_id for r in served for b in self.mgr.get_blocks(r.request_id)}
         t_hashes = {h for _, h in t_fp[0] if h is not None}
-        for block_id, ((b_ref, b_hash), (t_ref, t_hash)) in enumerate(zip(b_fp[0], t_fp[0])):
+        pairs = zip(b_fp[0], t_fp[0], strict=True)
+        for block_id, ((b_ref, b_hash), (t_ref, t_hash)) in enumerate(pairs):
             assert b_ref == t_ref
             if b_hash != t_hash:
                 assert t_hash is None and b_hash not in t_hashes
@@ -276,7 +283,7 @@ class KVCacheMachine(RuleBasedStateMachine):
         assert len(queue) == pool.free_block_queue.num_free_blocks \
             == pool.get_num_free_blocks() == len({b.block_id for b in queue})
         # The linked list is consistent both ways and ends at its sentinels.
-        for a, b in zip(queue, queue[1:]):
+        for a, b in zip(queue, queue[1:], strict=False):
             assert a.next_free_block is b and b.prev_free_block is a
         if queue:
             assert queue[0].prev_free_block.block_id == -1
