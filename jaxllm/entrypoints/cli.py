@@ -190,7 +190,7 @@ def main(argv: list[str] | None = None) -> int:
         ns.hbm_utilization = ns.gpu_memory_utilization
     try:
         return ns.func(ns)
-    except ParameterError as e:  # bad input: one line naming the field, as `serve` prints
+    except ParameterError as e:  # bad input: one line naming the field, no traceback
         print(f"jaxllm {ns.command}: error: {e}", file=sys.stderr)
         return 2
 

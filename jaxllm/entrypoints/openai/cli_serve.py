@@ -115,9 +115,5 @@ def cmd_serve(ns: argparse.Namespace) -> int:
         sys.exit(f"jaxllm serve needs the server dependencies ({e}); "
                  "reinstall jaxllm with its dependencies: pip install jaxllm")
 
-    try:
-        args = resolve_args(ns)
-        return run_server(args)
-    except ParameterError as e:
-        print(f"jaxllm serve: error: {e}", file=sys.stderr)
-        return 2
+    # A ParameterError is printed in one line by the CLI's main(), as for every command.
+    return run_server(resolve_args(ns))
