@@ -122,47 +122,6 @@ class KVCacheManager:
             return self.allocate_slots(request, num_total - request.num_computed_tokens)
         return self._extend(request, req_blocks, num_total)
 
-    def extend_running_many(self, requests: list[Request], num_totals: list[int]
-                            ) -> list[list[KVCacheBlock]]:
-        """`extend_running` for several requests in order, with one pool call for
-        all their new blocks: a decode step's ~1 request in 16 that crosses a
-        block boundary. Stops before the first request the free blocks cannot
-        serve: the result has one entry (its new blocks) per request served.
-
-        The blocks handed out are those of one call per request. The prefix cache
-        may keep one entry more: every block is taken before any is registered, so
-        a newly full block whose cached-free twin a later request of the batch
-        evicts becomes the cached copy (one call at a time it stays unregistered
-        and the content leaves the cache). Outputs never depend on it."""
-        tables = [self.req_to_blocks.get(r.request_id) for r in requests]
-        if not all(tables):  # a request without blocks takes the general path
-            served = []
-            for request, num_total in zip(requests, num_totals, strict=True):
-                new_blocks = self.extend_running(request, num_total)
-                if new_blocks is None:
-                    break
-                served.append(new_blocks)
-            return served
-        bs, free, total = self.block_size, self.block_pool.get_num_free_blocks(), 0
-        wants = []
-        for table, num_total in zip(tables, num_totals, strict=True):
-            want = max(-(-num_total // bs) - len(table), 0)
-            if total + want > free:
-                break
-            wants.append(want)
-            total += want
-        pool = self.block_pool.get_new_blocks(total) if total else []
-        served, start = [], 0
-        # `wants` stops at the first request not served.
-        for request, table, num_total, want in zip(requests, tables, num_totals, wants,
-                                                   strict=False):
-            new_blocks = pool[start:start + want]
-            start += want
-            table.extend(new_blocks)
-            self._cache_full(request, table, num_total)
-            served.append(new_blocks)
-        return served
-
     def _extend(self, request: Request, req_blocks: list[KVCacheBlock],
                 num_total: int) -> list[KVCacheBlock] | None:
         """`allocate_slots` for a request that holds blocks and brings no hits."""

@@ -314,12 +314,11 @@ class Scheduler:
         need &= take > 0
 
         kv, stop, new_block_ids = self.kv_cache_manager, m, {}
-        needing = np.flatnonzero(need).tolist()
-        served = kv.extend_running_many([b.requests[i] for i in needing],
-                                        end[needing].tolist())
-        if len(served) < len(needing):
-            stop = needing[len(served)]
-        for i, new_blocks in zip(needing, served, strict=False):
+        for i in np.flatnonzero(need).tolist():
+            new_blocks = kv.extend_running(b.requests[i], int(end[i]))
+            if new_blocks is None:
+                stop = i
+                break
             if new_blocks:
                 new_block_ids[i] = [blk.block_id for blk in new_blocks]
             b.num_blocks[i], b.num_cached_blocks[i] = kv.block_state(b.ids[i])

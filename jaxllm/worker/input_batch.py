@@ -78,19 +78,6 @@ class InputBatch:
         self.block_table[row, start:start + len(block_ids)] = block_ids
         self.num_blocks[row] = start + len(block_ids)
 
-    def append_blocks_many(self, rows_blocks: list[tuple[int, list[int]]]) -> None:
-        """`append_blocks` for several rows; the rows that get one block each (a
-        decode step's) are written in one array pass."""
-        single = [(row, blocks[0]) for row, blocks in rows_blocks if len(blocks) == 1]
-        if len(single) < len(rows_blocks):
-            for row, blocks in rows_blocks:
-                if len(blocks) != 1:
-                    self.append_blocks(row, blocks)
-        if single:
-            rows, ids = np.array(single, np.int64).T
-            self.block_table[rows, self.num_blocks[rows]] = ids
-            self.num_blocks[rows] += 1
-
     def remove(self, req_id: str) -> None:
         row = self.req_id_to_row.pop(req_id, None)
         if row is None:

@@ -535,12 +535,10 @@ class ModelRunner:
             return
         rows = self._rows_of(cached.req_ids)
         ib.num_computed_tokens[rows] = cached.num_computed_tokens
-        # Only the few requests that got blocks (a decode step: ~1 in 16) reach
-        # Python, and those that got one block each (nearly all) in one array pass.
-        got = [(row, blocks) for row, blocks in itertools.compress(
-            zip(rows.tolist(), cached.new_block_ids, strict=True), cached.new_block_ids)]
-        if got:
-            ib.append_blocks_many(got)
+        # Only the few requests that got blocks (a decode step: ~1 in 16) reach Python.
+        for row, blocks in itertools.compress(zip(rows.tolist(), cached.new_block_ids,
+                                                  strict=True), cached.new_block_ids):
+            ib.append_blocks(row, blocks)
 
     def _pool(self, h: StepHandle) -> dict[str, list[float]]:
         """Last-token pooling for embedding requests whose prompt is complete."""

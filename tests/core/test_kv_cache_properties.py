@@ -7,7 +7,6 @@ which token prefix each slot's KV was computed from, so the test sees whether a
 prefix-cache hit hands back the right KV, not only whether the counters add up.
 """
 
-import copy
 from collections import Counter
 
 from hypothesis import HealthCheck, event, settings
@@ -184,54 +183,6 @@ class KVCacheMachine(RuleBasedStateMachine):
             return
         self.computed(req, num_total)
 
-    @precondition(lambda self: self.extendable())
-    @rule(data=st.data())
-    def extend_many(self, data):
-        """A decode step: several running requests (and maybe one holding no blocks) at
-        once. A deep copy of the manager takes them one at a time with
-        `extend_running`, and must end with the same block assignment."""
-        rids = data.draw(st.lists(st.sampled_from(self.extendable()), min_size=1,
-                                  unique=True))
-        reqs = [self.running[rid] for rid in rids]
-        if data.draw(st.integers(0, 3)) == 0:
-            reqs.insert(data.draw(st.integers(0, len(reqs))), self.new_request(data))
-        totals = [r.num_computed_tokens + data.draw(st.integers(1, self.room(r)))
-                  for r in reqs]
-
-        twin = copy.deepcopy(self.sim)
-        batched = self.mgr.extend_running_many(reqs, totals)
-        one_by_one = []
-        for req, num_total in zip(reqs, totals, strict=True):
-            new_blocks = self.unchanged_if_none(
-                twin, lambda: twin.mgr.extend_running(req, num_total))  # noqa: B023
-            if new_blocks is None:
-                break  # the batched call stops before the same request
-            one_by_one.append(new_blocks)
-        assert [ids(b) for b in batched] == [ids(b) for b in one_by_one]
-        self.assert_same_but_for_late_evicted_hashes(self.sim, twin, reqs[:len(batched)])
-        event(f"extend_many served {'all' if len(batched) == len(reqs) else 'a prefix'}")
-        for req, num_total in zip(reqs[:len(batched)], totals, strict=False):
-            self.computed(req, num_total)
-
-    def assert_same_but_for_late_evicted_hashes(self, batched: Sim, twin: Sim,
-                                                served: list[Request]) -> None:
-        """Identical blocks, ref counts, free queue and tables. The batched call
-        evicts every block it takes before registering any newly full block, so it
-        may register a block under a hash that one-by-one stays with a cached-free
-        block until a later request in the batch evicts it (and then is nowhere):
-        the batched prefix cache is the one-by-one one plus such blocks."""
-        b_fp, t_fp = batched.fingerprint(), twin.fingerprint()
-        assert b_fp[1] == t_fp[1] and b_fp[3:] == t_fp[3:]
-        served_blocks = {b.block_id for r in served for b in self.mgr.get_blocks(r.request_id)}
-        t_hashes = {h for _, h in t_fp[0] if h is not None}
-        pairs = zip(b_fp[0], t_fp[0], strict=True)
-        for block_id, ((b_ref, b_hash), (t_ref, t_hash)) in enumerate(pairs):
-            assert b_ref == t_ref
-            if b_hash != t_hash:
-                assert t_hash is None and b_hash not in t_hashes
-                assert block_id in served_blocks
-                event("extend_many registered a hash its batch evicted")
-
     @precondition(lambda self: any(r.num_computed_tokens >= r.num_tokens
                                    for r in self.running.values()))
     @rule(data=st.data())
@@ -341,55 +292,12 @@ class KVCacheMachine(RuleBasedStateMachine):
                 assert slots[pos % self.bs] == tuple(tokens[:pos + 1]), (rid, pos)
 
 
-def test_random_workloads_keep_blocks_accounted_cached_kv_right_and_batched_extends_exact():
+def test_random_workloads_keep_blocks_accounted_and_cached_kv_right():
     """After every step: each block is exactly one of free / cached-free / owned, ref
     counts equal the requests holding a block, the free queue's links agree with its
     count, the hash map is a bijection onto hashed blocks whose (simulated) KV is the
     prefix they hash, prefix hits are the longest cached prefix short of the last
-    token, a refused allocation changes nothing, and `extend_running_many` assigns
-    exactly the blocks `extend_running` one request at a time would."""
+    token, and a refused allocation changes nothing."""
     run_state_machine_as_test(KVCacheMachine, settings=settings(
         max_examples=300, stateful_step_count=50, deadline=None,
         suppress_health_check=[HealthCheck.too_slow]))
-
-
-def test_batched_extend_registers_a_full_block_whose_cached_twin_its_batch_evicts():
-    """The one way `extend_running_many` differs from `extend_running` one request at a
-    time, pinned because random workloads almost never reach it: request c's decode
-    fills a block whose content a cached-free block X already holds, and request d,
-    later in the same batch, takes X from the free queue. One by one, c's block is a
-    duplicate when c registers it, and X's hash is then evicted; batched, every block
-    is taken (and X evicted) before c registers, so c's block becomes the cached copy.
-    The blocks handed out are the same either way."""
-    def run(batched: bool) -> tuple[KVCacheManager, bytes]:
-        mgr, hasher = KVCacheManager(5, 2), make_block_hasher(2)
-
-        def request(rid, tokens):
-            return Request(rid, tokens, SamplingParams(), block_hasher=hasher)
-
-        a = request("a", [1, 2, 3, 4])
-        mgr.allocate_slots(a, 4)
-        a.num_computed_tokens = 4
-        mgr.free(a)  # blocks 1 and 2 cached-free, queue [3, 4, 2, 1]
-        c = request("c", [1, 2, 3])
-        hits, num_hit = mgr.get_computed_blocks(c)
-        assert ids(hits) == [1]
-        mgr.allocate_slots(c, 3 - num_hit, hits)
-        c.num_computed_tokens = 3
-        d = request("d", [7, 7])
-        mgr.allocate_slots(d, 2)
-        d.num_computed_tokens = 2
-        c.append_output_token_ids(4)  # c's block 3 now holds [3, 4], as block 2 does
-        d.append_output_token_ids(9)
-        assert mgr.block_pool.get_cached_block(c.block_hashes[1]).block_id == 2
-        if batched:
-            mgr.extend_running_many([c, d], [4, 3])
-        else:
-            assert mgr.extend_running(c, 4) == [] and mgr.extend_running(d, 3) is not None
-        assert (mgr.get_block_ids("c"), mgr.get_block_ids("d")) == ([1, 3], [4, 2])
-        return mgr, c.block_hashes[1]
-
-    batched, h34 = run(batched=True)
-    assert batched.block_pool.get_cached_block(h34).block_id == 3
-    one_by_one, h34 = run(batched=False)
-    assert one_by_one.block_pool.get_cached_block(h34) is None
