@@ -78,6 +78,14 @@ class PallasGPUBackend(_PallasBackend):
 
     name = "pallas_gpu"
 
+    def write_kv(self, kv_cache: jax.Array, k: jax.Array, v: jax.Array,
+                 md: AttentionMetadata, page_offset: int = 0) -> jax.Array:
+        # One row scatter declared unique (only padding tokens share a slot, in
+        # the scratch page), not the general scatter of `write_kv_paged`.
+        from pallas_kernels.ragged_paged_attention import gpu
+
+        return gpu.write_kv(kv_cache, k, v, md.slot_mapping, page_offset)
+
     def attend(self, q: jax.Array, kv_cache: jax.Array, md: AttentionMetadata, *,
                sm_scale: float, sliding_window: int | None = None,
                soft_cap: float | None = None, page_offset: int = 0) -> jax.Array:

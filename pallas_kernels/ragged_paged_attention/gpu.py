@@ -18,6 +18,15 @@ walks the item's KV blocks in three runs: window-edge blocks (masked), fully
 visible blocks (no mask arithmetic), causal-diagonal / `kv_len`-tail blocks
 (masked). Softmax is online, in float32, in base 2.
 
+Decodes beside prompt chunks. In a prefill-shaped call (prefill tiles of
+`block_q` = 128 / G tokens), a request with a single query token would still
+take a whole program with a 128-row tile and a shallow pipeline; measured on the
+H100, 480 such requests took 650 us per layer inside an 8192-token step against
+380 us alone with decode tiles. So a prefill-shaped call runs in two: the
+one-token requests first, one item each with the decode tiles
+(`BlockSizes.decode`), then everything else with the prefill tiles, writing
+into the first call's output (aliased), so every row is written exactly once.
+
 Split-KV. With `num_kv_splits = S > 1` every program only walks its 1/S of the
 item's KV blocks and writes an unnormalised partial (normalised output plus
 log-sum-exp, float32); a small jnp combine merges them. The wrapper turns it on
@@ -73,9 +82,9 @@ def kv_cache_shape(num_pages: int, page_size: int, num_kv_heads: int,
 
 
 def write_kv(kv_cache: jax.Array, k: jax.Array, v: jax.Array,
-             slot_mapping: jax.Array) -> jax.Array:
-    """Stores `[T, Hkv, D]` K/V at `slot_mapping` (page * page_size + offset); in place
-    when the cache is donated.
+             slot_mapping: jax.Array, page_offset: int = 0) -> jax.Array:
+    """Stores `[T, Hkv, D]` K/V at `slot_mapping` (page * page_size + offset, pages
+    counted from `page_offset`); in place when the cache is donated.
 
     One row scatter over the cache viewed as `[P * 2H * page_size, D]`, declared
     unique: only padding tokens share a slot (the reserved scratch page 0, never
@@ -85,7 +94,7 @@ def write_kv(kv_cache: jax.Array, k: jax.Array, v: jax.Array,
     num_pages, two_h, page_size, head_dim = kv_cache.shape
     kv = jnp.stack([k, v], axis=2).reshape(k.shape[0] * two_h, head_dim)
     head = jnp.arange(two_h, dtype=slot_mapping.dtype)[None, :]
-    rows = (((slot_mapping // page_size)[:, None] * two_h + head) * page_size
+    rows = (((slot_mapping // page_size + page_offset)[:, None] * two_h + head) * page_size
             + (slot_mapping % page_size)[:, None]).reshape(-1)
     flat = kv_cache.reshape(num_pages * two_h * page_size, head_dim)
     flat = flat.at[rows].set(kv.astype(kv_cache.dtype), mode="drop", unique_indices=True)
@@ -103,6 +112,17 @@ class BlockSizes:
     num_stages: int = 2
     # Stream K/V through L2 with evict-first (each tile is read once per program).
     kv_evict_first: bool = False
+    # When set (prefill tiles, one split), one-token requests run in their own
+    # call with these tiles (see "Decodes beside prompt chunks").
+    decode: BlockSizes | None = None
+
+
+def decode_block_sizes(group: int, head_dim: int, itemsize: int = 2,
+                       num_kv_splits: int = 1) -> BlockSizes:
+    """Tiles for one-token query items: 16 rows (the smallest tensor-core tile;
+    memory-bound anyway), small KV tiles with a deep pipeline (measured best)."""
+    return BlockSizes(max(1, 16 // group), 32 if head_dim <= 128 else 16, num_kv_splits,
+                      num_warps=4, num_stages=3 if itemsize > 2 else 4)
 
 
 def default_block_sizes(num_tokens: int, num_seqs_max: int, group: int, head_dim: int,
@@ -118,32 +138,31 @@ def default_block_sizes(num_tokens: int, num_seqs_max: int, group: int, head_dim
     # Decode-shaped: at most one token per request slot, or so few tokens that
     # prefill-sized query tiles would idle most SMs (batch-1 decode pads to 8).
     if num_tokens <= max(num_seqs_max, 16):
-        # 16 rows: the smallest tensor-core tile (memory-bound anyway); small KV
-        # tiles with a deep pipeline measured best.
-        block_q = max(1, 16 // group)
-        block_kv = 32 if head_dim <= 128 else 16
+        dec = decode_block_sizes(group, head_dim, itemsize)
         # Split the KV walk only when (items x kv heads) would not give the 132
         # SMs ~4 programs each (small batches); splits cost a combine pass.
         splits = max(1, min(16, 528 // max(1, num_tokens * num_kv_heads)))
-        max_blocks = max(1, (max_pages * page_size) // block_kv)
+        max_blocks = max(1, (max_pages * page_size) // dec.block_kv)
         splits = 1 << (min(splits, max_blocks).bit_length() - 1)
-        return BlockSizes(block_q, block_kv, splits, num_warps=4, num_stages=3 if f32 else 4)
+        return dataclasses.replace(dec, num_kv_splits=splits)
+    dec = decode_block_sizes(group, head_dim, itemsize)
     if f32:
         if head_dim <= 128:
-            return BlockSizes(max(1, 64 // group), 64, 1, 4, 2)
+            return BlockSizes(max(1, 64 // group), 64, 1, 4, 2, decode=dec)
         # 64 query rows of 256 floats did not launch on the H100 (139,520 B of
         # shared memory, 2026-11-24); 32 rows do.
-        return BlockSizes(max(1, 32 // group), 32, 1, 4, 2)
+        return BlockSizes(max(1, 32 // group), 32, 1, 4, 2, decode=dec)
     if head_dim <= 128:
         return BlockSizes(max(1, 128 // group), 128, 1, num_warps=8 if head_dim == 128 else 4,
-                          num_stages=3)
-    return BlockSizes(max(1, 64 // group), 32, 1, num_warps=8, num_stages=2)
+                          num_stages=3, decode=dec)
+    return BlockSizes(max(1, 64 // group), 32, 1, num_warps=8, num_stages=2, decode=dec)
 
 
 def work_items(cu_q_lens: jax.Array, num_seqs: jax.Array, num_tokens: int,
-               block_q: int) -> tuple[jax.Array, jax.Array]:
+               block_q: int, *, skip_decode: bool = False) -> tuple[jax.Array, jax.Array]:
     """(request, first token) per item; request -1 marks a zero-fill padding item,
     -2 an unused grid slot. Sized statically: cdiv(T, bq) + R + 1 bounds the count.
+    `skip_decode`: one-token requests get no item (`decode_items` covers them).
 
     Depends only on the step's metadata: under one jit every layer's call computes
     the same values and XLA keeps one copy; callers may also pass it in (`items`).
@@ -152,6 +171,8 @@ def work_items(cu_q_lens: jax.Array, num_seqs: jax.Array, num_tokens: int,
     n = jnp.reshape(num_seqs, (-1,))[0]
     ridx = jnp.arange(num_req, dtype=jnp.int32)
     q_lens = jnp.where(ridx < n, cu_q_lens[1:] - cu_q_lens[:-1], 0)
+    if skip_decode:
+        q_lens = jnp.where(q_lens == 1, 0, q_lens)
     nblk = (q_lens + block_q - 1) // block_q
     cum = jnp.cumsum(nblk)
     num_real = cum[-1]
@@ -175,11 +196,25 @@ def work_items(cu_q_lens: jax.Array, num_seqs: jax.Array, num_tokens: int,
     return item_req[::-1], item_tok[::-1]
 
 
+def decode_items(cu_q_lens: jax.Array, num_seqs: jax.Array) -> tuple[jax.Array, jax.Array]:
+    """One item per request slot: (request, its token) where the request has exactly
+    one query token, else -2 (an unused grid slot)."""
+    num_req = cu_q_lens.shape[0] - 1
+    n = jnp.reshape(num_seqs, (-1,))[0]
+    ridx = jnp.arange(num_req, dtype=jnp.int32)
+    one = (ridx < n) & (cu_q_lens[1:] - cu_q_lens[:-1] == 1)
+    return (jnp.where(one, ridx, -2).astype(jnp.int32),
+            jnp.where(one, cu_q_lens[:-1], 0).astype(jnp.int32))
+
+
 def _kernel(item_req_ref, item_tok_ref, cu_ref, kvlen_ref, pidx_ref, q_ref, kv_ref,
-            *out_refs, block_q: int, block_kv: int, group: int, num_q_heads: int, kv_heads: int,
+            *out_refs, aliased: bool, block_q: int, block_kv: int, group: int,
+            num_q_heads: int, kv_heads: int,
             page_size: int, pages_per_seq: int, num_tokens: int, num_splits: int,
             kv_evict_first: bool, page_offset: int,
             sm_scale: float, sliding_window: int | None, soft_cap: float | None):
+    if aliased:  # the previous call's output comes in first; it is out_refs[1]'s buffer
+        out_refs = out_refs[1:]
     o_ref = out_refs[0]
     lse_ref = out_refs[1] if num_splits > 1 else None
     item, h, split = pl.program_id(0), pl.program_id(1), pl.program_id(2)
@@ -324,7 +359,8 @@ def ragged_paged_attention(
     page_offset: int = 0,
 ) -> jax.Array:
     """Ragged paged attention; `kv_cache` is `[P, 2 * Hkv, page_size, D]` (see module doc;
-    `page_offset` as in reference.py)."""
+    `page_offset` as in reference.py). `items`, if given, must be
+    `work_items(cu_q_lens, num_seqs, T, bs.block_q, skip_decode=bs.decode is not None)`."""
     num_tokens, num_q_heads, head_dim = q.shape
     num_pages, two_h, page_size, _ = kv_cache.shape
     num_kv_heads = two_h // 2
@@ -338,39 +374,51 @@ def ragged_paged_attention(
     bs = block_sizes or default_block_sizes(num_tokens, num_req, group, head_dim, page_size,
                                             pages_per_seq, num_kv_heads,
                                             jnp.dtype(kv_cache.dtype).itemsize)
-    if (bs.block_q * group) < 16 or bs.block_kv < 16:
-        raise ValueError(f"tile too small for tensor cores: {bs}")
-
+    for b in (bs, bs.decode):
+        if b is not None and ((b.block_q * group) < 16 or b.block_kv < 16):
+            raise ValueError(f"tile too small for tensor cores: {b}")
+    if bs.decode is not None and (bs.num_kv_splits > 1 or bs.decode.num_kv_splits > 1):
+        raise ValueError(f"a separate decode call needs one KV split in both calls: {bs}")
     if items is None:
-        items = work_items(cu_q_lens, num_seqs, num_tokens, bs.block_q)
-    item_req, item_tok = items
-    num_items = item_req.shape[0]
-    splits = bs.num_kv_splits
+        items = work_items(cu_q_lens, num_seqs, num_tokens, bs.block_q,
+                           skip_decode=bs.decode is not None)
 
-    kernel = functools.partial(
-        _kernel, kv_heads=num_kv_heads, block_q=bs.block_q, block_kv=bs.block_kv, group=group,
-        num_q_heads=num_q_heads, page_size=page_size, pages_per_seq=pages_per_seq,
-        num_tokens=num_tokens, num_splits=splits, kv_evict_first=bs.kv_evict_first,
-        page_offset=page_offset, sm_scale=float(sm_scale),
-        sliding_window=sliding_window, soft_cap=soft_cap)
     rows = num_tokens * num_q_heads
-    if splits == 1:
-        out_shape = [jax.ShapeDtypeStruct((rows, head_dim), q.dtype)]
-    else:
-        out_shape = [jax.ShapeDtypeStruct((splits * rows, head_dim), jnp.float32),
-                     jax.ShapeDtypeStruct((splits * rows,), jnp.float32)]
-    outs = pl.pallas_call(
-        kernel,
-        out_shape=out_shape,
-        grid=(num_items, num_kv_heads, splits),
-        compiler_params=_compiler_params(bs.num_warps, bs.num_stages),
-        interpret=interpret,
-        name="ragged_paged_attention_gpu",
-    )(item_req, item_tok, cu_q_lens.astype(jnp.int32), kv_lens.astype(jnp.int32),
-      page_indices.astype(jnp.int32).reshape(-1), q.reshape(rows, head_dim),
-      kv_cache.reshape(num_pages * two_h * page_size, head_dim))
-    if splits == 1:
+    args = (cu_q_lens.astype(jnp.int32), kv_lens.astype(jnp.int32),
+            page_indices.astype(jnp.int32).reshape(-1), q.reshape(rows, head_dim),
+            kv_cache.reshape(num_pages * two_h * page_size, head_dim))
+
+    def call(b: BlockSizes, items: tuple[jax.Array, jax.Array], into: jax.Array | None):
+        splits = b.num_kv_splits
+        kernel = functools.partial(
+            _kernel, aliased=into is not None, kv_heads=num_kv_heads, block_q=b.block_q,
+            block_kv=b.block_kv, group=group, num_q_heads=num_q_heads, page_size=page_size,
+            pages_per_seq=pages_per_seq, num_tokens=num_tokens, num_splits=splits,
+            kv_evict_first=b.kv_evict_first, page_offset=page_offset,
+            sm_scale=float(sm_scale), sliding_window=sliding_window, soft_cap=soft_cap)
+        if splits == 1:
+            out_shape = [jax.ShapeDtypeStruct((rows, head_dim), q.dtype)]
+        else:
+            out_shape = [jax.ShapeDtypeStruct((splits * rows, head_dim), jnp.float32),
+                         jax.ShapeDtypeStruct((splits * rows,), jnp.float32)]
+        extra = () if into is None else (into,)
+        return pl.pallas_call(
+            kernel,
+            out_shape=out_shape,
+            grid=(items[0].shape[0], num_kv_heads, splits),
+            input_output_aliases={} if into is None else {2 + len(args): 0},
+            compiler_params=_compiler_params(b.num_warps, b.num_stages),
+            interpret=interpret,
+            name="ragged_paged_attention_gpu",
+        )(*items, *args, *extra)
+
+    into = None
+    if bs.decode is not None:  # the one-token requests' rows; the main call fills the rest
+        into = call(bs.decode, decode_items(cu_q_lens, num_seqs), None)[0]
+    outs = call(bs, items, into)
+    if bs.num_kv_splits == 1:
         return outs[0].reshape(num_tokens, num_q_heads, head_dim)
+    splits = bs.num_kv_splits
     o = outs[0].reshape(splits, rows, head_dim)
     lse = outs[1].reshape(splits, rows)
     return _combine(o, lse).astype(q.dtype).reshape(num_tokens, num_q_heads, head_dim)

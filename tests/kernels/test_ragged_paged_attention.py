@@ -151,6 +151,61 @@ def test_gpu_work_items_cover_every_token_once():
     np.testing.assert_array_equal(seen, 1)
 
 
+def test_gpu_decode_split_items_cover_every_token_once():
+    """Prefill tiles with a separate decode call: the one-token requests' items and
+    the main call's items (padding included) cover every token exactly once."""
+    cu = jnp.asarray([0, 1, 9, 10, 10, 30, 31, 32, 32], jnp.int32)  # decodes 0, 2, 5, 6
+    num_seqs, num_tokens, block_q = jnp.asarray([7], jnp.int32), 37, 4
+    seen = np.zeros(num_tokens, int)
+    ends = np.asarray(cu)
+    req, tok = (np.asarray(x) for x in gpu.work_items(cu, num_seqs, num_tokens, block_q,
+                                                      skip_decode=True))
+    for r, t in zip(req, tok, strict=True):
+        if r >= 0:
+            assert ends[r + 1] - ends[r] > 1  # no decode request here
+        if r != -2:
+            seen[t:min(t + block_q, num_tokens if r == -1 else ends[r + 1])] += 1
+    dreq, dtok = (np.asarray(x) for x in gpu.decode_items(cu, num_seqs))
+    assert dreq.shape[0] == cu.shape[0] - 1  # one grid slot per request
+    np.testing.assert_array_equal(np.sort(dreq[dreq >= 0]), [0, 2, 5, 6])
+    for r, t in zip(dreq, dtok, strict=True):
+        if r >= 0:
+            assert t == ends[r]
+            seen[t] += 1
+    np.testing.assert_array_equal(seen, 1)
+
+
+@pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16])
+def test_gpu_decode_split_matches_single_call(dtype):
+    """Decodes beside prompt chunks (prefill tiles): the two-call path and the
+    single call both match the reference; padding rows stay zero."""
+    case = Case(((1, 40), (1, 7), (20, 20), (1, 90), (9, 30), (1, 1), (5, 70)), group=4,
+                head_dim=128, dtype=dtype, pad_tokens=5, pad_reqs=3)
+    (q, kv_lens, page_indices, cu, num_seqs), cache, num_real = make_batch(case, seed=7)
+    kw = dict(sm_scale=case.head_dim**-0.5)
+    with jax.default_matmul_precision("highest"):
+        ref = np.asarray(reference.ragged_paged_attention(
+            q.astype(jnp.float32), cache.astype(jnp.float32), kv_lens, page_indices, cu,
+            num_seqs, **kw))
+    num_tokens, num_req = q.shape[0], page_indices.shape[0]
+    split = gpu.default_block_sizes(num_tokens, num_req, case.group, case.head_dim,
+                                    case.page_size, page_indices.shape[1], case.num_kv_heads,
+                                    jnp.dtype(dtype).itemsize)
+    assert split.decode is not None  # prefill-shaped: the default splits the decodes off
+    max_abs, rel_l2 = TOL[dtype]
+    outs = []
+    for bs in (split, dataclasses.replace(split, decode=None)):
+        out = gpu.ragged_paged_attention(q, cache.transpose(0, 2, 1, 3), kv_lens, page_indices,
+                                         cu, num_seqs, block_sizes=bs, interpret=True, **kw)
+        out = np.asarray(out.astype(jnp.float32))
+        np.testing.assert_array_equal(out[num_real:], 0.0)
+        err = out[:num_real] - ref[:num_real]
+        assert np.abs(err).max() <= max_abs
+        assert np.linalg.norm(err) <= rel_l2 * np.linalg.norm(ref[:num_real])
+        outs.append(out)
+    np.testing.assert_allclose(outs[0], outs[1], atol=max_abs)
+
+
 def test_tpu_block_request_ranges():
     cu = jnp.asarray([0, 1, 9, 9, 30, 31, 31], jnp.int32)
     lo, hi = tpu.block_request_ranges(cu, jnp.asarray([5], jnp.int32), 9, 4)
