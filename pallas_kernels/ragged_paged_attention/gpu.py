@@ -117,11 +117,10 @@ class BlockSizes:
     decode: BlockSizes | None = None
 
 
-def decode_block_sizes(group: int, head_dim: int, itemsize: int = 2,
-                       num_kv_splits: int = 1) -> BlockSizes:
+def decode_block_sizes(group: int, head_dim: int, itemsize: int = 2) -> BlockSizes:
     """Tiles for one-token query items: 16 rows (the smallest tensor-core tile;
     memory-bound anyway), small KV tiles with a deep pipeline (measured best)."""
-    return BlockSizes(max(1, 16 // group), 32 if head_dim <= 128 else 16, num_kv_splits,
+    return BlockSizes(max(1, 16 // group), 32 if head_dim <= 128 else 16, 1,
                       num_warps=4, num_stages=3 if itemsize > 2 else 4)
 
 
@@ -217,7 +216,7 @@ def _kernel(item_req_ref, item_tok_ref, cu_ref, kvlen_ref, pidx_ref, q_ref, kv_r
             page_size: int, pages_per_seq: int, num_tokens: int, num_splits: int,
             kv_evict_first: bool, page_offset: int,
             sm_scale: float, sliding_window: int | None, soft_cap: float | None):
-    if aliased:  # the previous call's output comes in first; it is out_refs[1]'s buffer
+    if aliased:  # the decode call's output, as an input: the same buffer as out_refs[1]
         out_refs = out_refs[1:]
     o_ref = out_refs[0]
     lse_ref = out_refs[1] if num_splits > 1 else None
