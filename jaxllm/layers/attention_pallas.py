@@ -3,9 +3,10 @@
 Both kernels read the cache head-major inside each page,
 `[num_pages, 2 * num_kv_heads, page_size, head_dim]` (K of kv head h at 2h, V
 at 2h + 1), so one (page, head) is a contiguous `page_size x head_dim` tile: a
-single DMA on TPU, coalesced rows on GPU. `write_kv` scatters this step's K/V
-into that layout; with the cache donated to the jitted step XLA updates it in
-place (tests/kernels/test_attention_backends.py checks the alias and the buffer).
+single DMA on TPU, coalesced rows on GPU (`paged_layout.py`). `write_kv` scatters
+this step's K/V into that layout; with the cache donated to the jitted step XLA
+updates it in place (tests/kernels/test_attention_backends.py checks the alias and
+the buffer).
 
 Tensor parallelism: `attend` and `write_kv` take one shard's plain arrays. A
 Pallas call is not partitioned by XLA, so under a mesh the caller runs them
@@ -18,31 +19,10 @@ replicated. `shard_map_attend` below does exactly that.
 from __future__ import annotations
 
 import jax
-import jax.numpy as jnp
 from jax.sharding import PartitionSpec as P
 
 from jaxllm.layers.attention import AttentionBackend, AttentionMetadata
-
-
-def paged_kv_cache_shape(num_blocks: int, block_size: int, num_kv_heads: int,
-                         head_dim: int) -> tuple[int, int, int, int]:
-    return (num_blocks, 2 * num_kv_heads, block_size, head_dim)
-
-
-def write_kv_paged(kv_cache: jax.Array, k: jax.Array, v: jax.Array,
-                   slot_mapping: jax.Array, page_offset: int = 0) -> jax.Array:
-    """Stores `[T, Hkv, D]` K/V at `slot_mapping` (page * page_size + offset), pages
-    counted from `page_offset`.
-
-    Padding tokens point at the reserved scratch page 0, so they never touch live KV.
-    """
-    _, two_h, page_size, _ = kv_cache.shape
-    kv = jnp.stack([k, v], axis=2).reshape(k.shape[0], two_h, k.shape[-1])
-    page = (slot_mapping // page_size + page_offset)[:, None]
-    off = (slot_mapping % page_size)[:, None]
-    head = jnp.arange(two_h, dtype=slot_mapping.dtype)[None, :]
-    return kv_cache.at[page, head, off].set(kv.astype(kv_cache.dtype), mode="drop",
-                                             unique_indices=False)
+from pallas_kernels.ragged_paged_attention import paged_layout
 
 
 class _PallasBackend(AttentionBackend):
@@ -50,11 +30,11 @@ class _PallasBackend(AttentionBackend):
 
     def kv_cache_shape(self, num_blocks: int, block_size: int, num_kv_heads: int,
                        head_dim: int) -> tuple[int, ...]:
-        return paged_kv_cache_shape(num_blocks, block_size, num_kv_heads, head_dim)
+        return paged_layout.kv_cache_shape(num_blocks, block_size, num_kv_heads, head_dim)
 
     def write_kv(self, kv_cache: jax.Array, k: jax.Array, v: jax.Array,
                  md: AttentionMetadata, page_offset: int = 0) -> jax.Array:
-        return write_kv_paged(kv_cache, k, v, md.slot_mapping, page_offset)
+        return paged_layout.write_kv(kv_cache, k, v, md.slot_mapping, page_offset)
 
 
 class PallasTPUBackend(_PallasBackend):
@@ -77,14 +57,6 @@ class PallasGPUBackend(_PallasBackend):
     """Triton GPU kernel; `interpret=True` runs it in Pallas interpret mode on any host."""
 
     name = "pallas_gpu"
-
-    def write_kv(self, kv_cache: jax.Array, k: jax.Array, v: jax.Array,
-                 md: AttentionMetadata, page_offset: int = 0) -> jax.Array:
-        # One row scatter declared unique (only padding tokens share a slot, in
-        # the scratch page), not the general scatter of `write_kv_paged`.
-        from pallas_kernels.ragged_paged_attention import gpu
-
-        return gpu.write_kv(kv_cache, k, v, md.slot_mapping, page_offset)
 
     def attend(self, q: jax.Array, kv_cache: jax.Array, md: AttentionMetadata, *,
                sm_scale: float, sliding_window: int | None = None,

@@ -1,0 +1,37 @@
+"""The paged KV cache layout that the TPU and GPU kernels share, and its update.
+
+`[num_pages, 2 * num_kv_heads, page_size, head_dim]`: K of kv head h at 2h, V at
+2h + 1, so one (page, head) is a contiguous `page_size x head_dim` tile (see the
+layout notes in `tpu.py` and `gpu.py`).
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+
+
+def kv_cache_shape(num_pages: int, page_size: int, num_kv_heads: int,
+                   head_dim: int) -> tuple[int, int, int, int]:
+    return (num_pages, 2 * num_kv_heads, page_size, head_dim)
+
+
+def write_kv(kv_cache: jax.Array, k: jax.Array, v: jax.Array,
+             slot_mapping: jax.Array, page_offset: int = 0) -> jax.Array:
+    """Stores `[T, Hkv, D]` K/V at `slot_mapping` (page * page_size + offset, pages
+    counted from `page_offset`); in place when the cache is donated.
+
+    One row scatter over the cache viewed as `[P * 2H * page_size, D]`, declared
+    unique: only padding tokens share a slot (the reserved scratch page 0, never
+    read as live KV). On the H100 the unique form measured 3.8x faster for 8192
+    tokens than the general scatter in the kernel bench, and 167 -> 63 us in a
+    5.2 GB cache at a page offset (BENCHMARKS.md).
+    """
+    num_pages, two_h, page_size, head_dim = kv_cache.shape
+    kv = jnp.stack([k, v], axis=2).reshape(k.shape[0] * two_h, head_dim)
+    head = jnp.arange(two_h, dtype=slot_mapping.dtype)[None, :]
+    rows = (((slot_mapping // page_size + page_offset)[:, None] * two_h + head) * page_size
+            + (slot_mapping % page_size)[:, None]).reshape(-1)
+    flat = kv_cache.reshape(num_pages * two_h * page_size, head_dim)
+    flat = flat.at[rows].set(kv.astype(kv_cache.dtype), mode="drop", unique_indices=True)
+    return flat.reshape(kv_cache.shape)
