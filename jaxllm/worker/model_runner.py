@@ -41,7 +41,7 @@ from jaxllm.sample.metadata import SamplingMetadata, variant_metadata
 from jaxllm.sample.sampler import (
     SamplerOutput,
     adjust_logits,
-    compute_prompt_logprobs,
+    compute_prompt_logprobs_chunked,
     draw,
     sampled_logprobs,
 )
@@ -55,6 +55,11 @@ logger = logging.getLogger(__name__)
 
 _DTYPES = {"float32": jnp.float32, "bfloat16": jnp.bfloat16, "float16": jnp.float16}
 _CPU_DEFAULT_KV_BYTES = 1 << 30
+# Positions the prompt-logprobs program scores at once (compute_prompt_logprobs_chunked):
+# its logits temporaries are [rows, vocab] in every token bucket, which the
+# activation reserve then covers (a 16384-token bucket scored in one pass needed
+# ~8 GB more than the reserve on the 8B model and ran out of memory on an H100).
+PROMPT_LOGPROBS_ROWS = 1024
 
 
 def device_memory_total(platform: str, bytes_limit: int) -> int:
@@ -174,7 +179,8 @@ def _step_functions(graphdef: Any, state_def: Any, head_logits: Any) -> tuple[An
         return head_logits(head, hidden[logits_indices])
 
     def prompt_logprobs(head, hidden, targets):
-        return compute_prompt_logprobs(head_logits(head, hidden), targets, MAX_LOGPROBS)
+        return compute_prompt_logprobs_chunked(lambda h: head_logits(head, h), hidden,
+                                               targets, MAX_LOGPROBS, PROMPT_LOGPROBS_ROWS)
 
     return (jax.jit(forward, donate_argnums=(1,)), jax.jit(logits), jax.jit(prompt_logprobs))
 
@@ -313,7 +319,8 @@ class ModelRunner:
         r = self.buckets.request_buckets[-1]
         inter = int(getattr(hf, "intermediate_size", 4 * hf.hidden_size))
         act = t * (4 * hf.hidden_size + 3 * inter) * jnp.dtype(self.dtype).itemsize
-        logits = r * self.vocab_size * 4 * 6
+        # Sampling's logits (r rows) or the prompt-logprobs chunk's, float32, with copies.
+        logits = max(r, min(t, PROMPT_LOGPROBS_ROWS)) * self.vocab_size * 4 * 6
         return int(2 * act + logits + (256 << 20))
 
     def _allocate_kv_cache(self, num_blocks: int) -> jax.Array:

@@ -384,3 +384,20 @@ def test_rng_keys_follow_the_documented_splitmix_derivation_at_any_output_index(
     # Indices all inside the table take the gather path; the result is the same.
     assert rng_key_data(np.ones(4, bool), [seed] * 4, 0, np.zeros(4), index[:4]).tolist() \
         == want[:4]
+
+
+@pytest.mark.parametrize("t,rows", [(10, 4), (12, 4), (5, 8)])
+def test_prompt_logprobs_in_chunks_equal_one_pass(t, rows):
+    """Chunked scoring (the last chunk padded, or a single pass when t <= rows)
+    gives each position the result of scoring all positions at once."""
+    rng = np.random.default_rng(t)
+    hidden = jnp.asarray(rng.standard_normal((t, 16)), jnp.float32)
+    head = jnp.asarray(rng.standard_normal((300, 16)), jnp.float32)
+    targets = jnp.asarray(rng.integers(0, 300, t), jnp.int32)
+    logits_fn = lambda h: h @ head.T  # noqa: E731
+    want = sampler.compute_prompt_logprobs(logits_fn(hidden), targets, 3)
+    got = jax.jit(lambda h, tg: sampler.compute_prompt_logprobs_chunked(
+        logits_fn, h, tg, 3, rows))(hidden, targets)
+    for w, g in zip(want, got, strict=True):
+        assert g.shape == w.shape
+        np.testing.assert_allclose(np.asarray(g), np.asarray(w), rtol=1e-5, atol=1e-5)
