@@ -56,7 +56,7 @@ def main(argv: list[str] | None = None) -> dict:
     ap.add_argument("--attention-backend", default="auto")
     ap.add_argument("--hbm-utilization", type=float, default=0.9)
     ap.add_argument("--async-scheduling", action=argparse.BooleanOptionalAction, default=True)
-    ap.add_argument("--hf-peer-batch-sizes", default="64,256,384,512",
+    ap.add_argument("--hf-peer-batch-sizes", default="64,256,320,384",
                     help="transformers static-cache peer batch sizes ('' to skip)")
     args = ap.parse_args(argv)
 
