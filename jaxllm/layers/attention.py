@@ -39,8 +39,6 @@ class AttentionBackend:
     """The reference body; subclasses replace `attend` (and the layout if they must)."""
 
     name = "reference"
-    # Whether executables of this backend's kernels reload from XLA's persistent cache.
-    uses_persistent_cache = True
 
     def __init__(self, interpret: bool = False):
         self.interpret = interpret

@@ -75,14 +75,24 @@ class PallasGPUMosaicBackend(PallasGPUBackend):
     (`gpu_mgpu.py`: TMA page copies, wgmma; 59.7% of bf16 peak against the Triton
     body's 32% on the kernel-prefill workload), everything else the Triton one.
 
-    Not the default: with jax 0.11.2, an executable holding Mosaic GPU kernels does
-    not load back from XLA's persistent compilation cache (the warm restart failed:
-    "Failed to lookup host symbol ... anonymous_mosaic_gpu"), so the model runner
-    turns the persistent caches off for this backend and every start compiles.
+    A program loaded from the persistent caches (a warm start) links each Mosaic GPU
+    kernel's host code against the Mosaic GPU runtime's functions
+    (`mosaic_gpu_launch_kernel`, `mosaic_gpu_init_tma_desc`), which are in the process
+    only once jax's Mosaic GPU module has been imported. A warm start runs the
+    programs without tracing the kernel, so nothing imported it and the load failed
+    with "Failed to lookup host symbol ... anonymous_mosaic_gpu" (H100, jax 0.11.2).
+    The backend imports it when it is made, before any program loads.
+
+    Not the default: its cold precompile of the 8B server took 205 s against 56 s
+    (every layer's call is its own kernel: the layer's page offset is static), for
+    ~2% on the throughput workload (BENCHMARKS.md).
     """
 
     name = "pallas_gpu_mosaic"
-    uses_persistent_cache = False
+
+    def __init__(self, interpret: bool = False):
+        super().__init__(interpret)
+        from pallas_kernels.ragged_paged_attention import gpu_mgpu  # noqa: F401  (see above)
 
     def attend(self, q: jax.Array, kv_cache: jax.Array, md: AttentionMetadata, *,
                sm_scale: float, sliding_window: int | None = None,

@@ -218,15 +218,7 @@ class ModelRunner:
         mc, cc, sc = config.model_config, config.cache_config, config.scheduler_config
         self.attn_backend = get_attention_backend(config.attention_backend,
                                                   config.attention_interpret)
-        xla_cache_dir = None
-        if self.attn_backend.uses_persistent_cache:
-            xla_cache_dir = enable_compilation_cache(config.compilation_cache_dir)
-        else:
-            # Takes effect when nothing in this process has compiled yet (the engine
-            # core process); see the backend's docstring for why.
-            jax.config.update("jax_enable_compilation_cache", False)
-            logger.warning("attention backend %s: persistent compilation caches off, every "
-                           "start compiles", self.attn_backend.name)
+        xla_cache_dir = enable_compilation_cache(config.compilation_cache_dir)
         self.dtype = _DTYPES[mc.dtype]
         self.mesh = make_mesh(config.parallel_config.tensor_parallel_size,
                               config.parallel_config.data_parallel_size)
@@ -271,7 +263,7 @@ class ModelRunner:
         # Compiled forwards by token bucket, loaded from (or stored to) the disk cache
         # at precompile; a bucket missing here runs through the jitted function.
         self._forward_exec: dict[int, Any] = {}
-        self.aot_cache = xla_cache_dir and ExecutableCache.create(
+        self.aot_cache = ExecutableCache.create(
             xla_cache_dir, self._aot_context(), list(self.mesh.devices.flat))
 
     # ------------------------------------------------------------------ set-up

@@ -246,7 +246,6 @@ def test_mosaic_backend_routes_prefill_steps_to_the_mosaic_body(monkeypatch):
     md = AttentionMetadata(jnp.asarray(slots), kv_lens, page_indices, cu, num_seqs)
     outs = []
     mosaic = get_attention_backend("pallas_gpu_mosaic", interpret=MODE == "interpret")
-    assert not mosaic.uses_persistent_cache
     for backend in (AttentionBackend(), mosaic):
         layout = cache if type(backend) is AttentionBackend else cache.transpose(0, 2, 1, 3)
         kv = backend.write_kv(layout.astype(jnp.bfloat16), k, v, md)
@@ -259,3 +258,23 @@ def test_mosaic_backend_routes_prefill_steps_to_the_mosaic_body(monkeypatch):
     err = out[:num_real] - ref[:num_real]
     assert np.abs(err).max() <= MAX_ABS
     assert np.linalg.norm(err) / np.linalg.norm(ref[:num_real]) <= REL_L2
+
+
+def test_backend_loads_the_mosaic_gpu_runtime_when_made():
+    """A warm start runs the cached programs without tracing the kernel; their Mosaic GPU
+    kernels link against functions of the runtime that jax's Mosaic GPU module loads
+    (without it the H100 warm start failed: "Failed to lookup host symbol"). Making the
+    backend must import that module, in a fresh interpreter where nothing else did."""
+    import subprocess
+    import sys
+
+    code = (
+        "import sys\n"
+        "from jaxllm.layers.attention import get_attention_backend\n"
+        "mod = 'jax.experimental.mosaic.gpu'\n"
+        "assert mod not in sys.modules, 'imported before the backend was made'\n"
+        "get_attention_backend('pallas_gpu_mosaic', interpret=True)\n"
+        "assert mod in sys.modules\n")
+    proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                          timeout=300)
+    assert proc.returncode == 0, proc.stderr[-2000:]
