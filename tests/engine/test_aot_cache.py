@@ -78,7 +78,10 @@ def test_it_can_be_turned_off(tmp_path, monkeypatch):
     assert aot_cache.ExecutableCache.create(str(tmp_path), {}, []) is None
 
 
-def test_a_backend_whose_kernels_do_not_reload_turns_the_caches_off(model_dir, tmp_path):
+def test_the_mosaic_gpu_backend_keeps_the_caches_on(model_dir, tmp_path):
+    """Its programs reload (the backend loads the Mosaic GPU runtime when made; see
+    test_backend_loads_the_mosaic_gpu_runtime_when_made), so a warm start with it
+    skips tracing and compiling like the others."""
     import jax
 
     from jaxllm.config import EngineArgs
@@ -88,11 +91,9 @@ def test_a_backend_whose_kernels_do_not_reload_turns_the_caches_off(model_dir, t
     config = EngineArgs(model=model_dir, compilation_cache_dir=str(tmp_path), precompile=False,
                         attention_backend="pallas_gpu_mosaic", attention_interpret=True,
                         **ENGINE).create_engine_config()
-    try:
-        runner = ModelRunner(config)
-        assert runner.attn_backend.name == "pallas_gpu_mosaic"
-        assert runner.aot_cache is None
-        assert jax.config.jax_enable_compilation_cache is False
-        assert not (tmp_path / "jaxllm-aot").exists()
-    finally:
-        jax.config.update("jax_enable_compilation_cache", True)
+    runner = ModelRunner(config)
+    assert runner.attn_backend.name == "pallas_gpu_mosaic"
+    assert runner.aot_cache is not None
+    assert runner.aot_cache.directory == str(tmp_path / "jaxllm-aot")
+    assert jax.config.jax_enable_compilation_cache
+    assert jax.config.jax_compilation_cache_dir == str(tmp_path)
