@@ -192,11 +192,11 @@ def work_items(cu_q_lens: jax.Array, num_seqs: jax.Array, num_tokens: int,
     return req[::-1], w0[::-1], lo[::-1], hi[::-1]
 
 
-def _kernel(req_ref, w0_ref, lo_ref, hi_ref, cu_ref, kvlen_ref, pidx_ref, q_ref, kv_ref,
-            out_ref, q_smem, o_smem, k_smem, v_smem, q_bar, k_bar, v_bar, k_free, v_free,
-            sched_bar, *, group: int, page_size: int, block_kv: int, num_stages: int,
+def _kernel(req_ref, w0_ref, lo_ref, hi_ref, cu_ref, kvlen_ref, pidx_ref, off_ref, q_ref,
+            kv_ref, out_ref, q_smem, o_smem, k_smem, v_smem, q_bar, k_bar, v_bar, k_free,
+            v_free, sched_bar, *, group: int, page_size: int, block_kv: int, num_stages: int,
             scale: float, schedule_barrier: bool, num_works: int, num_ctas: int,
-            num_kv_heads: int, interpret: bool, page_offset: int):
+            num_kv_heads: int, interpret: bool):
     bq = CTA_ROWS // group  # tokens per window
     chunk = min(bq, ROWS_PER_WG)  # rows per (query head, token run) of a warpgroup
     num_chunks = ROWS_PER_WG // chunk
@@ -395,6 +395,7 @@ def _kernel(req_ref, w0_ref, lo_ref, hi_ref, cu_ref, kvlen_ref, pidx_ref, q_ref,
     @pl.when(wg == NUM_CONSUMERS)
     def _producer():
         plgpu.set_max_registers(40, action="decrease")
+        page_offset = off_ref[0]  # this layer's first page in the all-layer cache
 
         def process(k, g0):
             info = work_info(k)
@@ -524,7 +525,7 @@ def _mgpu_call(q, kv_cache, kv_lens, page_indices, cu_q_lens, num_seqs, *, sm_sc
         _kernel, group=group, page_size=page_size, block_kv=bs.block_kv,
         num_stages=bs.num_stages, scale=float(sm_scale) * LOG2E,
         schedule_barrier=bs.schedule_barrier, num_works=num_works, num_ctas=num_ctas,
-        num_kv_heads=num_kv_heads, interpret=bool(interpret), page_offset=page_offset)
+        num_kv_heads=num_kv_heads, interpret=bool(interpret))
     sem = {}
     if bs.semantics is not None:
         sem["lowering_semantics"] = getattr(plgpu.LoweringSemantics, bs.semantics.capitalize())
@@ -547,5 +548,9 @@ def _mgpu_call(q, kv_cache, kv_lens, page_indices, cu_q_lens, num_seqs, *, sm_sc
         compiler_params=plgpu.CompilerParams(approx_math=True, **sem),
         **kw,
     )
+    # The page offset is an input, not a constant of the kernel: every layer's call
+    # is then the same kernel (one Mosaic GPU compilation per token bucket, not one
+    # per layer and bucket).
     return call(*items, cu_q_lens.astype(jnp.int32), kv_lens.astype(jnp.int32),
-                page_indices.astype(jnp.int32), q, kv_cache)
+                page_indices.astype(jnp.int32), jnp.asarray(page_offset, jnp.int32).reshape(1),
+                q, kv_cache)

@@ -278,3 +278,31 @@ def test_backend_loads_the_mosaic_gpu_runtime_when_made():
     proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
                           timeout=300)
     assert proc.returncode == 0, proc.stderr[-2000:]
+
+
+def test_page_offset_reads_the_pages_of_a_later_layer():
+    """The engine's cache holds every layer's pages; a layer's block-table entries count
+    from its `page_offset`, which the kernel takes as an input (one kernel for every
+    layer). The same batch placed `off` pages further on, behind pages of garbage,
+    must give the reference's result for the batch where it was."""
+    shape, seqs = BATCHES["mixed"]
+    d = SHAPES[shape][2]
+    (q, cache, kv_lens, page_indices, cu, num_seqs), num_real = make_batch(shape, seqs, seed=11)
+    off = 5
+    garbage = jnp.full((off, *cache.shape[1:]), 1e4, cache.dtype)
+    with jax.default_matmul_precision("highest"):
+        ref = reference.ragged_paged_attention(
+            q.astype(jnp.float32), cache.astype(jnp.float32), kv_lens, page_indices, cu,
+            num_seqs, sm_scale=d**-0.5)
+    _, _, _, _, bkv, stages, sched, persistent, *_ = SHAPES[shape]
+    bs = gpu_mgpu.BlockSizes(block_kv=bkv, num_stages=stages, schedule_barrier=sched,
+                             persistent=persistent)
+    shifted = jnp.concatenate([garbage, cache]).transpose(0, 2, 1, 3)
+    out = jax.jit(lambda *a: gpu_mgpu.ragged_paged_attention(
+        *a, sm_scale=d**-0.5, block_sizes=bs, interpret=MODE == "interpret",
+        page_offset=off))(q, shifted, kv_lens, page_indices, cu, num_seqs)
+    out = np.asarray(out.astype(jnp.float32))
+    np.testing.assert_array_equal(out[num_real:], 0.0)
+    err = out[:num_real] - np.asarray(ref)[:num_real]
+    assert np.abs(err).max() <= MAX_ABS
+    assert np.linalg.norm(err) <= REL_L2 * np.linalg.norm(np.asarray(ref)[:num_real])
