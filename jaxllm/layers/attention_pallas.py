@@ -84,8 +84,9 @@ class PallasGPUMosaicBackend(PallasGPUBackend):
     The backend imports it when it is made, before any program loads.
 
     Not the default: its cold precompile of the 8B server took 205 s against 56 s
-    (every layer's call is its own kernel: the layer's page offset is static), for
-    ~2% on the throughput workload (BENCHMARKS.md).
+    when each layer's call was its own kernel (a static page offset; an input since
+    b451e27, its start-up with one kernel per bucket not yet timed), for ~2% on the
+    throughput workload (BENCHMARKS.md).
     """
 
     name = "pallas_gpu_mosaic"
