@@ -142,7 +142,7 @@ def make_batch(shape: str, seqs, seed: int):
 
 
 @functools.cache
-def kernel_fn(shape: str):
+def kernel_fn(shape: str, page_offset: int = 0):
     _, _, d, _, bkv, stages, sched, persistent, *_ = SHAPES[shape]
     bs = gpu_mgpu.BlockSizes(block_kv=bkv, num_stages=stages, schedule_barrier=sched,
                              persistent=persistent)
@@ -153,7 +153,7 @@ def kernel_fn(shape: str):
                                   block_sizes=bs)
         return gpu_mgpu.ragged_paged_attention(
             q, cache, kv_lens, page_indices, cu, num_seqs, sm_scale=d**-0.5, block_sizes=bs,
-            interpret=MODE == "interpret")
+            interpret=MODE == "interpret", page_offset=page_offset)
 
     return fn
 
@@ -294,13 +294,8 @@ def test_page_offset_reads_the_pages_of_a_later_layer():
         ref = reference.ragged_paged_attention(
             q.astype(jnp.float32), cache.astype(jnp.float32), kv_lens, page_indices, cu,
             num_seqs, sm_scale=d**-0.5)
-    _, _, _, _, bkv, stages, sched, persistent, *_ = SHAPES[shape]
-    bs = gpu_mgpu.BlockSizes(block_kv=bkv, num_stages=stages, schedule_barrier=sched,
-                             persistent=persistent)
     shifted = jnp.concatenate([garbage, cache]).transpose(0, 2, 1, 3)
-    out = jax.jit(lambda *a: gpu_mgpu.ragged_paged_attention(
-        *a, sm_scale=d**-0.5, block_sizes=bs, interpret=MODE == "interpret",
-        page_offset=off))(q, shifted, kv_lens, page_indices, cu, num_seqs)
+    out = kernel_fn(shape, page_offset=off)(q, shifted, kv_lens, page_indices, cu, num_seqs)
     out = np.asarray(out.astype(jnp.float32))
     np.testing.assert_array_equal(out[num_real:], 0.0)
     err = out[:num_real] - np.asarray(ref)[:num_real]
