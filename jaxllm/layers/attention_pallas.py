@@ -83,10 +83,9 @@ class PallasGPUMosaicBackend(PallasGPUBackend):
     with "Failed to lookup host symbol ... anonymous_mosaic_gpu" (H100, jax 0.11.2).
     The backend imports it when it is made, before any program loads.
 
-    Not the default: its cold precompile of the 8B server took 205 s against 56 s
-    when each layer's call was its own kernel (a static page offset; an input since
-    b451e27, its start-up with one kernel per bucket not yet timed), for ~2% on the
-    throughput workload (BENCHMARKS.md).
+    Not the default: on the 8B throughput workload it is level with the Triton body
+    (18.2 against 18.3 s at 1f7fb1d), and its cold start is 2.3x as long (450 against
+    200 s, BENCHMARKS.md); it pays on long prompts.
     """
 
     name = "pallas_gpu_mosaic"
