@@ -18,7 +18,6 @@ import argparse
 import functools
 import tempfile
 import time
-from unittest import mock
 
 import numpy as np
 
@@ -50,11 +49,9 @@ def main(argv: list[str] | None = None) -> dict:
     import jax
     import jax.numpy as jnp
 
-    import jaxllm.worker.model_runner as mr
     from jaxllm import EngineArgs, RequestOutputKind, SamplingParams
     from jaxllm.engine.core import freeze_gc
     from jaxllm.engine.llm_engine import LLMEngine
-    from jaxllm.sample.sampler import SamplerOutput
 
     n = args.num_requests
     model_dir = make_model_dir(tempfile.mkdtemp())
@@ -69,34 +66,32 @@ def main(argv: list[str] | None = None) -> dict:
     rng = np.random.default_rng(0)
 
     # The device work is stubbed by jitted functions that take the real step's
-    # arguments (the weights, the donated KV caches, token ids, positions,
-    # attention and sampling metadata), so the host still pays for dispatching
-    # them and for moving the step's inputs to the device, as it does in a real
-    # step; they return right away.
+    # arguments (the weights, the donated KV caches, the packed step inputs, the
+    # sampling metadata), so the host still pays for dispatching them and for
+    # moving the step's inputs to the device, as it does in a real step; they
+    # return right away.
+    width = runner.buckets.max_blocks_per_req
+
     @functools.partial(jax.jit, donate_argnums=1)
-    def forward(state, kv, *inputs):
+    def forward(state, kv, packed, prev_tokens):
         del state
-        return kv, jnp.zeros((inputs[0].shape[0], 64), jnp.float32)
+        num_tokens = (packed.shape[0] - prev_tokens.shape[0] * (width + 3)) // 4
+        last = jnp.zeros((prev_tokens.shape[0], 64), jnp.float32)
+        return kv, jnp.zeros((num_tokens, 64), jnp.float32), last
 
-    @jax.jit
-    def logits(head, hidden, indices):
+    @functools.partial(jax.jit, static_argnames="size")
+    def sample(head, last_hidden, md, size):
         del head
-        return hidden[indices]
-
-    @functools.partial(jax.jit, static_argnums=2)
-    def sample(logits, md, size):
         # Token ids that change every step (they derive from the per-request keys).
-        ids = (md.rng_keys[:, 0] % 31997 + 3).astype(jnp.int32) + 0 * logits[:, 0].astype(
-            jnp.int32)
+        ids = (md.rng_keys[:, 0] % 31997 + 3).astype(jnp.int32) + 0 * last_hidden[
+            :md.rng_keys.shape[0], 0].astype(jnp.int32)
         return jnp.zeros(size, jnp.int32).at[:ids.shape[0]].set(ids)
 
+    # Instance attributes: they go with this engine, and later engines in the
+    # process (a test's) sample for real.
     runner._forward = forward
     runner._forward_exec = {}
-    runner._logits = logits
-    # Patched only while this benchmark steps: `jaxllm bench` may run in a process
-    # (a test) that builds real engines afterwards.
-    stub_sampler = mock.patch.object(mr, "run_sampler", lambda logits, md, size: SamplerOutput(
-        sample(logits, md, size)))
+    runner._sample_fn = sample
     # A small stand-in for the (one, all-layer) cache: the stub passes it through.
     runner.kv_cache = jnp.zeros(8, jnp.float32)
 
@@ -121,16 +116,15 @@ def main(argv: list[str] | None = None) -> dict:
         return out
 
     core.get_output = timed_get_output
-    with stub_sampler:
-        while engine.engine_core.engine_core.scheduler.make_stats().num_waiting_reqs:
-            engine.step()  # prefill
-        for _ in range(5):
-            engine.step()
-        del core_times[:], core_cpu[:]
-        for _ in range(args.steps):
-            t0 = time.perf_counter()
-            engine.step()
-            times.append(time.perf_counter() - t0)
+    while engine.engine_core.engine_core.scheduler.make_stats().num_waiting_reqs:
+        engine.step()  # prefill
+    for _ in range(5):
+        engine.step()
+    del core_times[:], core_cpu[:]
+    for _ in range(args.steps):
+        t0 = time.perf_counter()
+        engine.step()
+        times.append(time.perf_counter() - t0)
     del core.get_output
     ms = float(np.median(times) * 1e3)
     core_ms = float(np.median(core_times) * 1e3)

@@ -62,11 +62,6 @@ class Buckets:
     def pad_requests(self, n: int) -> int:
         return self.request_buckets[bisect.bisect_left(self.request_buckets, n)]
 
-    def shape_pairs(self) -> list[tuple[int, int]]:
-        """(tokens, requests) pairs that can occur: never more requests than tokens."""
-        return [(t, r) for t in self.token_buckets for r in self.request_buckets
-                if r <= t or r == self.request_buckets[0]]
-
     def padding_waste(self, num_tokens: np.ndarray) -> float:
         """Fraction of computed token rows that are padding, over observed step sizes."""
         padded = np.array([self.pad_tokens(int(n)) for n in num_tokens])

@@ -1,15 +1,20 @@
 """The model runner: owns the weights, the paged KV cache, the bucketed jitted step.
 
 Per step it turns a SchedulerOutput into padded device inputs (vectorized numpy
-over the persistent InputBatch), runs the forward for the token bucket, picks
-the last hidden state of every request, and samples on the device. Exactly one
-device-to-host transfer per step: the sampled ids (plus logprobs when asked).
+over the persistent InputBatch, one packed array), runs the forward for the
+token bucket, which also gathers the last hidden state of every request, and
+samples on the device. A usual step is two dispatches (forward, then logits and
+sampling in one program) and one host-to-device transfer besides the sampling
+keys; exactly one device-to-host transfer: the sampled ids (plus logprobs when
+asked).
 
 Compiled shapes (all made at start-up, see `precompile`):
   forward[T]                       T in token buckets (attention metadata has
                                    max_num_seqs rows, so R does not matter)
-  select[T, R]                     gather R hidden rows out of T
-  sample[R, sampler variant]       lm_head + sampling for R requests
+  sample[R, mode]                  lm_head + draw for R requests (greedy,
+                                   random, random with top-k/top-p)
+  logits[R], then adjust / draw /  the staged sampler, for steps with penalties,
+  logprobs[R, variant]             logit adjustments or logprobs
   prompt_logprobs[T]               only when a request asks for prompt logprobs
 """
 
@@ -114,8 +119,13 @@ def _draw_part(md: SamplingMetadata) -> SamplingMetadata:
     return dataclasses.replace(md, penalties=None, logit_adjust=None, num_logprobs=0)
 
 
+def is_plain(md: SamplingMetadata) -> bool:
+    """No penalties, no logit adjustment, no logprobs: the step samples in one program."""
+    return md.penalties is None and md.logit_adjust is None and not md.num_logprobs
+
+
 def run_sampler(logits: jax.Array, md: SamplingMetadata, size: int) -> SamplerOutput:
-    """Samples one token per row of `logits`; token ids come back padded to `size`."""
+    """The staged sampler: one token per row of `logits`, ids padded to `size`."""
     adj = _adjust_part(md)
     adjusted = logits if adj is None else _jit_adjust(logits, adj)
     token_ids = _jit_draw(adjusted, _draw_part(md), size=size)
@@ -125,25 +135,31 @@ def run_sampler(logits: jax.Array, md: SamplingMetadata, size: int) -> SamplerOu
 
 
 def pack_step_inputs(t_pad: int, num_reqs: int, width: int) -> tuple[np.ndarray, ...]:
-    """The step's integer inputs as two host arrays, so a step moves two buffers
-    to the device and not eight (each transfer costs the host ~7 us).
+    """The step's integer inputs in one host array, so that a step moves one buffer
+    to the device and not eight (each transfer costs the host ~7 us on a CPU
+    backend, ~60 us beside a GPU).
 
-    `tok` [4, t_pad]: input ids, positions, slot mapping, src (the row of the
-    in-flight step's output that holds a token the host has not seen; -1 none).
-    `req` [num_reqs, width + 3]: page table, then kv_lens, cu_q_lens[1:] and
-    num_seqs (in every row). Returns them zeroed (src -1), with writable views:
-    (tok, req, input_ids, positions, slots, src, page_indices, kv_lens, cu_end).
+    Layout, flat int32: `req` [num_reqs, width + 3] (page table, then kv_lens,
+    cu_q_lens[1:] and num_seqs, in every row), then `tok` [4, t_pad] (input
+    ids, positions, slot mapping, src: the row of the in-flight step's output
+    that holds a token the host has not seen, -1 none). Returns it zeroed (src
+    -1), with writable views: (packed, req, input_ids, positions, slots, src,
+    page_indices, kv_lens, cu_end).
     """
-    tok = np.zeros((4, t_pad), np.int32)
+    split = num_reqs * (width + 3)
+    packed = np.zeros(split + 4 * t_pad, np.int32)
+    req = packed[:split].reshape(num_reqs, width + 3)
+    tok = packed[split:].reshape(4, t_pad)
     tok[3] = -1
-    req = np.zeros((num_reqs, width + 3), np.int32)
-    return (tok, req, tok[0], tok[1], tok[2], tok[3], req[:, :width], req[:, width],
+    return (packed, req, tok[0], tok[1], tok[2], tok[3], req[:, :width], req[:, width],
             req[:, width + 1])
 
 
-def unpack_step_inputs(tok: jax.Array, req: jax.Array) -> tuple:
-    """(input_ids, positions, AttentionMetadata, src) from `pack_step_inputs`' arrays."""
-    width = req.shape[1] - 3
+def unpack_step_inputs(packed: jax.Array, num_reqs: int, width: int) -> tuple:
+    """(input_ids, positions, AttentionMetadata, src) from `pack_step_inputs`' array."""
+    split = num_reqs * (width + 3)
+    req = packed[:split].reshape(num_reqs, width + 3)
+    tok = packed[split:].reshape(4, -1)
     cu = jnp.concatenate([jnp.zeros(1, jnp.int32), req[:, width + 1]])
     md = AttentionMetadata(slot_mapping=tok[2], kv_lens=req[:, width],
                            page_indices=req[:, :width], cu_q_lens=cu,
@@ -152,37 +168,45 @@ def unpack_step_inputs(tok: jax.Array, req: jax.Array) -> tuple:
 
 
 @functools.cache
-def _step_functions(graphdef: Any, state_def: Any, head_logits: Any) -> tuple[Any, Any, Any]:
-    """The jitted forward/logits/prompt-logprobs for one model graph.
+def _step_functions(graphdef: Any, state_def: Any, head_logits: Any, num_reqs: int,
+                    width: int) -> tuple[Any, Any, Any, Any]:
+    """The jitted forward / sample / logits / prompt-logprobs for one model graph.
 
-    Cached per graph so that engines built on the same model in one process
-    share compiled executables (the graph is closed over, not hashed per call).
-    The weights come in as the flat list of the state's leaves (`state_def` is
-    its tree structure): flattening an `nnx.State` on every call costs the host
-    ~0.7 ms for a 32-layer model, a list next to nothing. The logits steps take
-    the head matrix alone (`head_logits(head, hidden)`, the model's): every
-    array argument costs a dispatch ~1 us.
+    Cached per graph (and step-input layout) so that engines built on the same
+    model in one process share compiled executables (the graph is closed over,
+    not hashed per call). The weights come in as the flat list of the state's
+    leaves (`state_def` is its tree structure): flattening an `nnx.State` on
+    every call costs the host ~0.7 ms for a 32-layer model, a list next to
+    nothing. The logits steps take the head matrix alone (`head_logits(head,
+    hidden)`, the model's): every array argument costs a dispatch ~1 us.
     """
 
     def merge(weights):
         return nnx.merge(graphdef, jax.tree.unflatten(state_def, weights))
 
-    def forward(weights, kv_cache, tok, req, prev_tokens):
-        input_ids, positions, md, src = unpack_step_inputs(tok, req)
+    def forward(weights, kv_cache, packed, prev_tokens):
+        input_ids, positions, md, src = unpack_step_inputs(packed, num_reqs, width)
         # Tokens sampled by the previous step that the host has not seen yet
         # (async scheduling) are read from its device output: src >= 0 names the row.
         input_ids = jnp.where(src >= 0, prev_tokens[jnp.maximum(src, 0)], input_ids)
         hidden, kv_cache = merge(weights)(input_ids, positions, kv_cache, md)
-        return kv_cache, hidden
+        # Every request's last scheduled token, the row its next token is sampled
+        # from (padding requests end where the step's tokens end).
+        last_hidden = hidden[jnp.maximum(md.cu_q_lens[1:] - 1, 0)]
+        return kv_cache, hidden, last_hidden
 
-    def logits(head, hidden, logits_indices):
-        return head_logits(head, hidden[logits_indices])
+    def logits(head, last_hidden, rows):
+        return head_logits(head, last_hidden[:rows])
+
+    def sample(head, last_hidden, md, size):
+        return _draw_padded(logits(head, last_hidden, md.temperature.shape[0]), md, size)
 
     def prompt_logprobs(head, hidden, targets):
         return compute_prompt_logprobs_chunked(lambda h: head_logits(head, h), hidden,
                                                targets, MAX_LOGPROBS, PROMPT_LOGPROBS_ROWS)
 
-    return (jax.jit(forward, donate_argnums=(1,)), jax.jit(logits), jax.jit(prompt_logprobs))
+    return (jax.jit(forward, donate_argnums=(1,)), jax.jit(sample, static_argnames="size"),
+            jax.jit(logits, static_argnames="rows"), jax.jit(prompt_logprobs))
 
 
 @dataclasses.dataclass
@@ -194,8 +218,7 @@ class StepHandle:
     layout_version: int  # InputBatch.layout_version at dispatch
     gen: np.ndarray  # [n] bool: a token is sampled for the request
     sampled: SamplerOutput  # token ids padded to max_num_seqs rows
-    hidden: jax.Array
-    logits_indices: np.ndarray
+    last_hidden: jax.Array  # [max_num_seqs, hidden]: row i, request i's last token
     pool_indices: list[int]  # requests whose pooled state is due
     pool_normalize: list[bool]
     prompt_lp: tuple | None  # (device (ids, logprobs, ranks), {req_id: slice})
@@ -325,8 +348,9 @@ class ModelRunner:
         return jax.jit(lambda: jnp.zeros(shape, self.dtype), out_shardings=sharding)()
 
     def _build_functions(self) -> None:
-        fns = _step_functions(self.graphdef, self.state_def, self._head_logits)
-        self._forward, self._logits, self._prompt_logprobs = fns
+        fns = _step_functions(self.graphdef, self.state_def, self._head_logits,
+                              self.buckets.max_num_seqs, self.buckets.max_blocks_per_req)
+        self._forward, self._sample_fn, self._logits, self._prompt_logprobs = fns
 
     def _aot_context(self) -> dict[str, Any]:
         """What the traced forward depends on beyond its arguments' shapes (aot_cache.py)."""
@@ -338,8 +362,16 @@ class ModelRunner:
                 "mesh": [list(self.mesh.axis_names), list(self.mesh.devices.shape)]}
 
     def _run_forward(self, *args: Any) -> tuple:
-        compiled = self._forward_exec.get(args[2].shape[1])
+        compiled = self._forward_exec.get(args[2].shape[0])  # by the packed inputs' size
         return (compiled or self._forward)(*args)
+
+    def _sample(self, last_hidden: jax.Array, md: SamplingMetadata) -> SamplerOutput:
+        """Logits of the step's requests and their next tokens, padded to max_num_seqs."""
+        s = self.buckets.max_num_seqs
+        if is_plain(md):
+            return SamplerOutput(self._sample_fn(self._head, last_hidden, md, size=s))
+        logits = self._logits(self._head, last_hidden, rows=md.temperature.shape[0])
+        return run_sampler(logits, md, s)
 
     # ------------------------------------------------------------- precompile
 
@@ -347,34 +379,35 @@ class ModelRunner:
         """Compiles every bucket now, so that serving never compiles."""
         b = self.buckets
         jobs: list[tuple[str, Any]] = [("forward", t) for t in b.token_buckets]
-        jobs += [("logits", pair) for pair in b.shape_pairs()]
         jobs += [("sample", r) for r in b.request_buckets]
         jobs += [("prompt_logprobs", t) for t in b.token_buckets]
         t0 = time.perf_counter()
-        hidden, logits = {}, {}
+        hidden, last_hidden = {}, None
+        s = b.max_num_seqs
         for kind, arg in tqdm(jobs, desc="Precompiling buckets", unit="shape",
                               disable=os.environ.get("JAXLLM_NO_PROGRESS") == "1"):
             if kind == "forward":
-                args = (self.state, self.kv_cache, *self._dummy_inputs(arg), self._no_prev)
+                args = (self.state, self.kv_cache, self._dummy_inputs(arg), self._no_prev)
                 compiled = self.aot_cache and self.aot_cache.load_or_compile(
                     "forward", self._forward, args, donate_argnums=(1,))
                 if compiled is not None:
-                    self._forward_exec[arg] = compiled
-                self.kv_cache, hidden[arg] = self._run_forward(*args)
-            elif kind == "logits":
-                t, r = arg
-                logits[r] = self._logits(self._head, hidden[t], np.zeros(r, np.int32))
+                    self._forward_exec[args[2].shape[0]] = compiled
+                self.kv_cache, hidden[arg], last_hidden = self._run_forward(*args)
             elif kind == "sample":
+                # The one-program sampler for each mode, then the staged one's parts.
+                logits = self._logits(self._head, last_hidden, rows=arg)
                 seen = set()
                 for md in variant_metadata(arg, self.vocab_size,
                                            self.input_batch.sampling.device_put):
+                    if is_plain(md):
+                        self._sample_fn(self._head, last_hidden, md, size=s)
                     for fn, part in ((_jit_adjust, _adjust_part(md)), (_jit_draw, _draw_part(md))):
                         key = (fn, jax.tree_util.tree_structure(part))
                         if part is not None and key not in seen:
                             seen.add(key)
-                            out = (fn(logits[arg], part) if fn is _jit_adjust else
-                                   fn(logits[arg], part, size=b.max_num_seqs))
-                _jit_logprobs(logits[arg], out)  # `out`: token ids of the last draw
+                            out = (fn(logits, part) if fn is _jit_adjust else
+                                   fn(logits, part, size=s))
+                _jit_logprobs(logits, out)  # `out`: token ids of the last draw
             else:
                 self._prompt_logprobs(self._head, hidden[arg], np.zeros(arg, np.int32))
         jax.block_until_ready(self.kv_cache)
@@ -383,10 +416,9 @@ class ModelRunner:
                 if aot else "")
         logger.info("precompiled %d shapes in %.1fs%s", len(jobs), time.perf_counter() - t0, note)
 
-    def _dummy_inputs(self, t: int) -> tuple[np.ndarray, np.ndarray]:
+    def _dummy_inputs(self, t: int) -> np.ndarray:
         """The forward's packed integer inputs for a token bucket of `t` (no request)."""
-        return pack_step_inputs(t, self.buckets.max_num_seqs,
-                                self.buckets.max_blocks_per_req)[:2]
+        return pack_step_inputs(t, self.buckets.max_num_seqs, self.buckets.max_blocks_per_req)[0]
 
     # ------------------------------------------------------------------- step
 
@@ -423,7 +455,7 @@ class ModelRunner:
         # Vectorized input preparation over the persistent rows, written into
         # the two packed arrays the forward takes. Padding tokens write slot 0
         # (the null block); padding requests have no tokens and no KV.
-        (tok, req, input_ids, positions, slots, src, page_indices, kv_lens,
+        (packed, req, input_ids, positions, slots, src, page_indices, kv_lens,
          cu_end) = pack_step_inputs(t_pad, s, self.buckets.max_blocks_per_req)
         computed = ib.num_computed_tokens[rows]
         pos = positions[:t_real]
@@ -451,16 +483,14 @@ class ModelRunner:
         slots[:t_real] = ib.block_table[tok_rows, pos // bs] * bs + pos % bs
         kv_lens[:n] = end = computed + nsched
         page_indices[:n] = ib.block_table[rows]
-        logits_indices = np.zeros(r_pad, np.int32)
-        logits_indices[:n] = cu - 1
 
-        self.kv_cache, hidden = self._run_forward(self.state, self.kv_cache, tok, req,
-                                                  prev_tokens)
+        self.kv_cache, hidden, last_hidden = self._run_forward(self.state, self.kv_cache,
+                                                               packed, prev_tokens)
         # A prompt chunk that stops short of the prompt's end samples nothing.
         done = end >= ib.num_tokens[rows] + ib.num_pending[rows]
         smd = ib.sampling.make_metadata(rows, r_pad, self.seed, self._step_count,
                                         out_index=np.maximum(end - ib.num_prompt_tokens[rows], 0))
-        out = run_sampler(self._logits(self._head, hidden, logits_indices), smd, s)
+        out = self._sample(last_hidden, smd)
         prompt_lp = None
         if ib.wants_prompt_logprobs[rows].any():
             prompt_lp = self._dispatch_prompt_logprobs(req_ids, rows, nsched, computed, first,
@@ -482,8 +512,8 @@ class ModelRunner:
             self.step_log.append(StepRecord(t_real, t_pad, n, int(kv.sum()),
                                             int((q * kv - q * (q - 1) // 2).sum())))
         pool = np.flatnonzero(ib.pools[rows] & done).tolist()
-        return StepHandle(req_ids, rows, ib.layout_version, gen, out, hidden, logits_indices,
-                          pool, [ib.pooling[rows[i]].normalize for i in pool], prompt_lp)
+        return StepHandle(req_ids, rows, ib.layout_version, gen, out, last_hidden, pool,
+                          [ib.pooling[rows[i]].normalize for i in pool], prompt_lp)
 
     def collect(self, h: StepHandle | None) -> ModelRunnerOutput:
         """Waits for a dispatched step and records its sampled tokens on the host."""
@@ -544,7 +574,7 @@ class ModelRunner:
         if not h.pool_indices:
             return {}
         # Rare path: one host copy of the step's hidden states, no extra compilation.
-        vecs = np.asarray(h.hidden, np.float32)[h.logits_indices[h.pool_indices]]
+        vecs = np.asarray(h.last_hidden, np.float32)[h.pool_indices]
         out = {}
         for v, i, normalize in zip(vecs, h.pool_indices, h.pool_normalize, strict=True):
             if normalize:
