@@ -1,13 +1,15 @@
 """host-overhead: one engine step's host time with the device work stubbed out.
 
-256 running requests decode together; the forward, the logits and the
-sampler are replaced by stubs that return ready arrays, so what is timed is
-host work only. Two figures per step: the engine core's step (scheduler,
-the runner's input preparation and dispatch, update_from_output: what the
-engine core process does between device steps when serving) and the whole
-offline step, which adds the frontend's output processing (RequestOutput
-deltas, detokenizer off: token ids only; in the server that runs in the
-frontend process, beside the core). Runs on the CPU.
+256 running requests decode together; the forward and the sampling program
+are replaced by stubs that return at once, so what is timed is host work
+only. Two figures per step: the engine core's step (scheduler, the runner's
+input preparation and dispatch, update_from_output: what the engine core
+process does between device steps when serving) and the whole offline step,
+which adds the frontend's output processing (RequestOutput deltas,
+detokenizer off: token ids only; in the server that runs in the frontend
+process, beside the core). Runs on JAX's default backend: beside a GPU the
+stubs' dispatches and transfers cost the host what a real step's do (several
+times a CPU backend's); `JAX_PLATFORMS=cpu` gives the CPU figure.
 
     jaxllm bench host-overhead
 """
