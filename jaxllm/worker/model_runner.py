@@ -453,7 +453,7 @@ class ModelRunner:
         s, bs = self.buckets.max_num_seqs, self.block_size
 
         # Vectorized input preparation over the persistent rows, written into
-        # the two packed arrays the forward takes. Padding tokens write slot 0
+        # the packed array the forward takes. Padding tokens write slot 0
         # (the null block); padding requests have no tokens and no KV.
         (packed, req, input_ids, positions, slots, src, page_indices, kv_lens,
          cu_end) = pack_step_inputs(t_pad, s, self.buckets.max_blocks_per_req)

@@ -117,3 +117,19 @@ def test_min_tokens_holds_back_a_stop_token_until_enough_tokens(llm, prompts, st
         assert token not in c.token_ids[:6]
         assert len(c.token_ids) == 7 and c.token_ids[6] == token
         assert c.finish_reason == "stop"
+
+
+@pytest.mark.parametrize("staged_by", [dict(logprobs=1), dict(logit_bias={0: 0.0})],
+                         ids=["logprobs", "zero-logit-bias"])
+def test_the_one_program_sampler_draws_what_the_staged_sampler_draws(llm, prompts, staged_by):
+    # A plain step runs logits + draw as one program; a step with logprobs or a
+    # logit adjustment goes through the staged sampler (logits, then adjust and
+    # draw). Neither knob here changes the distribution: same keys, same tokens.
+    kw = dict(temperature=0.9, top_k=20, top_p=0.9, seed=7, max_tokens=MAX_TOKENS,
+              ignore_eos=True)
+    plain = _generate(llm, prompts, SamplingParams(**kw))
+    staged = _generate(llm, prompts, SamplingParams(**kw, **staged_by))
+    assert [o.token_ids for o in staged] == [o.token_ids for o in plain]
+    # Sampled, not greedy: the seeded draw differs from the arg-max somewhere.
+    assert [o.token_ids for o in plain] != [o.token_ids for o in _generate(llm, prompts,
+                                                                         _greedy())]
