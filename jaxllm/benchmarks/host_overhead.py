@@ -51,6 +51,7 @@ def main(argv: list[str] | None = None) -> dict:
     import jax
     import jax.numpy as jnp
 
+    import jaxllm.worker.model_runner as mr
     from jaxllm import EngineArgs, RequestOutputKind, SamplingParams
     from jaxllm.engine.core import freeze_gc
     from jaxllm.engine.llm_engine import LLMEngine
@@ -72,14 +73,14 @@ def main(argv: list[str] | None = None) -> dict:
     # sampling metadata), so the host still pays for dispatching them and for
     # moving the step's inputs to the device, as it does in a real step; they
     # return right away.
-    width = runner.buckets.max_blocks_per_req
+    num_reqs, width = runner.buckets.max_num_seqs, runner.buckets.max_blocks_per_req
 
     @functools.partial(jax.jit, donate_argnums=1)
     def forward(state, kv, packed, prev_tokens):
         del state
-        num_tokens = (packed.shape[0] - prev_tokens.shape[0] * (width + 3)) // 4
-        last = jnp.zeros((prev_tokens.shape[0], 64), jnp.float32)
-        return kv, jnp.zeros((num_tokens, 64), jnp.float32), last
+        input_ids = mr.unpack_step_inputs(packed, num_reqs, width)[0]
+        return (kv, jnp.zeros((input_ids.shape[0], 64), jnp.float32),
+                jnp.zeros((num_reqs, 64), jnp.float32))
 
     @functools.partial(jax.jit, static_argnames="size")
     def sample(head, last_hidden, md, size):

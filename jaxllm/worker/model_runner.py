@@ -113,15 +113,15 @@ def _adjust_part(md: SamplingMetadata) -> SamplingMetadata | None:
     return dataclasses.replace(md, num_logprobs=0, all_greedy=False, use_top_k_top_p=False)
 
 
-def _draw_part(md: SamplingMetadata) -> SamplingMetadata:
-    if md.penalties is None and md.logit_adjust is None and not md.num_logprobs:
-        return md  # the usual step: nothing to strip (a replace costs ~5 us)
-    return dataclasses.replace(md, penalties=None, logit_adjust=None, num_logprobs=0)
-
-
 def is_plain(md: SamplingMetadata) -> bool:
     """No penalties, no logit adjustment, no logprobs: the step samples in one program."""
     return md.penalties is None and md.logit_adjust is None and not md.num_logprobs
+
+
+def _draw_part(md: SamplingMetadata) -> SamplingMetadata:
+    if is_plain(md):
+        return md  # nothing to strip (a replace costs ~5 us)
+    return dataclasses.replace(md, penalties=None, logit_adjust=None, num_logprobs=0)
 
 
 def run_sampler(logits: jax.Array, md: SamplingMetadata, size: int) -> SamplerOutput:
