@@ -45,7 +45,7 @@ def _stub_msgspec_if_missing() -> None:
 
 _stub_msgspec_if_missing()
 from jaxllm.sample import sampler  # noqa: E402
-from jaxllm.sample.metadata import SamplingMetadata, rng_key_data  # noqa: E402
+from jaxllm.sample.metadata import SamplingMetadata, key_base_data  # noqa: E402
 from jaxllm.sampling_params import MAX_LOGPROBS  # noqa: E402
 from pallas_kernels.sampling import reference, topk_topp  # noqa: E402
 
@@ -131,15 +131,16 @@ def main() -> None:
     add("top-20 logprobs: blockwise", jax.jit(
         lambda x: topk_topp.top_k_largest(x, MAX_LOGPROBS)), (logits,))
 
-    keys = rng_key_data(np.ones(R, bool), np.arange(R), 0, np.zeros(R), np.zeros(R))
+    base = key_base_data(np.ones(R, bool), np.arange(R), 0, np.zeros(R))
     md = SamplingMetadata(
         temperature=jnp.full((R,), 0.8), top_k=top_k, top_p=top_p,
-        min_p=jnp.zeros((R,)), greedy=jnp.zeros((R,), bool), rng_keys=jnp.asarray(keys),
-        use_top_k_top_p=True)
+        min_p=jnp.zeros((R,)), greedy=jnp.zeros((R,), bool), key_base=jnp.asarray(base),
+        out_index=jnp.zeros((R,), jnp.int32), use_top_k_top_p=True)
     greedy_md = SamplingMetadata(md.temperature, md.top_k, md.top_p, md.min_p,
-                                 jnp.ones((R,), bool), md.rng_keys, all_greedy=True)
+                                 jnp.ones((R,), bool), md.key_base, md.out_index,
+                                 all_greedy=True)
     plain_md = SamplingMetadata(md.temperature, md.top_k, md.top_p, md.min_p, md.greedy,
-                                md.rng_keys)
+                                md.key_base, md.out_index)
     add("sample: all greedy", jax.jit(sampler.sample), (logits, greedy_md))
     add("sample: temperature only", jax.jit(sampler.sample), (logits, plain_md))
     for impl in ("sort", "threshold"):

@@ -78,16 +78,17 @@ def main(argv: list[str] | None = None) -> dict:
     @functools.partial(jax.jit, donate_argnums=1)
     def forward(state, kv, packed, prev_tokens):
         del state
-        input_ids = mr.unpack_step_inputs(packed, num_reqs, width)[0]
+        input_ids, *_, out_index = mr.unpack_step_inputs(packed, num_reqs, width)
         return (kv, jnp.zeros((input_ids.shape[0], 64), jnp.float32),
-                jnp.zeros((num_reqs, 64), jnp.float32))
+                jnp.zeros((num_reqs, 64), jnp.float32), out_index)
 
     @functools.partial(jax.jit, static_argnames="size")
     def sample(head, last_hidden, md, size):
         del head
-        # Token ids that change every step (they derive from the per-request keys).
-        ids = (md.rng_keys[:, 0] % 31997 + 3).astype(jnp.int32) + 0 * last_hidden[
-            :md.rng_keys.shape[0], 0].astype(jnp.int32)
+        # Token ids that change every step (they derive from the keys' inputs).
+        rows = md.key_base.shape[0]
+        ids = ((md.key_base[:, 1] + md.out_index[:rows].astype(jnp.uint32)) % 31997 + 3
+               ).astype(jnp.int32) + 0 * last_hidden[:rows, 0].astype(jnp.int32)
         return jnp.zeros(size, jnp.int32).at[:ids.shape[0]].set(ids)
 
     # Instance attributes: they go with this engine, and later engines in the

@@ -106,6 +106,9 @@ class Request:
         # Prefix-cache hit (tokens) at the first schedule; -1 until then, as in vLLM.
         self.num_cached_tokens = -1
         self.num_preemptions = 0
+        # Prompt positions below this have had their prompt logprobs scored (in a
+        # run cut short by preemption); the resumed run does not score them again.
+        self.prompt_logprobs_from = 0
 
         if pooling_params is not None:
             self.max_tokens = 1  # a pooling request generates nothing; it ends after its prompt

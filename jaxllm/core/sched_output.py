@@ -21,6 +21,8 @@ class NewRequestData:
     pooling_params: PoolingParams | None
     block_ids: list[int]
     num_computed_tokens: int
+    # Prompt positions whose prompt logprobs were already scored before a preemption.
+    prompt_logprobs_from: int = 0
 
 
 @dataclass

@@ -168,6 +168,10 @@ class Scheduler:
     def _preempt(self, request: Request) -> None:
         self.kv_cache_manager.free(request)
         request.status = RequestStatus.PREEMPTED
+        # Every step that computed these tokens was dispatched, and its prompt
+        # logprobs reach the output (position p scores prompt token p + 1).
+        request.prompt_logprobs_from = max(request.prompt_logprobs_from, min(
+            request.num_computed_tokens, request.num_prompt_tokens - 1))
         request.num_computed_tokens = 0
         request.num_preemptions += 1
         self.num_preemptions += 1
@@ -352,7 +356,8 @@ class Scheduler:
             output_token_ids=list(request.output_token_ids),
             sampling_params=request.sampling_params, pooling_params=request.pooling_params,
             block_ids=self.kv_cache_manager.get_block_ids(request.request_id),
-            num_computed_tokens=request.num_computed_tokens)
+            num_computed_tokens=request.num_computed_tokens,
+            prompt_logprobs_from=request.prompt_logprobs_from)
 
     # ------------------------------------------------------------------ update
 

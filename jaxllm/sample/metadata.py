@@ -22,7 +22,11 @@ each for compiling ahead of serving.
 RNG: the key for a request's i-th output token is a pure function of
 (seed, i) for a seeded request, and of (engine_seed, stream, i) otherwise,
 where `stream` is a counter handed out by `add`. So a seeded request samples
-the same tokens whatever its row, its batch and its padding.
+the same tokens whatever its row, its batch and its padding. The host keeps
+each row's key base (the part without i); the keys themselves are derived on
+the device, inside the sampling program, from the base and the output index,
+which the runner's forward passes on from its packed inputs: a step then
+sends the sampler no host array (beside a GPU each costs ~0.1 ms of host time).
 """
 
 from __future__ import annotations
@@ -33,6 +37,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 import jax
+import jax.numpy as jnp
 import numpy as np
 
 from jaxllm.sampling_params import MAX_LOGPROBS, SamplingParams
@@ -65,7 +70,8 @@ class SamplingMetadata:
     top_p: Array  # [R] f32, 1.0 = off
     min_p: Array  # [R] f32, 0.0 = off
     greedy: Array  # [R] bool
-    rng_keys: Array  # [R, 2] u32, raw threefry2x32 key data
+    key_base: Array  # [R, 2] u32: each row's key base, high and low 32 bits
+    out_index: Array  # [>= R] i32: the output index each row samples (rows past R unused)
     penalties: Penalties | None = None
     # Added to the raw logits: logit_bias, -inf outside allowed_token_ids,
     # -inf on banned bad-word tokens and on stop tokens before min_tokens.
@@ -88,15 +94,9 @@ def _mix64(x: np.ndarray) -> np.ndarray:
     return x ^ (x >> np.uint64(31))
 
 
-def rng_key_data(seeded: np.ndarray, seed: np.ndarray, engine_seed: int, stream: np.ndarray,
-                 index: np.ndarray) -> np.ndarray:
-    """Threefry key data `[n, 2]` u32 for each row's `index`-th output token."""
-    return _key_data(_key_base(seeded, seed, engine_seed, stream), index)
-
-
 def _key_base(seeded: np.ndarray, seed: np.ndarray, engine_seed: int,
               stream: np.ndarray) -> np.ndarray:
-    """The part of each row's keys that does not depend on the output index."""
+    """The part of each row's keys that does not depend on the output index, `[n]` u64."""
     seed = np.asarray(seed, np.uint64).reshape(-1)
     stream = np.asarray(stream, np.uint64).reshape(-1)
     eng = np.full_like(seed, np.uint64(engine_seed % 2**64))
@@ -104,26 +104,63 @@ def _key_base(seeded: np.ndarray, seed: np.ndarray, engine_seed: int,
                     _mix64(_mix64(eng ^ _TAG_UNSEEDED) ^ stream))
 
 
-# _mix64(i ^ _TAG_INDEX) for the first 2**16 output indices, made on first use:
-# a gather instead of nine array operations per step.
-_INDEX_TABLE_SIZE = 1 << 16
-_index_table: np.ndarray | None = None
+def key_base_data(seeded: np.ndarray, seed: np.ndarray, engine_seed: int,
+                  stream: np.ndarray) -> np.ndarray:
+    """Each row's key base as `[n, 2]` u32 (high, low): `SamplingMetadata.key_base`."""
+    base = _key_base(seeded, seed, engine_seed, stream)
+    return np.stack([base >> np.uint64(32), base & np.uint64(0xFFFFFFFF)], -1).astype(np.uint32)
 
 
-def _index_mix(index: np.ndarray) -> np.ndarray:
-    global _index_table
-    index = np.asarray(index, np.uint64).reshape(-1)
-    if not index.size or index.max() >= _INDEX_TABLE_SIZE:
-        return _mix64(index ^ _TAG_INDEX)
-    if _index_table is None:
-        _index_table = _mix64(np.arange(_INDEX_TABLE_SIZE, dtype=np.uint64) ^ _TAG_INDEX)
-    return _index_table[index]
+def rng_key_data(seeded: np.ndarray, seed: np.ndarray, engine_seed: int, stream: np.ndarray,
+                 index: np.ndarray) -> np.ndarray:
+    """Threefry key data `[n, 2]` u32 for each row's `index`-th output token."""
+    index = np.asarray(index, np.int32).reshape(-1)
+    return np.asarray(rng_keys(key_base_data(seeded, seed, engine_seed, stream), index))
 
 
-def _key_data(base: np.ndarray, index: np.ndarray) -> np.ndarray:
-    h = _mix64(base ^ _index_mix(index))
-    # [high, low] 32-bit halves of each word: the little-endian view, swapped.
-    return h.astype("<u8", copy=False).view(np.uint32).reshape(-1, 2)[:, ::-1]
+# splitmix64 on the device, where 64-bit integers are two u32 words (high, low).
+_U32 = jnp.uint32
+
+
+def _words(c: np.uint64) -> tuple[np.uint32, np.uint32]:
+    return np.uint32(int(c) >> 32), np.uint32(int(c) & 0xFFFFFFFF)
+
+
+def _xorshift(hi: jax.Array, lo: jax.Array, k: int) -> tuple[jax.Array, jax.Array]:
+    """x ^ (x >> k), 0 < k < 32."""
+    return hi ^ (hi >> k), lo ^ ((lo >> k) | (hi << (32 - k)))
+
+
+def _mul(hi: jax.Array, lo: jax.Array, c: np.uint64) -> tuple[jax.Array, jax.Array]:
+    """x * c mod 2**64. The low words' full 64-bit product is built from 16-bit halves."""
+    ch, cl = _words(c)
+    a1, a0 = lo >> 16, lo & 0xFFFF
+    b1, b0 = np.uint32(int(cl) >> 16), np.uint32(int(cl) & 0xFFFF)
+    p00, p01, p10, p11 = a0 * b0, a0 * b1, a1 * b0, a1 * b1
+    mid = p01 + p10
+    mid_carry = (mid < p01).astype(_U32)
+    low = p00 + (mid << 16)
+    low_carry = (low < p00).astype(_U32)
+    high = p11 + (mid >> 16) + (mid_carry << 16) + low_carry
+    return high + lo * ch + hi * cl, low
+
+
+def _mix64_words(hi: jax.Array, lo: jax.Array) -> tuple[jax.Array, jax.Array]:
+    hi, lo = _mul(*_xorshift(hi, lo, 30), _M1)
+    hi, lo = _mul(*_xorshift(hi, lo, 27), _M2)
+    return _xorshift(hi, lo, 31)
+
+
+def rng_keys(key_base: Array, out_index: Array) -> jax.Array:
+    """Threefry key data `[R, 2]` u32 of each row's output token `out_index[:R]`:
+    splitmix64(base ^ splitmix64(index ^ tag)), as high and low words. Traceable;
+    the sampler calls it inside its program."""
+    base = jnp.asarray(key_base, _U32)
+    index = jnp.asarray(out_index)[:base.shape[0]].astype(_U32)
+    tag_hi, tag_lo = _words(_TAG_INDEX)
+    ihi, ilo = _mix64_words(jnp.full_like(index, tag_hi), index ^ tag_lo)
+    hi, lo = _mix64_words(base[:, 0] ^ ihi, base[:, 1] ^ ilo)
+    return jnp.stack([hi, lo], -1)
 
 
 class SamplingRows:
@@ -268,13 +305,14 @@ class SamplingRows:
     # ---- per-step metadata ---------------------------------------------------
 
     def make_metadata(self, rows: np.ndarray, padded_size: int, engine_seed: int,
-                      step: int = 0, out_index: np.ndarray | None = None) -> SamplingMetadata:
+                      step: int = 0, out_index: Array | None = None) -> SamplingMetadata:
         """Metadata for batch rows `rows` (batch row j = request row rows[j]), padded.
 
         `step` does not enter the keys (they depend only on the request and its
         output index, see the module docstring); it is accepted for the runner.
-        `out_index` is the output index each row samples now; by default the
-        number of outputs recorded, which lags when a step is still in flight.
+        `out_index` is the output index each row samples now, `[>= n]`: the
+        runner passes its forward's device array. By default the number of
+        outputs recorded, which lags when a step is still in flight.
         """
         del step
         rows = np.asarray(rows, np.int64).reshape(-1)
@@ -283,11 +321,11 @@ class SamplingRows:
             raise ValueError(f"{n} rows do not fit a bucket of {R}")
 
         static = self._static_part(rows, R, engine_seed)
-        keys = np.zeros((R, 2), np.uint32)
-        keys[:n] = _key_data(static["key_base"],
-                             self._num_out[rows] if out_index is None else out_index)
+        if out_index is None:
+            out_index = np.zeros(R, np.int32)
+            out_index[:n] = self._num_out[rows]
         return SamplingMetadata(
-            *static["rows"], rng_keys=keys,
+            *static["rows"], out_index=out_index,
             penalties=self._penalties(rows, R) if static["any_penalties"] else None,
             logit_adjust=self._logit_adjust(rows, R) if static["any_adjust"] else None,
             num_logprobs=static["num_logprobs"], all_greedy=static["all_greedy"],
@@ -310,14 +348,14 @@ class SamplingRows:
         greedy = self._greedy[rows]
         top_k, top_p = self._top_k[rows], self._top_p[rows]
         all_greedy = bool(greedy.all())
-        # temperature, top_k, top_p, min_p, greedy (SamplingMetadata's order)
+        key_base = key_base_data(self._seeded[rows], self._seed[rows], engine_seed,
+                                 self._stream[rows])
+        # temperature, top_k, top_p, min_p, greedy, key_base (SamplingMetadata's order)
         row_arrays = (pad(self._temperature[rows], 1.0, np.float32), pad(top_k, 0, np.int32),
                       pad(top_p, 1.0, np.float32), pad(self._min_p[rows], 0.0, np.float32),
-                      pad(greedy, True, bool))
+                      pad(greedy, True, bool), pad(key_base, 0, np.uint32))
         static = dict(
             rows=self.device_put(row_arrays) if self.device_put else row_arrays,
-            key_base=_key_base(self._seeded[rows], self._seed[rows], engine_seed,
-                               self._stream[rows]),
             any_penalties=bool(self._has_penalties[rows].any()),
             any_adjust=bool((self._has_fixed_adjust[rows] | self._has_bad_words[rows]
                              | self._has_stop_ids[rows]).any()),
@@ -384,11 +422,11 @@ def _check_ids(ids: np.ndarray, vocab_size: int, name: str) -> np.ndarray:
 
 
 def variant_metadata(padded_size: int, vocab_size: int,
-                     device_put: Callable[[Any], Any] | None = None
-                     ) -> Iterator[SamplingMetadata]:
+                     device_put: Callable[[Any], Any] | None = None,
+                     out_index: Array | None = None) -> Iterator[SamplingMetadata]:
     """One dummy `SamplingMetadata` per compiled variant (for compiling ahead of serving);
-    `device_put` as `SamplingRows.device_put` (the row arrays' placement is part of
-    what a compiled variant expects)."""
+    `device_put` as `SamplingRows.device_put` and `out_index` as the runner's (the
+    arrays' shapes and placement are part of what a compiled variant expects)."""
     R, V = padded_size, vocab_size
     put = device_put or (lambda x: x)
     penalties = Penalties(np.ones(R, np.float32), np.zeros(R, np.float32),
@@ -399,7 +437,7 @@ def variant_metadata(padded_size: int, vocab_size: int,
             modes, (None, penalties), (None, np.zeros((R, V), np.float32)), (0, MAX_LOGPROBS)):
         yield SamplingMetadata(
             *put((np.ones(R, np.float32), np.zeros(R, np.int32), np.ones(R, np.float32),
-                  np.zeros(R, np.float32), np.full(R, all_greedy))),
-            rng_keys=np.zeros((R, 2), np.uint32),
+                  np.zeros(R, np.float32), np.full(R, all_greedy), np.zeros((R, 2), np.uint32))),
+            out_index=np.zeros(R, np.int32) if out_index is None else out_index,
             penalties=pen, logit_adjust=adj, num_logprobs=nlp, all_greedy=all_greedy,
             use_top_k_top_p=tktp)

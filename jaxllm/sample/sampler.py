@@ -24,7 +24,7 @@ from dataclasses import dataclass
 import jax
 import jax.numpy as jnp
 
-from jaxllm.sample.metadata import Penalties, SamplingMetadata
+from jaxllm.sample.metadata import Penalties, SamplingMetadata, rng_keys
 from pallas_kernels.sampling import reference as sort_topk
 from pallas_kernels.sampling import topk_topp
 
@@ -131,7 +131,7 @@ def draw(logits: jax.Array, md: SamplingMetadata) -> jax.Array:
     token_ids = jnp.argmax(logits, axis=-1).astype(jnp.int32)
     if md.all_greedy:
         return token_ids
-    noise = gumbel_noise(md.rng_keys, logits.shape[-1])
+    noise = gumbel_noise(rng_keys(md.key_base, md.out_index), logits.shape[-1])
     drawn = jnp.argmax(filter_logits(logits, md) + noise, axis=-1).astype(jnp.int32)
     return jnp.where(jnp.asarray(md.greedy), token_ids, drawn)
 

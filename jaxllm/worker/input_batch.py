@@ -36,6 +36,7 @@ class InputBatch:
         self.samples = np.zeros(max_num_reqs, bool)  # generates tokens
         self.pools = np.zeros(max_num_reqs, bool)  # an embedding request
         self.wants_prompt_logprobs = np.zeros(max_num_reqs, bool)
+        self.prompt_logprobs_from = np.zeros(max_num_reqs, np.int32)  # NewRequestData's
         # Bumped whenever a request changes rows, so that row indices taken at
         # dispatch can be reused at collect when nothing moved in between.
         self.layout_version = 0
@@ -69,6 +70,7 @@ class InputBatch:
         self.pools[row] = new.pooling_params is not None
         self.wants_prompt_logprobs[row] = (new.sampling_params is not None and
                                            new.sampling_params.prompt_logprobs is not None)
+        self.prompt_logprobs_from[row] = new.prompt_logprobs_from
         if new.sampling_params is not None:
             self.sampling.add(row, new.sampling_params, new.prompt_token_ids,
                               new.output_token_ids)
@@ -94,7 +96,7 @@ class InputBatch:
             self.token_ids[row, :n] = self.token_ids[last, :n]
             for arr in (self.num_tokens, self.num_prompt_tokens, self.num_computed_tokens,
                         self.num_blocks, self.num_pending, self.inflight_index, self.samples,
-                        self.pools, self.wants_prompt_logprobs):
+                        self.pools, self.wants_prompt_logprobs, self.prompt_logprobs_from):
                 arr[row] = arr[last]
             self.block_table[row] = self.block_table[last]
             self.params[row] = self.params[last]

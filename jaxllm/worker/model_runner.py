@@ -136,35 +136,36 @@ def run_sampler(logits: jax.Array, md: SamplingMetadata, size: int) -> SamplerOu
 
 def pack_step_inputs(t_pad: int, num_reqs: int, width: int) -> tuple[np.ndarray, ...]:
     """The step's integer inputs in one host array, so that a step moves one buffer
-    to the device and not eight (each transfer costs the host ~7 us on a CPU
-    backend, ~60 us beside a GPU).
+    to the device and not nine (each transfer costs the host ~7 us on a CPU
+    backend, ~60-90 us beside a GPU).
 
-    Layout, flat int32: `req` [num_reqs, width + 3] (page table, then kv_lens,
-    cu_q_lens[1:] and num_seqs, in every row), then `tok` [4, t_pad] (input
-    ids, positions, slot mapping, src: the row of the in-flight step's output
-    that holds a token the host has not seen, -1 none). Returns it zeroed (src
-    -1), with writable views: (packed, req, input_ids, positions, slots, src,
-    page_indices, kv_lens, cu_end).
+    Layout, flat int32: `req` [num_reqs, width + 4] (page table, then kv_lens,
+    cu_q_lens[1:], num_seqs and the output index each request samples, in
+    every row), then `tok` [4, t_pad] (input ids, positions, slot mapping,
+    src: the row of the in-flight step's output that holds a token the host
+    has not seen, -1 none). Returns it zeroed (src -1), with writable views:
+    (packed, input_ids, positions, slots, src, page_indices, kv_lens, cu_end,
+    num_seqs, out_index).
     """
-    split = num_reqs * (width + 3)
+    split = num_reqs * (width + 4)
     packed = np.zeros(split + 4 * t_pad, np.int32)
-    req = packed[:split].reshape(num_reqs, width + 3)
+    req = packed[:split].reshape(num_reqs, width + 4)
     tok = packed[split:].reshape(4, t_pad)
     tok[3] = -1
-    return (packed, req, tok[0], tok[1], tok[2], tok[3], req[:, :width], req[:, width],
-            req[:, width + 1])
+    return (packed, tok[0], tok[1], tok[2], tok[3], req[:, :width], *req[:, width:].T)
 
 
 def unpack_step_inputs(packed: jax.Array, num_reqs: int, width: int) -> tuple:
-    """(input_ids, positions, AttentionMetadata, src) from `pack_step_inputs`' array."""
-    split = num_reqs * (width + 3)
-    req = packed[:split].reshape(num_reqs, width + 3)
+    """(input_ids, positions, AttentionMetadata, src, out_index) from `pack_step_inputs`'
+    array."""
+    split = num_reqs * (width + 4)
+    req = packed[:split].reshape(num_reqs, width + 4)
     tok = packed[split:].reshape(4, -1)
     cu = jnp.concatenate([jnp.zeros(1, jnp.int32), req[:, width + 1]])
     md = AttentionMetadata(slot_mapping=tok[2], kv_lens=req[:, width],
                            page_indices=req[:, :width], cu_q_lens=cu,
                            num_seqs=req[:1, width + 2])
-    return tok[0], tok[1], md, tok[3]
+    return tok[0], tok[1], md, tok[3], req[:, width + 3]
 
 
 @functools.cache
@@ -185,7 +186,7 @@ def _step_functions(graphdef: Any, state_def: Any, head_logits: Any, num_reqs: i
         return nnx.merge(graphdef, jax.tree.unflatten(state_def, weights))
 
     def forward(weights, kv_cache, packed, prev_tokens):
-        input_ids, positions, md, src = unpack_step_inputs(packed, num_reqs, width)
+        input_ids, positions, md, src, out_index = unpack_step_inputs(packed, num_reqs, width)
         # Tokens sampled by the previous step that the host has not seen yet
         # (async scheduling) are read from its device output: src >= 0 names the row.
         input_ids = jnp.where(src >= 0, prev_tokens[jnp.maximum(src, 0)], input_ids)
@@ -193,7 +194,8 @@ def _step_functions(graphdef: Any, state_def: Any, head_logits: Any, num_reqs: i
         # Every request's last scheduled token, the row its next token is sampled
         # from (padding requests end where the step's tokens end).
         last_hidden = hidden[jnp.maximum(md.cu_q_lens[1:] - 1, 0)]
-        return kv_cache, hidden, last_hidden
+        # The sampler's output indices ride along, so that its keys need no host array.
+        return kv_cache, hidden, last_hidden, out_index
 
     def logits(head, last_hidden, rows):
         return head_logits(head, last_hidden[:rows])
@@ -382,7 +384,7 @@ class ModelRunner:
         jobs += [("sample", r) for r in b.request_buckets]
         jobs += [("prompt_logprobs", t) for t in b.token_buckets]
         t0 = time.perf_counter()
-        hidden, last_hidden = {}, None
+        hidden, last_hidden, out_index = {}, None, None
         s = b.max_num_seqs
         for kind, arg in tqdm(jobs, desc="Precompiling buckets", unit="shape",
                               disable=os.environ.get("JAXLLM_NO_PROGRESS") == "1"):
@@ -392,13 +394,13 @@ class ModelRunner:
                     "forward", self._forward, args, donate_argnums=(1,))
                 if compiled is not None:
                     self._forward_exec[args[2].shape[0]] = compiled
-                self.kv_cache, hidden[arg], last_hidden = self._run_forward(*args)
+                self.kv_cache, hidden[arg], last_hidden, out_index = self._run_forward(*args)
             elif kind == "sample":
                 # The one-program sampler for each mode, then the staged one's parts.
                 logits = self._logits(self._head, last_hidden, rows=arg)
                 seen = set()
                 for md in variant_metadata(arg, self.vocab_size,
-                                           self.input_batch.sampling.device_put):
+                                           self.input_batch.sampling.device_put, out_index):
                     if is_plain(md):
                         self._sample_fn(self._head, last_hidden, md, size=s)
                     for fn, part in ((_jit_adjust, _adjust_part(md)), (_jit_draw, _draw_part(md))):
@@ -455,8 +457,8 @@ class ModelRunner:
         # Vectorized input preparation over the persistent rows, written into
         # the packed array the forward takes. Padding tokens write slot 0
         # (the null block); padding requests have no tokens and no KV.
-        (packed, req, input_ids, positions, slots, src, page_indices, kv_lens,
-         cu_end) = pack_step_inputs(t_pad, s, self.buckets.max_blocks_per_req)
+        (packed, input_ids, positions, slots, src, page_indices, kv_lens, cu_end, num_seqs,
+         out_idx) = pack_step_inputs(t_pad, s, self.buckets.max_blocks_per_req)
         computed = ib.num_computed_tokens[rows]
         pos = positions[:t_real]
         if t_real == n:  # one token per request (decode): token i belongs to request i
@@ -471,7 +473,7 @@ class ModelRunner:
             tok_rows = rows[req_of_tok]
         cu_end[:n] = cu
         cu_end[n:] = t_real
-        req[:, -1] = n
+        num_seqs[:] = n
         input_ids[:t_real] = ib.token_ids[tok_rows, np.minimum(pos, self.max_model_len - 1)]
         unknown = pos >= ib.num_tokens[tok_rows]
         prev_tokens = self._no_prev
@@ -483,13 +485,13 @@ class ModelRunner:
         slots[:t_real] = ib.block_table[tok_rows, pos // bs] * bs + pos % bs
         kv_lens[:n] = end = computed + nsched
         page_indices[:n] = ib.block_table[rows]
+        out_idx[:n] = np.maximum(end - ib.num_prompt_tokens[rows], 0)
 
-        self.kv_cache, hidden, last_hidden = self._run_forward(self.state, self.kv_cache,
-                                                               packed, prev_tokens)
+        self.kv_cache, hidden, last_hidden, out_index = self._run_forward(
+            self.state, self.kv_cache, packed, prev_tokens)
         # A prompt chunk that stops short of the prompt's end samples nothing.
         done = end >= ib.num_tokens[rows] + ib.num_pending[rows]
-        smd = ib.sampling.make_metadata(rows, r_pad, self.seed, self._step_count,
-                                        out_index=np.maximum(end - ib.num_prompt_tokens[rows], 0))
+        smd = ib.sampling.make_metadata(rows, r_pad, self.seed, self._step_count, out_index)
         out = self._sample(last_hidden, smd)
         prompt_lp = None
         if ib.wants_prompt_logprobs[rows].any():
@@ -588,12 +590,16 @@ class ModelRunner:
         spans = {}
         targets = np.zeros(t_pad, np.int32)
         for i in np.flatnonzero(ib.wants_prompt_logprobs[rows]):
-            row, start = rows[i], computed[i]
-            stop = min(start + nsched[i], ib.num_prompt_tokens[row] - 1)
+            # Positions [start, stop) of this step's tokens for the request (a
+            # resumed request skips those scored before its preemption).
+            row = rows[i]
+            start = max(computed[i], ib.prompt_logprobs_from[row])
+            stop = min(computed[i] + nsched[i], ib.num_prompt_tokens[row] - 1)
             if start >= stop:
                 continue
-            targets[first[i]:first[i] + stop - start] = ib.token_ids[row, start + 1:stop + 1]
-            spans[req_ids[i]] = slice(first[i], first[i] + stop - start)
+            at = first[i] + start - computed[i]  # in the step's tokens
+            targets[at:at + stop - start] = ib.token_ids[row, start + 1:stop + 1]
+            spans[req_ids[i]] = slice(at, at + stop - start)
         if not spans:
             return None
         return self._prompt_logprobs(self._head, hidden, targets), spans

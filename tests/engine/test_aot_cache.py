@@ -41,7 +41,7 @@ def test_a_restart_loads_the_forward_programs_and_generates_the_same(model_dir, 
     ptr = kv0.unsafe_buffer_pointer()
     args = (second.state, second.kv_cache, second._dummy_inputs(16), second._no_prev)
     assert second._forward_exec.get(args[2].shape[0]) is not None  # the loaded program runs
-    second.kv_cache, _, _ = second._run_forward(*args)
+    second.kv_cache, *_ = second._run_forward(*args)
     assert kv0.is_deleted()
     assert second.kv_cache.unsafe_buffer_pointer() == ptr
 

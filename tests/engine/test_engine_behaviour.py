@@ -64,6 +64,36 @@ def test_preemption_happens_under_a_small_kv_budget_and_outputs_do_not_change(
     assert llm.llm_engine.last_stats.num_preemptions > 0
 
 
+@pytest.mark.parametrize("chunked", [False, True])
+def test_a_preempted_request_reports_each_prompt_logprob_once(model_dir, chunked):
+    """The two requests that ask for prompt logprobs arrive last, so they are the ones
+    preempted (and recomputed from their first token when resumed); their prompt
+    logprobs must be those of a run without preemption, one per prompt position."""
+    vocab = checkpoint_vocab_size(model_dir)
+    prompts = random_prompts(vocab, [30, 30, 6, 21], seed=5)
+    plain = SamplingParams(temperature=0.0, max_tokens=60, ignore_eos=True)
+    scored = SamplingParams(temperature=0.0, max_tokens=60, ignore_eos=True, prompt_logprobs=1)
+    extra = {"max_num_batched_tokens": 16, "token_buckets": [16]} if chunked else {}
+
+    def run(**kw):
+        llm = LLM(model_dir, **{**BASE, **extra, **kw}, enable_prefix_caching=False)
+        outs = llm.generate([{"prompt_token_ids": p} for p in prompts],
+                            [plain, plain, scored, scored], use_tqdm=False)
+        lps = [[d and {t: lp.logprob for t, lp in d.items()} for d in o.prompt_logprobs or []]
+               for o in outs]
+        return llm.llm_engine.last_stats.num_preemptions, lps
+
+    none, want = run()
+    # 20 blocks of 8 tokens: the four requests grow to 90 tokens each.
+    preemptions, got = run(num_kv_blocks=20)
+    assert none == 0 and preemptions > 0
+    assert [len(x) for x in got] == [0, 0, 6, 21]
+    for g, w in zip(got, want, strict=True):
+        assert [d and sorted(d) for d in g] == [d and sorted(d) for d in w]
+        assert [v for d in g[1:] for v in d.values()] == pytest.approx(
+            [v for d in w[1:] for v in d.values()], abs=1e-5)
+
+
 def test_24_prompts_batched_across_request_buckets_and_chunks_equal_each_run_alone(model_dir):
     """24 prompts of 1 to 60 tokens with 3 to 20 new tokens each: together they cross
     both request buckets (24 running, then fewer as short ones finish) and their 614

@@ -11,7 +11,9 @@ from jaxllm.sample import sampler
 from jaxllm.sample.metadata import (
     SamplingMetadata,
     SamplingRows,
+    key_base_data,
     rng_key_data,
+    rng_keys,
     variant_metadata,
 )
 from jaxllm.sampling_params import MAX_LOGPROBS, SamplingParams
@@ -56,10 +58,11 @@ def _metadata(n, temperature=1.0, top_k=0, top_p=1.0, min_p=0.0, seeds=None, gre
               use_top_k_top_p=True):
     full = lambda v, dt: np.broadcast_to(np.asarray(v, dt), (n,)).copy()
     seeds = np.arange(n) if seeds is None else seeds
-    keys = rng_key_data(np.ones(n, bool), seeds, 0, np.zeros(n), np.zeros(n))
+    base = key_base_data(np.ones(n, bool), seeds, 0, np.zeros(n))
     return SamplingMetadata(full(temperature, np.float32), full(top_k, np.int32),
                             full(top_p, np.float32), full(min_p, np.float32),
-                            full(greedy, bool), keys, use_top_k_top_p=use_top_k_top_p)
+                            full(greedy, bool), base, np.zeros(n, np.int32),
+                            use_top_k_top_p=use_top_k_top_p)
 
 
 def _np_keep(row, temperature, top_k, top_p, min_p):
@@ -184,10 +187,11 @@ def test_unseeded_requests_get_distinct_streams_and_a_seeded_key_depends_on_seed
     rows = SamplingRows(4, 32)
     rows.add(0, SamplingParams(), [1])
     rows.add(1, SamplingParams(), [1])
-    keys = rows.make_metadata(np.array([0, 1]), 2, engine_seed=3).rng_keys
+    keys_of = lambda md: np.asarray(rng_keys(md.key_base, md.out_index))
+    keys = keys_of(rows.make_metadata(np.array([0, 1]), 2, engine_seed=3))
     assert not np.array_equal(keys[0], keys[1])
-    assert np.array_equal(keys, rows.make_metadata(np.array([0, 1]), 2, engine_seed=3).rng_keys)
-    assert not np.array_equal(keys, rows.make_metadata(np.array([0, 1]), 2, 4).rng_keys)
+    assert np.array_equal(keys, keys_of(rows.make_metadata(np.array([0, 1]), 2, engine_seed=3)))
+    assert not np.array_equal(keys, keys_of(rows.make_metadata(np.array([0, 1]), 2, 4)))
     one = lambda seed, i: rng_key_data(np.array([True]), [seed], 99, [5], [i])
     assert np.array_equal(one(7, 3), rng_key_data(np.array([True]), [7], 0, [0], [3]))
     assert not np.array_equal(one(7, 3), one(7, 4)) and not np.array_equal(one(7, 3), one(8, 3))
@@ -367,6 +371,8 @@ def test_variants_are_the_documented_set_and_each_compiles_and_runs():
 
 
 def test_rng_keys_follow_the_documented_splitmix_derivation_at_any_output_index():
+    """The keys are made on the device in 32-bit words; they must equal splitmix64 done
+    in Python integers, for seeds and indices that carry across every word boundary."""
     mask = (1 << 64) - 1
 
     def mix(x):  # splitmix64's finalizer, in Python integers
@@ -374,16 +380,21 @@ def test_rng_keys_follow_the_documented_splitmix_derivation_at_any_output_index(
         x = ((x ^ (x >> 27)) * 0x94D049BB133111EB) & mask
         return x ^ (x >> 31)
 
-    seed, index = 1234, [0, 1, 17, 65535, 65536, 10**9]  # both sides of the index table
-    base = mix(seed ^ 0x9E3779B97F4A7C15)
-    want = [[h >> 32, h & 0xFFFFFFFF]
-            for h in (mix(base ^ mix(i ^ 0x8CB92BA72F3D8DD7)) for i in index)]
-    got = rng_key_data(np.ones(len(index), bool), [seed] * len(index), 0,
-                       np.zeros(len(index)), index)
+    rng = np.random.default_rng(0)
+    seeds = [0, 1, 1234, mask, 1 << 63] + rng.integers(0, 2**64, 59, np.uint64).tolist()
+    index = [0, 1, 17, 65535, 65536, 10**9, 2**31 - 1] + rng.integers(0, 2**31, 57).tolist()
+    want = []
+    for seed, i in zip(seeds, index, strict=True):
+        h = mix(mix(seed ^ 0x9E3779B97F4A7C15) ^ mix(i ^ 0x8CB92BA72F3D8DD7))
+        want.append([h >> 32, h & 0xFFFFFFFF])
+    got = rng_key_data(np.ones(len(seeds), bool), seeds, 0, np.zeros(len(seeds)), index)
     assert got.dtype == np.uint32 and got.tolist() == want
-    # Indices all inside the table take the gather path; the result is the same.
-    assert rng_key_data(np.ones(4, bool), [seed] * 4, 0, np.zeros(4), index[:4]).tolist() \
-        == want[:4]
+    # Unseeded rows: the engine seed and the row's stream make the base.
+    eng, stream = 2**64 - 5, 77
+    base = mix(mix(eng ^ 0xD1B54A32D192ED03) ^ stream)
+    h = mix(base ^ mix(3 ^ 0x8CB92BA72F3D8DD7))
+    assert rng_key_data(np.zeros(1, bool), [0], eng, [stream], [3]).tolist() \
+        == [[h >> 32, h & 0xFFFFFFFF]]
 
 
 @pytest.mark.parametrize("t,rows", [(10, 4), (12, 4), (5, 8)])
