@@ -310,9 +310,10 @@ class SamplingRows:
 
         `step` does not enter the keys (they depend only on the request and its
         output index, see the module docstring); it is accepted for the runner.
-        `out_index` is the output index each row samples now, `[>= n]`: the
-        runner passes its forward's device array. By default the number of
-        outputs recorded, which lags when a step is still in flight.
+        `out_index` is the output index each row samples now, `[>= padded_size]`
+        (rows past `n` are padding): the runner passes its forward's device
+        array. By default the number of outputs recorded, which lags when a step
+        is still in flight.
         """
         del step
         rows = np.asarray(rows, np.int64).reshape(-1)
