@@ -305,17 +305,15 @@ class SamplingRows:
     # ---- per-step metadata ---------------------------------------------------
 
     def make_metadata(self, rows: np.ndarray, padded_size: int, engine_seed: int,
-                      step: int = 0, out_index: Array | None = None) -> SamplingMetadata:
+                      out_index: Array | None = None) -> SamplingMetadata:
         """Metadata for batch rows `rows` (batch row j = request row rows[j]), padded.
 
-        `step` does not enter the keys (they depend only on the request and its
-        output index, see the module docstring); it is accepted for the runner.
-        `out_index` is the output index each row samples now, `[>= padded_size]`
-        (rows past `n` are padding): the runner passes its forward's device
-        array. By default the number of outputs recorded, which lags when a step
-        is still in flight.
+        The keys depend only on the request and its output index, never on the
+        step (see the module docstring). `out_index` is the output index each
+        row samples now, `[>= padded_size]` (rows past `n` are padding): the
+        runner passes its forward's device array. By default the number of
+        outputs recorded, which lags when a step is still in flight.
         """
-        del step
         rows = np.asarray(rows, np.int64).reshape(-1)
         n, R = rows.size, padded_size
         if n > R:

@@ -77,9 +77,9 @@ def apply_top_k_top_p(logits: jax.Array, top_k: jax.Array, top_p: jax.Array) -> 
     return topk_topp.apply_top_k_top_p(logits, top_k, top_p)
 
 
-def gumbel_noise(rng_keys: jax.Array, vocab_size: int) -> jax.Array:
-    """`[R, V]` Gumbel(0, 1) noise, row r a pure function of `rng_keys[r]`."""
-    keys = jax.random.wrap_key_data(jnp.asarray(rng_keys, jnp.uint32), impl="threefry2x32")
+def gumbel_noise(key_data: jax.Array, vocab_size: int) -> jax.Array:
+    """`[R, V]` Gumbel(0, 1) noise, row r a pure function of `key_data[r]`."""
+    keys = jax.random.wrap_key_data(jnp.asarray(key_data, jnp.uint32), impl="threefry2x32")
     return jax.vmap(lambda k: jax.random.gumbel(k, (vocab_size,), jnp.float32))(keys)
 
 

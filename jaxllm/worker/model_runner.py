@@ -4,9 +4,9 @@ Per step it turns a SchedulerOutput into padded device inputs (vectorized numpy
 over the persistent InputBatch, one packed array), runs the forward for the
 token bucket, which also gathers the last hidden state of every request, and
 samples on the device. A usual step is two dispatches (forward, then logits and
-sampling in one program) and one host-to-device transfer besides the sampling
-keys; exactly one device-to-host transfer: the sampled ids (plus logprobs when
-asked).
+sampling in one program) and one host-to-device transfer (the packed inputs;
+the sampling keys are made on the device); exactly one device-to-host transfer:
+the sampled ids (plus logprobs when asked).
 
 Compiled shapes (all made at start-up, see `precompile`):
   forward[T]                       T in token buckets (attention metadata has
@@ -271,7 +271,6 @@ class ModelRunner:
                                       self.buckets.max_blocks_per_req, self.vocab_size)
         replicated = NamedSharding(self.mesh, P())
         self.input_batch.sampling.device_put = lambda x: jax.device_put(x, replicated)
-        self._step_count = 0
         self.wait_seconds = 0.0  # host time spent waiting for sampled tokens (benchmarks)
         self.dispatch_seconds = 0.0  # host time spent preparing and launching steps
         s = self.buckets.max_num_seqs
@@ -491,7 +490,7 @@ class ModelRunner:
             self.state, self.kv_cache, packed, prev_tokens)
         # A prompt chunk that stops short of the prompt's end samples nothing.
         done = end >= ib.num_tokens[rows] + ib.num_pending[rows]
-        smd = ib.sampling.make_metadata(rows, r_pad, self.seed, self._step_count, out_index)
+        smd = ib.sampling.make_metadata(rows, r_pad, self.seed, out_index)
         out = self._sample(last_hidden, smd)
         prompt_lp = None
         if ib.wants_prompt_logprobs[rows].any():
@@ -507,7 +506,6 @@ class ModelRunner:
         for arr in (out.token_ids, out.logprob_token_ids, out.logprobs, out.ranks):
             if arr is not None:
                 arr.copy_to_host_async()
-        self._step_count += 1
         if self.step_log is not None:
             kv = kv_lens[:n].astype(np.int64)
             q = nsched.astype(np.int64)

@@ -151,7 +151,7 @@ def _run_steps(rows, batch_rows, padded, logits_for, steps):
     """Samples `steps` tokens for `batch_rows`; returns tokens[step, j]."""
     out = []
     for step in range(steps):
-        md = rows.make_metadata(batch_rows, padded, engine_seed=11, step=step)
+        md = rows.make_metadata(batch_rows, padded, engine_seed=11)
         logits = np.stack([logits_for(r, step) for r in batch_rows] +
                           [np.zeros(32, np.float32)] * (padded - len(batch_rows)))
         tokens = np.asarray(sample(jnp.asarray(logits), md).token_ids)[:len(batch_rows)]
