@@ -122,6 +122,26 @@ class KVCacheManager:
             return self.allocate_slots(request, num_total - request.num_computed_tokens)
         return self._extend(request, req_blocks, num_total)
 
+    def extend_running_many(self, requests: list[Request], ends: list[int]
+                            ) -> tuple[list[list[int]], list[int], list[int]]:
+        """`extend_running` for each request in turn (`ends[i]`: the tokens it will
+        hold), stopping at the first one the pool cannot serve, so the lists returned
+        are shorter than `requests` when one could not be. For each request served:
+        the ids of its new blocks, then its `block_state` after (blocks held, blocks
+        registered). The scheduler's decode step: ~1 request in block_size a step."""
+        new_ids: list[list[int]] = []
+        held: list[int] = []
+        registered: list[int] = []
+        for request, end in zip(requests, ends, strict=True):
+            new_blocks = self.extend_running(request, end)
+            if new_blocks is None:
+                break
+            new_ids.append([blk.block_id for blk in new_blocks])
+            num_held, num_registered = self.block_state(request.request_id)
+            held.append(num_held)
+            registered.append(num_registered)
+        return new_ids, held, registered
+
     def _extend(self, request: Request, req_blocks: list[KVCacheBlock],
                 num_total: int) -> list[KVCacheBlock] | None:
         """`allocate_slots` for a request that holds blocks and brings no hits."""

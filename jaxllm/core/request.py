@@ -167,6 +167,9 @@ class Request:
             self.all_token_ids.extend(token_ids)
         self.hash_new_blocks()
 
+    def hashed_by(self, block_hasher: BlockHasher) -> bool:
+        return self._block_hasher is block_hasher
+
     def hash_new_blocks(self) -> None:
         """Hashes the blocks that filled up since the last call (most appends fill none)."""
         if (self._block_hasher is not None and len(self.all_token_ids)

@@ -2,8 +2,11 @@
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Sequence
 from dataclasses import dataclass, field
+
+import numpy as np
 
 from jaxllm.sampling_params import PoolingParams, SamplingParams
 
@@ -32,7 +35,8 @@ class CachedRequestData:
     req_ids: list[str] = field(default_factory=list)
     # Blocks appended this step, per request (an empty sequence for most).
     new_block_ids: list[Sequence[int]] = field(default_factory=list)
-    num_computed_tokens: list[int] = field(default_factory=list)
+    # [len(req_ids)] int32: each request's computed tokens before this step.
+    num_computed_tokens: np.ndarray = field(default_factory=lambda: np.zeros(0, np.int32))
 
     @property
     def num_reqs(self) -> int:
@@ -43,17 +47,26 @@ class CachedRequestData:
 class SchedulerOutput:
     scheduled_new_reqs: list[NewRequestData]
     scheduled_cached_reqs: CachedRequestData
-    # req_id -> number of tokens to compute this step (prefill chunk or 1 decode token).
-    num_scheduled_tokens: dict[str, int]
+    # The step's requests in the order the runner lays out their tokens, with
+    # arrays aligned to them: the tokens each computes this step (a prefill
+    # chunk or 1 decode token), and whether those reach its end, so that the
+    # step samples a token for it (it holds one output placeholder until the
+    # token arrives). The dict view below is built on first use.
+    req_ids: list[str]
+    num_tokens: np.ndarray  # int32
+    samples: np.ndarray  # bool
     total_num_scheduled_tokens: int
     # Requests that finished or were aborted/preempted since the last step:
     # the runner drops their rows.
     finished_req_ids: set[str]
     preempted_req_ids: set[str] = field(default_factory=set)
-    # Requests whose scheduled tokens reach their end, so the step samples a
-    # token for them (each holds one output placeholder until it arrives).
-    sampling_req_ids: set[str] = field(default_factory=set)
+
+    @functools.cached_property
+    def num_scheduled_tokens(self) -> dict[str, int]:
+        """req_id -> tokens to compute this step."""
+        return dict(zip(self.req_ids, self.num_tokens.tolist(), strict=True))
 
     @classmethod
     def empty(cls) -> SchedulerOutput:
-        return cls([], CachedRequestData(), {}, 0, set())
+        return cls([], CachedRequestData(), [], np.zeros(0, np.int32), np.zeros(0, bool), 0,
+                   set())

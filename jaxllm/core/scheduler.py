@@ -179,11 +179,17 @@ class Scheduler:
 
     def schedule(self) -> SchedulerOutput:
         token_budget = self.max_num_batched_tokens
-        num_scheduled: dict[str, int] = {}
         cached = CachedRequestData()
         scheduled_new: list[NewRequestData] = []
-        sampling: set[str] = set()
         preempted: list[Request] = []
+        # The step's requests, tokens and whether each samples: the array pass
+        # gives the first part, the loops below append one request at a time.
+        ids: list[str] = []
+        counts, samples, computed_before = (np.zeros(0, np.int32), np.zeros(0, bool),
+                                            np.zeros(0, np.int32))
+        more_counts: list[int] = []
+        more_samples: list[bool] = []
+        more_computed: list[int] = []
         kv = self.kv_cache_manager
 
         # Running requests in priority order, so the preemption victim, always
@@ -196,8 +202,8 @@ class Scheduler:
             self._running_unsorted = False
         i, num_prompt_tokens = 0, 0
         if self.vectorized and running:
-            i, token_budget, num_prompt_tokens = self._schedule_running_arrays(
-                token_budget, num_scheduled, cached, sampling)
+            (i, token_budget, num_prompt_tokens, ids, counts, samples,
+             computed_before) = self._schedule_running_arrays(token_budget, cached)
         # One request at a time from `i` on: everything when not vectorized,
         # else from the first request whose blocks the pool could not supply,
         # since finding room means preempting.
@@ -223,14 +229,15 @@ class Scheduler:
             running.num_blocks[i], running.num_cached_blocks[i] = kv.block_state(req_id)
             cached.req_ids.append(req_id)
             cached.new_block_ids.append([b.block_id for b in new_blocks] if new_blocks else [])
-            cached.num_computed_tokens.append(computed)
-            num_scheduled[req_id] = num_new
+            more_computed.append(computed)
             token_budget -= num_new
             request.num_computed_tokens = after = computed + num_new
             if computed < request.num_prompt_tokens:
                 num_prompt_tokens += min(after, request.num_prompt_tokens) - computed
-            if after >= request.num_tokens + request.num_output_placeholders:
-                sampling.add(req_id)
+            ids.append(req_id)
+            more_counts.append(num_new)
+            more_samples.append(after >= request.num_tokens + request.num_output_placeholders)
+            if more_samples[-1]:
                 request.num_output_placeholders += 1
             i += 1
 
@@ -263,31 +270,35 @@ class Scheduler:
                 request.num_cached_tokens = num_computed
             scheduled_new.append(self._new_request_data(request))
             req_id = request.request_id
-            num_scheduled[req_id] = num_new
             token_budget -= num_new
             request.num_computed_tokens = after = num_computed + num_new
             num_prompt_tokens += max(0, min(after, request.num_prompt_tokens) - num_computed)
-            if after >= request.num_tokens + request.num_output_placeholders:
-                sampling.add(req_id)
+            ids.append(req_id)
+            more_counts.append(num_new)
+            more_samples.append(after >= request.num_tokens + request.num_output_placeholders)
+            if more_samples[-1]:
                 request.num_output_placeholders += 1
             running.append(request, *kv.block_state(req_id))
 
+        if more_counts:
+            counts = np.concatenate([counts, np.array(more_counts, np.int32)])
+            samples = np.concatenate([samples, np.array(more_samples, bool)])
+        cached.num_computed_tokens = (np.concatenate([computed_before,
+                                                      np.array(more_computed, np.int32)])
+                                      if more_computed else computed_before)
         output = SchedulerOutput(
-            scheduled_new_reqs=scheduled_new, scheduled_cached_reqs=cached,
-            num_scheduled_tokens=num_scheduled,
+            scheduled_new_reqs=scheduled_new, scheduled_cached_reqs=cached, req_ids=ids,
+            num_tokens=counts, samples=samples,
             total_num_scheduled_tokens=self.max_num_batched_tokens - token_budget,
             finished_req_ids=self.finished_req_ids,
-            preempted_req_ids={r.request_id for r in preempted},
-            sampling_req_ids=sampling)
+            preempted_req_ids={r.request_id for r in preempted})
         self.finished_req_ids = set()
         self._last_num_prompt_tokens = num_prompt_tokens
         if self.check_invariants:
             running.check(kv.block_state)
         return output
 
-    def _schedule_running_arrays(self, token_budget: int, num_scheduled: dict[str, int],
-                                 cached: CachedRequestData, sampling: set[str]
-                                 ) -> tuple[int, int, int]:
+    def _schedule_running_arrays(self, token_budget: int, cached: CachedRequestData) -> tuple:
         """Schedules the running requests with array passes over the RunningBatch.
 
         The same decisions as the per-request loop in `schedule`, in priority
@@ -295,7 +306,8 @@ class Scheduler:
         registered in the prefix cache) call the KV cache manager. Stops at
         the first one the pool cannot serve, since making room means
         preempting: returns that index (the loop goes on from there), the
-        budget left and the prompt tokens scheduled.
+        budget left, the prompt tokens scheduled, and the scheduled requests'
+        ids, token counts, sampling flags and computed tokens before the step.
         """
         b, m, bs = self.running, len(self.running), self.block_size
         computed, num_tokens, pending = b.computed[:m], b.num_tokens[:m], b.pending[:m]
@@ -317,15 +329,13 @@ class Scheduler:
             need |= np.minimum(end, num_tokens) // bs > b.num_cached_blocks[:m]
         need &= take > 0
 
-        kv, stop, new_block_ids = self.kv_cache_manager, m, {}
-        for i in np.flatnonzero(need).tolist():
-            new_blocks = kv.extend_running(b.requests[i], int(end[i]))
-            if new_blocks is None:
-                stop = i
-                break
-            if new_blocks:
-                new_block_ids[i] = [blk.block_id for blk in new_blocks]
-            b.num_blocks[i], b.num_cached_blocks[i] = kv.block_state(b.ids[i])
+        need_idx, reqs = np.flatnonzero(need), b.requests
+        new_ids, held, registered = self.kv_cache_manager.extend_running_many(
+            [reqs[i] for i in need_idx.tolist()], end[need_idx].tolist())
+        served = need_idx[:len(held)]
+        stop = m if len(held) == need_idx.size else int(need_idx[len(held)])
+        b.num_blocks[served] = held
+        b.num_cached_blocks[served] = registered
 
         sel = np.flatnonzero(take[:stop])
         if sel.size == stop:  # every request up to `stop`: the usual decode step
@@ -338,17 +348,15 @@ class Scheduler:
         samples = new_end >= num_tokens[sel] + pending[sel]
         b.computed[sel] = new_end
         b.pending[sel[samples]] += 1
-        sampling.update(itertools.compress(ids, samples.tolist()))
-        num_scheduled.update(zip(ids, take[sel].tolist(), strict=True))
-        base = len(cached.req_ids)
         cached.req_ids.extend(ids)
-        cached.num_computed_tokens.extend(old.tolist())
         cached.new_block_ids.extend(itertools.repeat((), len(ids)))
-        for i, blocks in new_block_ids.items():
-            cached.new_block_ids[base + (i if len(ids) == stop else idx.index(i))] = blocks
+        for i, blocks in zip(served.tolist(), new_ids, strict=True):
+            if blocks:
+                cached.new_block_ids[i if len(ids) == stop else idx.index(i)] = blocks
         num_prompt = b.num_prompt[sel]
         num_prompt_tokens = int(np.maximum(np.minimum(new_end, num_prompt) - old, 0).sum())
-        return stop, token_budget - int(take[:stop].sum()), num_prompt_tokens
+        return (stop, token_budget - int(take[:stop].sum()), num_prompt_tokens, ids,
+                take[sel].astype(np.int32), samples, old.astype(np.int32))
 
     def _new_request_data(self, request: Request) -> NewRequestData:
         return NewRequestData(
@@ -364,7 +372,7 @@ class Scheduler:
     def update_from_output(self, scheduler_output: SchedulerOutput,
                            model_runner_output: ModelRunnerOutput) -> EngineCoreOutputs:
         runner = model_runner_output
-        req_ids = list(scheduler_output.num_scheduled_tokens)
+        req_ids = scheduler_output.req_ids
         outputs: list[EngineCoreOutput | None] = [None] * len(req_ids)
         finished: list[tuple[int, Request]] = []  # (position in the step, request)
         rest: Iterable[int] = range(len(req_ids))
@@ -428,10 +436,7 @@ class Scheduler:
             ids, reqs = [req_ids[j] for j in pos], [reqs[j] for j in pos]
             rows, tok = batch_index[pos], tokens[pos]
         has = tok >= 0
-        if len(so.sampling_req_ids) == len(req_ids):  # every scheduled request samples
-            samples = np.ones(len(ids), bool)
-        else:
-            samples = np.fromiter(map(so.sampling_req_ids.__contains__, ids), bool, len(ids))
+        samples = so.samples if len(ids) == len(req_ids) else so.samples[pos]
         num_output = b.num_output[rows] + has
         num_tokens = b.num_tokens[rows] + has
         reached_min = has & (num_output >= b.min_tokens[rows])
@@ -474,9 +479,10 @@ class Scheduler:
                 outputs[pos[k]] = EngineCoreOutput(request.request_id, [tok_list[k]], None,
                                                    None, None, None, None,
                                                    request.num_cached_tokens)
-        if self.enable_prefix_caching:  # the blocks these tokens filled
-            for k in np.flatnonzero(has & (num_tokens % self.block_size == 0)).tolist():
-                reqs[k].hash_new_blocks()
+        if self._block_hasher is not None:  # the blocks these tokens filled
+            self._block_hasher.hash_next_block(
+                [reqs[k] for k in np.flatnonzero(has & (num_tokens % self.block_size == 0))
+                 .tolist()])
         for k in np.flatnonzero(status).tolist():
             request = reqs[k]
             request.status = RequestStatus(int(status[k]))
@@ -497,7 +503,7 @@ class Scheduler:
         if request is None or request.status > RequestStatus.PREEMPTED:
             return 0  # finished or aborted while the step ran
         row = request.batch_index
-        if req_id in so.sampling_req_ids:
+        if so.samples[j]:
             request.num_output_placeholders -= 1
         index = runner.req_id_to_index.get(req_id)
         sampled = runner.tokens_of(index) if index is not None else ()

@@ -444,10 +444,9 @@ class ModelRunner:
         if so.total_num_scheduled_tokens == 0:
             return None
         ib = self.input_batch
-        req_ids = list(so.num_scheduled_tokens)
+        req_ids, nsched = so.req_ids, so.num_tokens
         n = len(req_ids)
         rows = self._rows_of(req_ids)
-        nsched = np.fromiter(so.num_scheduled_tokens.values(), np.int32, n)
         t_real = int(nsched.sum())
         t_pad = self.buckets.pad_tokens(t_real)
         r_pad = self.buckets.pad_requests(n)

@@ -67,6 +67,26 @@ def test_request_hashes_grow_incrementally_as_blocks_fill():
     assert req.block_hashes == hash_request_tokens(4, list(range(1, 9)))
 
 
+def test_hash_next_block_matches_hashing_the_whole_sequence():
+    """The decode path's batched hasher gives the hashes of the general one, also for a
+    request whose hashes lag by more than one block and one with another hasher."""
+    hasher, other = make_block_hasher(4), make_block_hasher(4)
+    one = Request("one", [1, 2, 3], SamplingParams(), block_hasher=hasher)
+    lagging = Request("lag", [9] * 3, SamplingParams(), block_hasher=hasher)
+    foreign = Request("foreign", [5, 6, 7], SamplingParams(), block_hasher=other)
+    # Appended without hashing, as the scheduler's array path does.
+    one.all_token_ids.append(4)
+    lagging.all_token_ids.extend([8] * 5)
+    foreign.all_token_ids.append(8)
+    hasher.hash_next_block([one, lagging, foreign])
+    for req in (one, lagging, foreign):
+        assert req.block_hashes == hash_request_tokens(4, req.all_token_ids)
+    assert len(lagging.block_hashes) == 2
+    one.all_token_ids.extend([5, 6, 7, 8])
+    hasher.hash_next_block([one])
+    assert one.block_hashes == hash_request_tokens(4, list(range(1, 9)))
+
+
 # ------------------------------------------------------------------ free queue
 
 

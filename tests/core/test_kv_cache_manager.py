@@ -166,3 +166,15 @@ def test_usage_tracks_owned_blocks():
     assert mgr.usage == 0.5
     mgr.free(a)
     assert mgr.usage == 0.0
+
+
+def test_extend_running_many_stops_at_the_first_request_the_pool_cannot_serve():
+    mgr = KVCacheManager(6, BS)  # 5 usable blocks
+    reqs = [make_request(r, range(4)) for r in "abc"]
+    for req in reqs:
+        run_prompt(mgr, req)  # one full block each: 2 left
+    new_ids, held, registered = mgr.extend_running_many(reqs, [5, 4, 12])
+    # a gets a block, b needs none, c needs two and only one is free: stop there.
+    assert [len(ids) for ids in new_ids] == [1, 0] and held == [2, 1]
+    assert registered == [1, 1]  # each prompt's full block is registered
+    assert mgr.block_state("c") == (1, 1) and mgr.get_num_free_blocks() == 1
