@@ -281,6 +281,8 @@ class ModelRunner:
         # it at start-up is the one that later takes in-flight tokens.
         self._no_prev = jax.device_put(np.zeros(s, np.int32), NamedSharding(self.mesh, P()))
         self._last_sampled = self._no_prev
+        # On a CPU backend the outputs already sit in host memory: no early copy.
+        self._copy_home = self.mesh.devices.flat[0].platform != "cpu"
         # Benchmarks set this to a list to get one StepRecord per executed step.
         self.step_log: list[StepRecord] | None = None
         self._build_functions()
@@ -492,25 +494,31 @@ class ModelRunner:
         smd = ib.sampling.make_metadata(rows, r_pad, self.seed, out_index)
         out = self._sample(last_hidden, smd)
         prompt_lp = None
-        if ib.wants_prompt_logprobs[rows].any():
+        if ib.wants_prompt_logprobs[:ib.num_reqs].any() and ib.wants_prompt_logprobs[rows].any():
             prompt_lp = self._dispatch_prompt_logprobs(req_ids, rows, nsched, computed, first,
                                                        hidden, t_pad)
         ib.num_computed_tokens[rows] = end
         gen = done & ib.samples[rows]
-        ib.inflight_index[rows[gen]] = np.flatnonzero(gen)
-        ib.num_pending[rows[gen]] += 1
+        if gen.all():  # every request samples: a decode step
+            ib.inflight_index[rows] = self._arange[:n]
+            ib.num_pending[rows] += 1
+        else:
+            ib.inflight_index[rows[gen]] = np.flatnonzero(gen)
+            ib.num_pending[rows[gen]] += 1
         self._last_sampled = out.token_ids
         # Start the copies home now, so that they queue behind this step and
         # not behind the next one (dispatched before this step is collected).
-        for arr in (out.token_ids, out.logprob_token_ids, out.logprobs, out.ranks):
-            if arr is not None:
-                arr.copy_to_host_async()
+        if self._copy_home:
+            for arr in (out.token_ids, out.logprob_token_ids, out.logprobs, out.ranks):
+                if arr is not None:
+                    arr.copy_to_host_async()
         if self.step_log is not None:
             kv = kv_lens[:n].astype(np.int64)
             q = nsched.astype(np.int64)
             self.step_log.append(StepRecord(t_real, t_pad, n, int(kv.sum()),
                                             int((q * kv - q * (q - 1) // 2).sum())))
-        pool = np.flatnonzero(ib.pools[rows] & done).tolist()
+        pool = (np.flatnonzero(ib.pools[rows] & done).tolist() if ib.pools[:ib.num_reqs].any()
+                else [])
         return StepHandle(req_ids, rows, ib.layout_version, gen, out, last_hidden, pool,
                           [ib.pooling[rows[i]].normalize for i in pool], prompt_lp)
 
