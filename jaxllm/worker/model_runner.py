@@ -536,8 +536,12 @@ class ModelRunner:
         if ib.layout_version != h.layout_version:
             rows = np.fromiter((ib.req_id_to_row.get(r, -1) for r in h.req_ids), np.int32, n)
         live = h.gen & (rows >= 0)
-        ib.append_sampled(rows[live], sampled[live])
-        ib.num_pending[rows[live]] -= 1
+        if live.all():  # a decode step's usual case
+            ib.append_sampled(rows, sampled)
+            ib.num_pending[rows] -= 1
+        else:
+            ib.append_sampled(rows[live], sampled[live])
+            ib.num_pending[rows[live]] -= 1
         logprobs = None
         if out.logprobs is not None:
             logprobs = LogprobsLists(np.asarray(out.logprob_token_ids)[:n].tolist(),
