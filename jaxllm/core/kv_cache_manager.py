@@ -115,8 +115,7 @@ class KVCacheManager:
 
     def extend_running(self, request: Request, num_total: int) -> list[KVCacheBlock] | None:
         """`allocate_slots` for a request that holds blocks, brings no hits and will hold
-        `num_total` tokens: the scheduler's decode path, one call per request that needs
-        a block."""
+        `num_total` tokens (or `allocate_slots` for one that holds none yet)."""
         req_blocks = self.req_to_blocks.get(request.request_id)
         if not req_blocks:
             return self.allocate_slots(request, num_total - request.num_computed_tokens)

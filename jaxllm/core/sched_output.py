@@ -65,8 +65,3 @@ class SchedulerOutput:
     def num_scheduled_tokens(self) -> dict[str, int]:
         """req_id -> tokens to compute this step."""
         return dict(zip(self.req_ids, self.num_tokens.tolist(), strict=True))
-
-    @classmethod
-    def empty(cls) -> SchedulerOutput:
-        return cls([], CachedRequestData(), [], np.zeros(0, np.int32), np.zeros(0, bool), 0,
-                   set())
