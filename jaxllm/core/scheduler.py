@@ -190,6 +190,16 @@ class Scheduler:
         more_counts: list[int] = []
         more_samples: list[bool] = []
         more_computed: list[int] = []
+
+        def scheduled(request: Request, num_new: int, after: int) -> None:
+            """Lists a request the loops scheduled; a step that reaches its end samples."""
+            ids.append(request.request_id)
+            more_counts.append(num_new)
+            samples_now = after >= request.num_tokens + request.num_output_placeholders
+            more_samples.append(samples_now)
+            if samples_now:
+                request.num_output_placeholders += 1
+
         kv = self.kv_cache_manager
 
         # Running requests in priority order, so the preemption victim, always
@@ -234,11 +244,7 @@ class Scheduler:
             request.num_computed_tokens = after = computed + num_new
             if computed < request.num_prompt_tokens:
                 num_prompt_tokens += min(after, request.num_prompt_tokens) - computed
-            ids.append(req_id)
-            more_counts.append(num_new)
-            more_samples.append(after >= request.num_tokens + request.num_output_placeholders)
-            if more_samples[-1]:
-                request.num_output_placeholders += 1
+            scheduled(request, num_new, after)
             i += 1
 
         # Admit waiting requests, unless this step had to preempt: the cache is
@@ -273,11 +279,7 @@ class Scheduler:
             token_budget -= num_new
             request.num_computed_tokens = after = num_computed + num_new
             num_prompt_tokens += max(0, min(after, request.num_prompt_tokens) - num_computed)
-            ids.append(req_id)
-            more_counts.append(num_new)
-            more_samples.append(after >= request.num_tokens + request.num_output_placeholders)
-            if more_samples[-1]:
-                request.num_output_placeholders += 1
+            scheduled(request, num_new, after)
             running.append(request, *kv.block_state(req_id))
 
         if more_counts:

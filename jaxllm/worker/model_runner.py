@@ -494,7 +494,7 @@ class ModelRunner:
         smd = ib.sampling.make_metadata(rows, r_pad, self.seed, out_index)
         out = self._sample(last_hidden, smd)
         prompt_lp = None
-        if ib.wants_prompt_logprobs[:ib.num_reqs].any() and ib.wants_prompt_logprobs[rows].any():
+        if ib.wants_prompt_logprobs[:ib.num_reqs].any():  # none for most steps
             prompt_lp = self._dispatch_prompt_logprobs(req_ids, rows, nsched, computed, first,
                                                        hidden, t_pad)
         ib.num_computed_tokens[rows] = end
