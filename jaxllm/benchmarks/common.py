@@ -98,16 +98,12 @@ def device_name() -> str:
     return getattr(d, "device_kind", d.platform)
 
 
-def json_path(name: str) -> str:
-    """Where `write_json(name, ...)` writes: $OUT, else the current directory."""
-    out = os.environ.get("OUT")
-    return os.path.join(out, f"{name}.json") if out else f"{name}.json"
-
-
 def write_json(name: str, result: dict[str, Any]) -> None:
     result = {"date": str(date.today()), "device": device_name(), "commit": git_commit(),
               "jax": jax.__version__, **result}
-    with open(json_path(name), "w") as f:
+    out = os.environ.get("OUT")
+    path = os.path.join(out, f"{name}.json") if out else f"{name}.json"
+    with open(path, "w") as f:
         json.dump(result, f, indent=1)
 
 

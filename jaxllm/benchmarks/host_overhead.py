@@ -11,10 +11,6 @@ process, beside the core). Runs on JAX's default backend: beside a GPU the
 stubs' dispatches and transfers cost the host what a real step's do (several
 times a CPU backend's); `JAX_PLATFORMS=cpu` gives the CPU figure.
 
-The engine is measured in a child process started the way jaxllm starts an
-engine core process: with its heap on transparent huge pages
-(jaxllm/engine/hugepages.py). `--in-process` measures this process as it is.
-
     jaxllm bench host-overhead
 """
 
@@ -22,17 +18,12 @@ from __future__ import annotations
 
 import argparse
 import functools
-import json
-import os
-import subprocess
-import sys
 import tempfile
 import time
 
 import numpy as np
 
-from jaxllm.benchmarks.common import json_path, print_table, write_json
-from jaxllm.engine.hugepages import anon_hugepages_kib, hugepage_env, requested_here
+from jaxllm.benchmarks.common import print_table, write_json
 
 
 def make_model_dir(path: str) -> str:
@@ -55,18 +46,7 @@ def main(argv: list[str] | None = None) -> dict:
     ap.add_argument("--num-requests", type=int, default=256)
     ap.add_argument("--input-len", type=int, default=512)
     ap.add_argument("--steps", type=int, default=200)
-    ap.add_argument("--in-process", action="store_true",
-                    help="measure this process as it is, not a child started as an engine "
-                         "core process is (heap on huge pages)")
     args = ap.parse_args(argv)
-    argv = sys.argv[1:] if argv is None else list(argv)
-    env = hugepage_env(os.environ)
-    if not args.in_process and not requested_here() and env != dict(os.environ):
-        # The child prints the table and writes the JSON; its result is read back.
-        subprocess.run([sys.executable, "-m", "jaxllm.benchmarks.host_overhead", *argv,
-                        "--in-process"], env=env, check=True)
-        with open(json_path("bench_host_overhead")) as f:
-            return json.load(f)
 
     import jax
     import jax.numpy as jnp
@@ -160,8 +140,6 @@ def main(argv: list[str] | None = None) -> dict:
               "engine_core_cpu_ms_per_step_median": float(np.median(core_cpu) * 1e3),
               "ms_per_step_median": ms,
               "ms_per_step_p90": float(np.percentile(times, 90) * 1e3),
-              "heap_hugepages_requested": requested_here(),
-              "anon_hugepages_kib": anon_hugepages_kib(),
               "target_ms": 1.0}
     write_json("bench_host_overhead", result)
     print_table([("running requests", str(n)),
@@ -172,9 +150,6 @@ def main(argv: list[str] | None = None) -> dict:
                   f"{result['engine_core_cpu_ms_per_step_median']:.3f} ms"),
                  ("whole offline step, + output processing (median / p90)",
                   f"{ms:.3f} / {result['ms_per_step_p90']:.3f} ms"),
-                 ("heap on huge pages (glibc.malloc.hugetlb=1)",
-                  f"{'requested' if result['heap_hugepages_requested'] else 'no'}; "
-                  f"{(result['anon_hugepages_kib'] or 0) // 1024} MiB on huge pages"),
                  ("target", "<= 1 ms")])
     return result
 

@@ -41,7 +41,6 @@ import zmq.asyncio
 import jaxllm
 from jaxllm.config import EngineConfig, portable_config
 from jaxllm.engine.core_client import EngineCoreClient
-from jaxllm.engine.hugepages import hugepage_children
 from jaxllm.engine.messages import (
     EngineCoreOutput,
     EngineCoreOutputs,
@@ -391,8 +390,7 @@ class MPClient(EngineCoreClient):
                                      logging.getLogger("jaxllm").getEffectiveLevel(),
                                      spawned_at, conn_r))
         try:
-            with hugepage_children():  # the core's heap on huge pages (hugepages.py)
-                self.proc.start()
+            self.proc.start()
             if pending:
                 conn_r.close()
                 try:

@@ -87,17 +87,6 @@ def test_multiprocess_engine_gives_the_same_greedy_tokens_as_in_process(model_di
         [o.outputs[0].token_ids for o in inproc]
 
 
-@pytest.mark.skipif(not os.path.exists("/proc/self/environ"), reason="Linux /proc only")
-def test_the_core_process_starts_with_its_heap_on_huge_pages(mp_engine):
-    with open(f"/proc/{mp_engine.engine_core.proc.pid}/environ", "rb") as f:
-        env = dict(e.split(b"=", 1) for e in f.read().split(b"\0") if b"=" in e)
-    # (Checked where the frontend has no tunables of its own: glibc cuts the original
-    # environment string at the first ':' as it parses a list.)
-    if os.environ.get("JAXLLM_MALLOC_HUGEPAGES") != "0" and "GLIBC_TUNABLES" not in os.environ:
-        assert env[b"GLIBC_TUNABLES"] == b"glibc.malloc.hugetlb=1"
-    assert "glibc.malloc.hugetlb=1" not in os.environ.get("GLIBC_TUNABLES", "")  # not leaked
-
-
 def test_utility_calls_answer_and_unknown_methods_fail(mp_engine):
     client: SyncMPClient = mp_engine.engine_core
     assert client.reset_prefix_cache() is True
