@@ -3,8 +3,10 @@
 from __future__ import annotations
 
 import enum
+import itertools
 import sys
 import time
+from collections.abc import Iterator, Sequence
 from typing import TYPE_CHECKING
 
 from jaxllm.core.block_hash import BlockHash, BlockHasher
@@ -66,10 +68,47 @@ class _BatchCounter:
             getattr(request._batch, self.column)[i] = value
 
 
+class OutputTokens(Sequence[int]):
+    """A request's generated tokens: a read-only view of `all_token_ids` past the prompt.
+
+    A decode step appends each request's token to one list, not two (the append
+    is most of what is left of a token's Python work in the step)."""
+
+    __slots__ = ("_all", "_start")
+
+    def __init__(self, all_token_ids: list[int], start: int):
+        self._all, self._start = all_token_ids, start
+
+    def __len__(self) -> int:
+        return len(self._all) - self._start
+
+    def __getitem__(self, i):  # type: ignore[override]
+        if isinstance(i, slice):
+            return self._all[self._start:][i]
+        n = len(self._all) - self._start
+        if not -n <= i < n:
+            raise IndexError("output token index out of range")
+        return self._all[self._start + i if i >= 0 else i]
+
+    def __iter__(self) -> Iterator[int]:
+        return itertools.islice(self._all, self._start, None)
+
+    def __eq__(self, other: object) -> bool:
+        if isinstance(other, (list, tuple, OutputTokens)):
+            return len(self) == len(other) and all(a == b for a, b in zip(self, other, strict=True))
+        return NotImplemented
+
+    __hash__ = None  # type: ignore[assignment]  (a view of a list that grows)
+
+    def __repr__(self) -> str:
+        return f"OutputTokens({self._all[self._start:]!r})"
+
+
 class Request:
     """One generation or pooling request as the scheduler tracks it.
 
-    `all_token_ids` is the prompt followed by the generated tokens;
+    `all_token_ids` is the prompt followed by the generated tokens
+    (`output_token_ids` views the latter);
     `num_computed_tokens` of them have their KV in the cache. With a block
     hasher attached, `block_hashes` holds the chained hash of every full block
     of `all_token_ids` and grows as tokens are appended.
@@ -95,8 +134,8 @@ class Request:
         self.stop_reason: int | str | None = None
 
         self.num_prompt_tokens = len(self.prompt_token_ids)
-        self.output_token_ids: list[int] = []
         self.all_token_ids: list[int] = list(self.prompt_token_ids)
+        self.output_token_ids = OutputTokens(self.all_token_ids, self.num_prompt_tokens)
         # While the request runs, these two counters live in the scheduler's
         # RunningBatch arrays (see the properties below).
         self.batch_index = -1  # position in that batch, -1 when not running
@@ -152,7 +191,7 @@ class Request:
 
     @property
     def num_output_tokens(self) -> int:
-        return len(self.output_token_ids)
+        return len(self.all_token_ids) - self.num_prompt_tokens
 
     @property
     def is_pooling(self) -> bool:
@@ -160,10 +199,8 @@ class Request:
 
     def append_output_token_ids(self, token_ids: int | list[int]) -> None:
         if isinstance(token_ids, int):
-            self.output_token_ids.append(token_ids)
             self.all_token_ids.append(token_ids)
         else:
-            self.output_token_ids.extend(token_ids)
             self.all_token_ids.extend(token_ids)
         self.hash_new_blocks()
 

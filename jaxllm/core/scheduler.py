@@ -465,8 +465,7 @@ class Scheduler:
             keep = has.tolist()
             got, got_tok = (list(itertools.compress(x, keep)) for x in (reqs, tok_list))
         for request, token in zip(got, got_tok, strict=True):
-            request.output_token_ids.append(token)
-            request.all_token_ids.append(token)
+            request.all_token_ids.append(token)  # output_token_ids is a view of it
         # Outputs: a token that is neither its request's first (which reports
         # the prefix-cache hits) nor its last goes out in the compact lists.
         compact = has & (status == 0) & (num_output > 1)

@@ -81,6 +81,21 @@ def test_appended_tokens_extend_outputs_and_all_tokens():
     assert req.num_tokens == 6 and req.num_output_tokens == 3
 
 
+def test_output_tokens_read_like_the_list_of_generated_tokens():
+    req = make_request("a", 3)
+    out = req.output_token_ids
+    assert len(out) == 0 and list(out) == [] and out == []
+    with pytest.raises(IndexError):
+        out[-1]
+    req.append_output_token_ids([7, 8, 9])
+    assert (out[0], out[2], out[-1], out[-3]) == (7, 9, 9, 7)
+    assert out[1:] == [8, 9] and out[::-1] == [9, 8, 7] and list(out) == [7, 8, 9]
+    for bad in (3, -4):
+        with pytest.raises(IndexError):
+            out[bad]
+    assert out != [7, 8] and out != [7, 8, 10] and 8 in out
+
+
 def test_queue_factory_follows_the_policy_name():
     assert isinstance(create_request_queue("fcfs"), FCFSRequestQueue)
     assert isinstance(create_request_queue("priority"), PriorityRequestQueue)
