@@ -82,7 +82,7 @@ class OutputTokens(Sequence[int]):
     def __len__(self) -> int:
         return len(self._all) - self._start
 
-    def __getitem__(self, i):  # type: ignore[override]
+    def __getitem__(self, i: int | slice):  # type: ignore[override]
         if isinstance(i, slice):
             return self._all[self._start:][i]
         n = len(self._all) - self._start

@@ -554,9 +554,10 @@ class Scheduler:
         params = request.sampling_params
         if params is None:
             return False
-        outputs = request.output_token_ids
-        last = outputs[-1]
-        if len(outputs) >= params.min_tokens:
+        tokens = request.all_token_ids  # (output_token_ids is a view of it)
+        last = tokens[-1]
+        num_output = len(tokens) - request.num_prompt_tokens
+        if num_output >= params.min_tokens:
             if not params.ignore_eos and last == request.eos_token_id:
                 request.status = RequestStatus.FINISHED_STOPPED
                 return True
@@ -564,8 +565,7 @@ class Scheduler:
                 request.status = RequestStatus.FINISHED_STOPPED
                 request.stop_reason = last
                 return True
-        if (len(outputs) >= request.max_tokens
-                or len(request.all_token_ids) >= self.max_request_tokens):
+        if num_output >= request.max_tokens or len(tokens) >= self.max_request_tokens:
             request.status = RequestStatus.FINISHED_LENGTH_CAPPED
             return True
         return False
