@@ -69,23 +69,18 @@ def make_block_hasher(block_size: int) -> BlockHasher:
             new.append(parent)
         return new
 
-    pack = struct.Struct(f"<I{block_size}q").pack  # hash_block_tokens' encoding
-
     def hash_next_block(requests: Iterable[Request]) -> None:
         """Appends to each request's `block_hashes` the hash of the block its last
         token filled: the decode path, where ~1 request in block_size fills one per
         step. Any other request (hashes lagging further, another hasher) hashes
         itself."""
-        sha256 = hashlib.sha256
         for request in requests:
             hashes, tokens = request.block_hashes, request.all_token_ids
             start = len(hashes) * block_size
             if len(tokens) != start + block_size or not request.hashed_by(new_block_hashes):
                 request.hash_new_blocks()
                 continue
-            h = sha256(hashes[-1] if hashes else ROOT_HASH)
-            h.update(pack(block_size, *tokens[start:]))
-            hashes.append(h.digest())
+            hashes.append(hash_block_tokens(hashes[-1] if hashes else None, tokens[start:]))
 
     new_block_hashes.block_size = block_size  # lets requests skip calls that hash nothing
     new_block_hashes.hash_next_block = hash_next_block
