@@ -556,7 +556,7 @@ class Scheduler:
             return False
         tokens = request.all_token_ids  # (output_token_ids is a view of it)
         last = tokens[-1]
-        num_output = len(tokens) - request.num_prompt_tokens
+        num_output = request.num_output_tokens
         if num_output >= params.min_tokens:
             if not params.ignore_eos and last == request.eos_token_id:
                 request.status = RequestStatus.FINISHED_STOPPED
