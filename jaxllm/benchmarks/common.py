@@ -98,9 +98,45 @@ def device_name() -> str:
     return getattr(d, "device_kind", d.platform)
 
 
+# NVML's clock event reasons that mean the chip ran slower than it should: a hot or
+# failing machine, not the power cap every H100 reaches under load (0x4).
+_SLOWDOWN_REASONS = {0x8: "hardware slowdown", 0x20: "software thermal slowdown",
+                     0x40: "hardware thermal slowdown", 0x80: "hardware power brake"}
+_GPU_FIELDS = ("clocks.sm", "clocks.max.sm", "temperature.gpu", "power.draw",
+               "clocks_event_reasons.active")
+
+
+def parse_gpu_state(csv_line: str) -> dict[str, Any]:
+    """One GPU's line of `nvidia-smi --query-gpu=<_GPU_FIELDS> --format=csv,noheader,nounits`."""
+    sm, sm_max, temp, power, reasons = (v.strip() for v in csv_line.split(","))
+    mask = int(reasons, 16)
+    return {"sm_clock_MHz": int(sm), "sm_clock_max_MHz": int(sm_max),
+            "temperature_C": int(temp), "power_W": float(power), "clock_event_reasons": mask,
+            "slowdowns": [why for bit, why in _SLOWDOWN_REASONS.items() if mask & bit]}
+
+
+def gpu_state() -> dict[str, Any] | None:
+    """Clocks, temperature and slowdown reasons of the first NVIDIA GPU now; None without
+    one (or without nvidia-smi)."""
+    try:
+        out = subprocess.run(["nvidia-smi", f"--query-gpu={','.join(_GPU_FIELDS)}",
+                              "--format=csv,noheader,nounits", "-i", "0"],
+                             capture_output=True, text=True, check=True, timeout=30).stdout
+        return parse_gpu_state(out.strip().splitlines()[0])
+    except Exception:  # no nvidia-smi, or one too old for these fields
+        return None
+
+
 def write_json(name: str, result: dict[str, Any]) -> None:
+    """Writes `result` with the run's context; the GPU's state is taken now, hot from the run,
+    and a warning printed when it was slowing itself down (figures then read low)."""
+    state = gpu_state()
+    if state and state["slowdowns"]:
+        print(f"WARNING: the GPU reports {', '.join(state['slowdowns'])} at the end of this run "
+              f"({state['temperature_C']} C, SM clock {state['sm_clock_MHz']} of "
+              f"{state['sm_clock_max_MHz']} MHz): its figures are not the hardware's")
     result = {"date": str(date.today()), "device": device_name(), "commit": git_commit(),
-              "jax": jax.__version__, **result}
+              "jax": jax.__version__, "gpu_state": state, **result}
     out = os.environ.get("OUT")
     path = os.path.join(out, f"{name}.json") if out else f"{name}.json"
     with open(path, "w") as f:

@@ -34,7 +34,7 @@ from datetime import date
 import httpx
 import numpy as np
 
-from jaxllm.benchmarks.common import git_commit
+from jaxllm.benchmarks.common import git_commit, gpu_state
 
 
 @dataclass
@@ -350,7 +350,7 @@ def main(argv: list[str] | None = None) -> dict:
            "output_len": args.output_len, "num_prompts": args.num_prompts,
            "burstiness": args.burstiness, "max_concurrency": args.max_concurrency,
            "server_args": args.server_args, "server_startup_s": startup,
-           "server_warm_startup_s": warm_startup, "results": results}
+           "server_warm_startup_s": warm_startup, "gpu_state": gpu_state(), "results": results}
     path = args.result_json or os.path.join(os.environ.get("OUT", "."), "bench_serving.json")
     with open(path, "w") as f:
         json.dump(_json_safe(out), f, indent=1)

@@ -51,3 +51,20 @@ def test_bench_prefix_reports_cache_hits_only_for_the_shared_prefix(tmp_path, mo
     # 48 of 56 prompt tokens are the shared prefix: 6 full blocks of 8 hit the cache.
     assert result["cached"]["cached_token_fraction"] == 48 / 56
     assert result["cached"]["ttft_ms_mean"] > 0 and result["uncached"]["ttft_ms_mean"] > 0
+
+
+def test_gpu_state_flags_thermal_slowdown_but_not_the_power_cap():
+    from jaxllm.benchmarks.common import gpu_state, parse_gpu_state
+
+    # As read on a lent H100 that was overheating: SW thermal slowdown (0x20).
+    hot = parse_gpu_state("1005, 1980, 86, 269.36, 0x0000000000000020")
+    assert hot["sm_clock_MHz"] == 1005 and hot["temperature_C"] == 86
+    assert hot["slowdowns"] == ["software thermal slowdown"]
+    # At the power cap (0x4) under a full load: the normal state, no warning.
+    assert parse_gpu_state("1755, 1980, 55, 699.1, 0x0000000000000004")["slowdowns"] == []
+    both = parse_gpu_state("900, 1980, 90, 300.0, 0x0000000000000048")["slowdowns"]
+    assert both == ["hardware slowdown", "hardware thermal slowdown"]
+    import shutil
+
+    if shutil.which("nvidia-smi") is None:
+        assert gpu_state() is None  # no GPU to ask
