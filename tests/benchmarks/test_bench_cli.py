@@ -30,6 +30,9 @@ def test_bench_host_overhead_runs_and_writes_json(tmp_path, monkeypatch, capsys)
     assert 0 < result["ms_per_step_median"] <= result["ms_per_step_p90"]
     # The core's part of each step is inside the step: so are its order statistics.
     assert 0 < result["engine_core_ms_per_step_median"] <= result["ms_per_step_median"]
+    assert result["host_calibration_ms_median"] > 0
+    assert result["engine_core_step_over_calibration"] == pytest.approx(
+        result["engine_core_ms_per_step_median"] / result["host_calibration_ms_median"])
     assert "engine core step" in capsys.readouterr().out
     # The stubbed sampler must not outlive the benchmark (later engines sample for real).
     assert mr.run_sampler is real_sampler
