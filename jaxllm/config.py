@@ -107,6 +107,9 @@ class EngineConfig:
     attention_backend: str = "auto"
     # Run the Pallas attention body in Pallas interpret mode (CPU testing).
     attention_interpret: bool = False
+    # The MLP's gate/up projection: "auto" | "xla" | "pallas_gpu_mosaic" (jaxllm/layers/mlp.py).
+    mlp_backend: str = "auto"
+    mlp_interpret: bool = False  # the Mosaic GPU kernel in interpret mode (CPU testing)
     compilation_cache_dir: str | None = None
     token_buckets: list[int] | None = None
     request_buckets: list[int] | None = None
@@ -145,6 +148,11 @@ class EngineArgs:
     # Run the Pallas attention body in Pallas interpret mode (CPU testing): with
     # attention_backend="pallas_tpu" | "pallas_gpu" on a host without that chip.
     attention_interpret: bool = False
+    # The MLP's gate/up projection with SiLU·mul: "auto" (the fused Mosaic GPU kernel on
+    # Hopper for large steps), "xla", or "pallas_gpu_mosaic" (the kernel wherever it fits;
+    # with mlp_interpret=True in Mosaic GPU interpret mode, on any host).
+    mlp_backend: str = "auto"
+    mlp_interpret: bool = False
     compilation_cache_dir: str | None = None
     token_buckets: list[int] | None = None
     request_buckets: list[int] | None = None
@@ -173,6 +181,11 @@ class EngineArgs:
         hbm = self.gpu_memory_utilization or self.hbm_utilization
         if not 0.0 < hbm <= 1.0:
             raise ParameterError("hbm_utilization", f"must be in (0, 1], got {hbm}")
+        from jaxllm.layers.mlp import MLP_BACKENDS
+
+        if self.mlp_backend not in MLP_BACKENDS:
+            raise ParameterError("mlp_backend",
+                                 f"must be one of {MLP_BACKENDS}, got {self.mlp_backend!r}")
         if self.scheduling_policy not in ("fcfs", "priority"):
             raise ParameterError("scheduling_policy",
                                  f"must be 'fcfs' or 'priority', got {self.scheduling_policy!r}")
@@ -199,6 +212,7 @@ class EngineArgs:
             parallel_config=ParallelConfig(self.tensor_parallel_size, self.data_parallel_size),
             attention_backend=self.attention_backend,
             attention_interpret=self.attention_interpret,
+            mlp_backend=self.mlp_backend, mlp_interpret=self.mlp_interpret,
             compilation_cache_dir=self.compilation_cache_dir,
             token_buckets=self.token_buckets, request_buckets=self.request_buckets,
             precompile=self.precompile, async_scheduling=self.async_scheduling)

@@ -54,6 +54,7 @@ def main(argv: list[str] | None = None) -> dict:
     ap.add_argument("--request-buckets", default="64,512")
     ap.add_argument("--block-size", type=int, default=16)
     ap.add_argument("--attention-backend", default="auto")
+    ap.add_argument("--mlp-backend", default="auto", help="auto | xla | pallas_gpu_mosaic")
     ap.add_argument("--hbm-utilization", type=float, default=0.9)
     ap.add_argument("--async-scheduling", action=argparse.BooleanOptionalAction, default=True)
     ap.add_argument("--hf-peer-batch-sizes", default="64,256,320,384",
@@ -74,7 +75,7 @@ def main(argv: list[str] | None = None) -> dict:
               token_buckets=[int(x) for x in args.token_buckets.split(",")],
               request_buckets=[int(x) for x in args.request_buckets.split(",")],
               enable_prefix_caching=False, attention_backend=args.attention_backend,
-              hbm_utilization=args.hbm_utilization,
+              mlp_backend=args.mlp_backend, hbm_utilization=args.hbm_utilization,
               async_scheduling=args.async_scheduling)
     startup = time.perf_counter() - t0
     runner = llm.llm_engine.engine_core.engine_core.model_runner
@@ -104,6 +105,7 @@ def main(argv: list[str] | None = None) -> dict:
     result = {
         "workload": "throughput", "num_prompts": args.num_prompts, "input_len": args.input_len,
         "output_len": args.output_len, "attention_backend": runner.attn_backend.name,
+        "mlp_backend": runner.swiglu.name, "mlp_kernel": runner.swiglu.kernel,
         "block_size": args.block_size,
         "async_scheduling": args.async_scheduling,
         "hbm_bandwidth_GBps": bw / 1e9, "matmul_TFLOPs": peak / 1e12,

@@ -38,6 +38,7 @@ from jax.sharding import PartitionSpec as P
 
 from jaxllm.errors import ParameterError
 from jaxllm.layers.attention import AttentionBackend, AttentionMetadata
+from jaxllm.layers.mlp import SwiGLU
 from jaxllm.layers.norm import RMSNorm, rms_norm
 from jaxllm.layers.rotary import RotaryEmbedding
 
@@ -166,8 +167,9 @@ class LlamaAttention(nnx.Module):
 
 
 class LlamaMLP(nnx.Module):
-    def __init__(self, arch: LlamaArch, *, dtype: jnp.dtype, rngs: nnx.Rngs):
+    def __init__(self, arch: LlamaArch, *, dtype: jnp.dtype, rngs: nnx.Rngs, swiglu: SwiGLU):
         i, h = arch.intermediate_size, arch.hidden_size
+        self.swiglu = swiglu
         self.gate_up_proj = _param(rngs, (2, i, h), dtype, P(None, "model", None))
         self.down_proj = _param(rngs, (h, i), dtype, P(None, "model"))
         if arch.mlp_bias:
@@ -177,10 +179,8 @@ class LlamaMLP(nnx.Module):
             self.gate_up_bias = self.down_bias = None
 
     def __call__(self, x: jax.Array) -> jax.Array:
-        gate_up = jnp.einsum("th,sih->tsi", x, self.gate_up_proj[...])
-        if self.gate_up_bias is not None:
-            gate_up = gate_up + self.gate_up_bias[...]
-        out = jnp.einsum("ti,hi->th", jax.nn.silu(gate_up[:, 0]) * gate_up[:, 1],
+        bias = None if self.gate_up_bias is None else self.gate_up_bias[...]
+        out = jnp.einsum("ti,hi->th", self.swiglu(x, self.gate_up_proj[...], bias),
                          self.down_proj[...])
         if self.down_bias is not None:
             out = out + self.down_bias[...]
@@ -189,10 +189,10 @@ class LlamaMLP(nnx.Module):
 
 class LlamaDecoderLayer(nnx.Module):
     def __init__(self, arch: LlamaArch, layer: int, *, dtype: jnp.dtype, rngs: nnx.Rngs,
-                 attn_backend: AttentionBackend, rope: RotaryEmbedding):
+                 attn_backend: AttentionBackend, rope: RotaryEmbedding, swiglu: SwiGLU):
         self.self_attn = LlamaAttention(arch, layer, dtype=dtype, rngs=rngs,
                                         attn_backend=attn_backend, rope=rope)
-        self.mlp = LlamaMLP(arch, dtype=dtype, rngs=rngs)
+        self.mlp = LlamaMLP(arch, dtype=dtype, rngs=rngs, swiglu=swiglu)
         self.eps = arch.rms_norm_eps
 
     def __call__(self, x: jax.Array, positions: jax.Array, kv_cache: jax.Array,
@@ -210,8 +210,9 @@ class LlamaForCausalLM(nnx.Module):
     """Llama / Mistral / Qwen2 / Qwen3 causal LM over a ragged, paged batch."""
 
     def __init__(self, hf_config: Any, *, dtype: str | jnp.dtype, rngs: nnx.Rngs,
-                 attn_backend: AttentionBackend):
+                 attn_backend: AttentionBackend, swiglu: SwiGLU | None = None):
         arch = LlamaArch.from_hf_config(hf_config)
+        swiglu = swiglu or SwiGLU()
         dtype = jnp.dtype(dtype)
         self.arch = arch
         self.dtype = dtype
@@ -220,7 +221,7 @@ class LlamaForCausalLM(nnx.Module):
                                    P("model", None))
         self.layers = nnx.List([
             LlamaDecoderLayer(arch, i, dtype=dtype, rngs=rngs, attn_backend=attn_backend,
-                              rope=rope)
+                              rope=rope, swiglu=swiglu)
             for i in range(arch.num_layers)])
         self.norm = RMSNorm(arch.hidden_size, eps=arch.rms_norm_eps, dtype=dtype)
         # Every layer's RMSNorm weights in one array each (input and post-attention;

@@ -67,8 +67,11 @@ def kv_cache_bytes_per_token(hf_config: Any, dtype: str | jnp.dtype) -> int:
     return kv_cache_spec(hf_config).bytes_per_token(dtype)
 
 
-def load_model(model_config: ModelConfig, mesh: Mesh, attn_backend: Any) -> nnx.Module:
-    """The model of `model_config`, every weight sharded on `mesh` in `model_config.dtype`."""
+def load_model(model_config: ModelConfig, mesh: Mesh, attn_backend: Any,
+               swiglu: Any = None) -> nnx.Module:
+    """The model of `model_config`, every weight sharded on `mesh` in `model_config.dtype`.
+
+    `swiglu`: how the MLP computes its up-projection (jaxllm/layers/mlp.py; XLA if None)."""
     hf_config = model_config.hf_config
     cls = get_model_class(model_config.architecture)
     validate_tensor_parallel(hf_config, mesh.shape["model"])
@@ -76,7 +79,7 @@ def load_model(model_config: ModelConfig, mesh: Mesh, attn_backend: Any) -> nnx.
 
     def create() -> nnx.Module:
         return cls(hf_config, dtype=dtype, rngs=nnx.Rngs(model_config.seed),
-                   attn_backend=attn_backend)
+                   attn_backend=attn_backend, swiglu=swiglu)
 
     graphdef, state = nnx.split(nnx.eval_shape(create))
     shardings = param_shardings(state, mesh)

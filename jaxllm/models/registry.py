@@ -1,6 +1,7 @@
 """Hugging Face architecture name -> the Flax NNX class that implements it.
 
-A model class takes `(hf_config, *, dtype, rngs, attn_backend)`, is called as
+A model class takes `(hf_config, *, dtype, rngs, attn_backend, swiglu)` (swiglu: the
+MLP up-projection of jaxllm/layers/mlp.py, None for XLA's), is called as
 `model(input_ids, positions, kv_cache, md) -> (hidden, kv_cache)` (one cache
 array for all layers, see jaxllm/layers/attention.py), has
 `compute_logits(hidden)`, and tells the loader where its weights live in a

@@ -41,6 +41,7 @@ from jaxllm.core.sched_output import SchedulerOutput
 from jaxllm.distributed.mesh import make_mesh
 from jaxllm.engine.messages import LogprobsLists
 from jaxllm.layers.attention import AttentionMetadata, get_attention_backend
+from jaxllm.layers.mlp import get_swiglu
 from jaxllm.models.loader import kv_cache_spec, load_model
 from jaxllm.sample.metadata import SamplingMetadata, variant_metadata
 from jaxllm.sample.sampler import (
@@ -253,7 +254,9 @@ class ModelRunner:
         self.seed = mc.seed
 
         t0 = time.perf_counter()
-        model = load_model(mc, self.mesh, self.attn_backend)
+        self.swiglu = get_swiglu(config.mlp_backend, config.mlp_interpret, dtype=self.dtype,
+                                 mesh=self.mesh)
+        model = load_model(mc, self.mesh, self.attn_backend, self.swiglu)
         self._head = model.logits_head[...]  # one of the weights, by reference
         self._head_logits = type(model).head_logits
         self.graphdef, state = nnx.split(model)
@@ -362,6 +365,8 @@ class ModelRunner:
         to_dict = getattr(hf, "to_dict", None)
         return {"model": to_dict() if to_dict else vars(hf), "dtype": mc.dtype,
                 "attention": [self.attn_backend.name, self.attn_backend.interpret],
+                "mlp": [self.swiglu.name, self.swiglu.kernel, self.swiglu.interpret,
+                        self.swiglu.min_tokens],
                 "mesh": [list(self.mesh.axis_names), list(self.mesh.devices.shape)]}
 
     def _run_forward(self, *args: Any) -> tuple:

@@ -56,3 +56,35 @@ def test_engine_on_a_pallas_body_in_interpret_mode_matches_transformers_greedy(
         bs = gpu.default_block_sizes(32, 4, heads // kv_heads, runner.head_dim, 8,
                                      96 // 8, kv_heads, 4)
         assert bs.decode is not None  # the mixed steps took the two-call path
+
+
+@pytest.mark.parametrize("tp", [1, 2])
+def test_engine_on_the_fused_swiglu_kernel_in_interpret_mode_matches_transformers_greedy(
+        tp, model_dir, prompts, hf_tokens, monkeypatch):
+    """The MLP's gate/up projection through the Mosaic GPU SwiGLU kernel in interpret
+    mode. One 256-token bucket: every step, decodes included, is a multiple of the
+    kernel's 256-row CTA tile. Under tensor parallelism the call runs per 'model'
+    shard in shard_map; the interpreter cannot run two devices' kernels at once, so
+    there the per-shard body is the kernel's reference (the sharding is what is tested)."""
+    from pallas_kernels.swiglu import gpu_mgpu, reference
+
+    traced = []
+    real = gpu_mgpu.swiglu_up if tp == 1 else (lambda x, w, **_: reference.swiglu_up(x, w))
+
+    def counting(x, w, **kw):
+        traced.append((x.shape, w.shape))
+        return real(x, w, **kw)
+
+    monkeypatch.setattr(gpu_mgpu, "swiglu_up", counting)
+    engine = dict(ENGINE, max_num_batched_tokens=256, token_buckets=[256])
+    llm = LLM(model_dir, mlp_backend="pallas_gpu_mosaic", mlp_interpret=True,
+              tensor_parallel_size=tp, **engine)
+    runner = llm.llm_engine.engine_core.engine_core.model_runner
+    assert (runner.swiglu.kernel, runner.swiglu.interpret) == (True, True)
+    params = SamplingParams(temperature=0.0, max_tokens=NEW_TOKENS, ignore_eos=True)
+    outs = llm.generate([{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False)
+    assert [o.outputs[0].token_ids for o in outs] == hf_tokens
+    inter = llm.llm_engine.model_config.hf_config.intermediate_size
+    # Traced once per layer (per shard under tp), at the bucket's 256 rows.
+    assert traced and {x[0] for x, _ in traced} == {256}, traced
+    assert {s[1] for _, s in traced} == {inter // tp}
