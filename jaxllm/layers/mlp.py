@@ -59,8 +59,7 @@ class SwiGLU:
     def _fused(self, x: jax.Array, w: jax.Array) -> jax.Array | None:
         from pallas_kernels.swiglu import gpu_mgpu
 
-        # The interpreter has no clusters, so interpret mode runs one CTA per cluster.
-        bs = gpu_mgpu.BlockSizes(cluster_n=1) if self.interpret else gpu_mgpu.BlockSizes()
+        bs = gpu_mgpu.BlockSizes()
         shards = 1 if self.mesh is None else self.mesh.shape["model"]
         if w.shape[1] % shards:
             return None

@@ -11,25 +11,34 @@ pass (a read of `[T, 2I]` and a write of `[T, I]`) is gone.
 Shape of the work:
 
 * A CTA computes a `2 * block_m` x `block_n` output tile: two consumer
-  warpgroups of `block_m` rows each, plus one producer warpgroup issuing the TMA
-  copies (`plgpu.emit_pipeline_warp_specialized`, `num_stages` deep).
-* Per K step the CTA loads `x[rows, k]` (`2 * block_m` x `block_k`) and the
-  weight block `w[:, cols, k]` (`2 x block_n x block_k`): the gate rows and the
-  up rows of its output columns, one 3-D TMA box, so no interleaved copy of the
-  weight is ever made. Each consumer runs two `block_m x block_n` wgmmas per K
-  step, into a gate and an up accumulator (one `2 * block_n`-wide wgmma over the
-  block viewed as 2-D would need a reshape of the tiled shared-memory ref, which
-  Mosaic GPU does not lower).
+  warpgroups of `block_m` rows each, and one producer warpgroup that issues the
+  TMA copies into a ring of `num_stages` shared-memory stages ("loaded" and
+  "consumed" barriers per stage; a stage is refilled once both consumers have
+  released it).
+* Per K step the producer copies `x[rows, k]` (`2 * block_m` x `block_k`) and
+  the gate rows and the up rows of the CTA's output columns (`w[0, cols, k]`,
+  `w[1, cols, k]`) into the two halves of one `2 * block_n`-row buffer, so the
+  model's weight is read as it is (no interleaved copy) and each consumer runs
+  one `block_m x 2 * block_n` wgmma per step, gate columns first.
 * Persistent: one CTA per SM walks the output tiles in a planar snake (tiles
-  `grid_tile_width` wide along the minor dimension), so neighbouring CTAs share
-  x and weight blocks in L2. With `cluster_n = 2` two CTAs of a cluster take
-  neighbouring column tiles of the same rows and x is multicast to both.
+  `grid_tile_width` wide along the minor dimension), so CTAs running at the same
+  time share x and weight blocks in L2. Producer and consumers walk the same
+  tiles; the stage ring carries over from one tile to the next.
+* Epilogue: from the float32 accumulator, `silu(gate) * up` in registers, then
+  `EPI_ROWS`-row pieces through a staging buffer and TMA stores.
+
+Measured on an H100 at 16384 x 4096 x 14336 (BENCHMARKS.md, throughput, stop 25):
+within 2-3% of cuBLAS's GEMM alone, which writes `[T, 2I]` and leaves the
+SiLU·mul pass to do. An earlier version on `plgpu.emit_pipeline_warp_specialized`
+needed two 64-wide wgmmas per step (its 3-D weight block cannot be viewed as
+2-D: Mosaic GPU does not fold an untiled axis into tiled rows) and ran ~3%
+slower, clusters with x multicast included.
 
 Fast path (`supported()`): a Hopper GPU (or `interpret=True`, Mosaic GPU
 interpret mode on the CPU, for tests), x and w both bfloat16 or both float16
 (interpret mode also takes float32), `T % (2 * block_m) == 0`,
-`I % (block_n * cluster_n) == 0`, `H % block_k == 0`. Anything else is the
-caller's to compute with XLA (`jaxllm.models.llama.LlamaMLP` does).
+`I % block_n == 0`, `H % block_k == 0`. Anything else is the caller's to
+compute with XLA (`jaxllm.layers.mlp.SwiGLU` does).
 """
 
 from __future__ import annotations
@@ -50,6 +59,7 @@ except Exception:  # pragma: no cover
 
 LOG2E = math.log2(math.e)
 NUM_CONSUMERS = 2
+EPI_ROWS = 64  # output rows per TMA store
 
 
 @dataclasses.dataclass(frozen=True)
@@ -57,8 +67,7 @@ class BlockSizes:
     block_m: int = 128  # rows per consumer warpgroup (the CTA takes 2 x block_m)
     block_n: int = 64  # output columns per CTA (gate block_n + up block_n in the wgmma)
     block_k: int = 64  # 128 bytes of bf16: one 128B-swizzled row
-    num_stages: int = 4
-    cluster_n: int = 2  # CTAs per cluster along the output columns (x multicast)
+    num_stages: int = 3
     grid_minor_n: bool = True  # snake minor dimension: columns (True) or rows
     grid_tile_width: int = 8
 
@@ -77,7 +86,7 @@ def supported(x: jax.Array, w: jax.Array, *, interpret: bool = False,
         dtypes.append(jnp.dtype(jnp.float32))
     if jnp.dtype(x.dtype) not in dtypes:
         return False
-    if t % (NUM_CONSUMERS * bs.block_m) or i % (bs.block_n * bs.cluster_n) or h % bs.block_k:
+    if t % (NUM_CONSUMERS * bs.block_m) or i % bs.block_n or h % bs.block_k:
         return False
     return True if interpret else _is_hopper()
 
@@ -98,106 +107,120 @@ def _num_sms() -> int:
         return 132
 
 
-def _kernel(x_gmem, w_gmem, out_gmem, *, bs: BlockSizes, interpret: bool):
+def _store_swiglu(gate, up, out_smem, out_gmem, row0, cols):
+    """`silu(gate) * up` (float32 `[rows, n]`) to `out_gmem[row0:row0 + rows, cols]`,
+    through one warpgroup's staging buffer `out_smem` (`[EPI_ROWS, n]`) and TMA stores."""
+    act = gate / (1.0 + jnp.exp2(gate * -LOG2E)) * up
+    for c in range(gate.shape[0] // EPI_ROWS):
+        # The previous store out of this buffer must have read it.
+        plgpu.wait_smem_to_gmem(0, wait_read_only=True)
+        out_smem[...] = act[c * EPI_ROWS:(c + 1) * EPI_ROWS].astype(out_smem.dtype)
+        plgpu.commit_smem()
+        plgpu.copy_smem_to_gmem(out_smem, out_gmem.at[pl.ds(row0 + c * EPI_ROWS, EPI_ROWS), cols])
+
+
+def _transforms(dtype, block_k: int, interpret: bool):
+    if interpret:  # the interpreter takes plain row-major buffers
+        return ()
+    swizzle = min(128, block_k * jnp.dtype(dtype).itemsize)
+    return (plgpu.TilingTransform((8, swizzle // jnp.dtype(dtype).itemsize)),
+            plgpu.SwizzleTransform(swizzle))
+
+
+def _kernel(x_gmem, w_gmem, out_gmem, a_smem, b_smem, out_smem, full, free, *,
+                   bs: BlockSizes, interpret: bool, num_ctas: int):
     t, h = x_gmem.shape
     inter = w_gmem.shape[1]
-    bm, bn, bk = bs.block_m, bs.block_n, bs.block_k
+    bm, bn, bk, stages = bs.block_m, bs.block_n, bs.block_k, bs.num_stages
     cta_m = NUM_CONSUMERS * bm
-    m_tiles = t // cta_m
-    n_tiles = inter // (bn * bs.cluster_n)  # in cluster tiles
-    k_steps = h // bk
-    dtype = out_gmem.dtype
-    multicast = bs.cluster_n > 1
+    m_tiles, n_tiles, k_steps = t // cta_m, inter // bn, h // bk
+    num_tiles = m_tiles * n_tiles
+    wg = lax.axis_index("wg")
+    cta = lax.axis_index("cta")
+    my_tiles = (num_tiles - cta + num_ctas - 1) // num_ctas
+    i32 = jnp.int32
 
-    def transforms(dt):
-        if interpret:  # the interpreter takes plain row-major buffers
-            return ()
-        swizzle = min(128, bk * jnp.dtype(dt).itemsize)
-        return (plgpu.TilingTransform((8, swizzle // jnp.dtype(dt).itemsize)),
-                plgpu.SwizzleTransform(swizzle))
+    def tile_coords(i):
+        m_idx, n_idx = plgpu.planar_snake(cta + i * num_ctas, (m_tiles, n_tiles),
+                                          1 if bs.grid_minor_n else 0, bs.grid_tile_width)
+        return m_idx, n_idx
 
-    def pipeline(body, compute_context):
-        return plgpu.emit_pipeline_warp_specialized(
-            body,
-            grid=(k_steps,),
-            memory_registers=40,
-            in_specs=[
-                plgpu.BlockSpec((cta_m, bk), lambda k: (0, k), transforms=transforms(dtype),
-                                memory_space=plgpu.SMEM,
-                                collective_axes=("cluster",) if multicast else ()),
-                plgpu.BlockSpec((2, bn, bk), lambda k: (0, 0, k), transforms=transforms(dtype),
-                                memory_space=plgpu.SMEM),
-            ],
-            wg_axis="wg",
-            num_compute_wgs=NUM_CONSUMERS,
-            max_concurrent_steps=bs.num_stages,
-            compute_context=compute_context,
-        )
+    @pl.when(wg < NUM_CONSUMERS)
+    def _consumer():
+        if not interpret:
+            plgpu.set_max_registers(232, action="increase")
 
-    def nothing(*_, **__):
-        return None
+        def tile(i, g0):
+            m_idx, n_idx = tile_coords(i)
+            rows = pl.ds(wg * bm, bm)
 
-    epi_m = min(64, bm)  # rows per output store
+            def mma_steps(acc):
+                def step(k, acc):
+                    slot = lax.rem(g0 + k, i32(stages))
+                    plgpu.barrier_wait(full.at[slot])
+                    if interpret:  # the interpreter's wgmma takes no transposed operands
+                        acc = acc + lax.dot_general(
+                            a_smem[slot, rows], b_smem[slot], (((1,), (1,)), ((), ())),
+                            preferred_element_type=jnp.float32)
+                    else:
+                        plgpu.wgmma(acc, a_smem.at[slot, rows],
+                                    b_smem.at[slot].transpose((1, 0)))
+                        plgpu.wgmma_wait(0)
+                    plgpu.barrier_arrive(free.at[slot])
+                    return acc
 
-    @functools.partial(
-        pl.run_scoped,
-        allocs=pipeline(nothing, nothing).get_allocations(x_gmem, w_gmem),
-        out_smem=plgpu.SMEM((NUM_CONSUMERS, epi_m, bn), dtype, transforms=transforms(dtype)),
-        collective_axes="wg",
-    )
-    def _scope(allocs, out_smem):
-        wg = lax.axis_index("wg")
-        cta_in_cluster = lax.axis_index("cluster") if multicast else 0
+                return lax.fori_loop(0, k_steps, step, acc)
 
-        @plgpu.nd_loop((m_tiles * n_tiles,), collective_axes="cluster_grid")
-        def _tile_loop(info):
-            (lin,) = info.index
-            m_idx, n_cluster = plgpu.planar_snake(
-                lin, (m_tiles, n_tiles), 1 if bs.grid_minor_n else 0, bs.grid_tile_width)
-            n_idx = n_cluster * bs.cluster_n + cta_in_cluster
-            rows = pl.ds(m_idx * cta_m, cta_m)
-            cols = pl.ds(n_idx * bn, bn)
-            wg_rows = pl.ds(wg * bm, bm)
+            if interpret:
+                acc = mma_steps(jnp.zeros((bm, 2 * bn), jnp.float32))
+            else:
+                def scope(acc_ref):
+                    mma_steps(acc_ref)
+                    return acc_ref[...]
 
-            def epilogue(gate, up):
-                act = gate / (1.0 + jnp.exp2(gate * -LOG2E)) * up
-                for c in range(bm // epi_m):
-                    # The previous store out of this buffer must have read it.
-                    plgpu.wait_smem_to_gmem(0, wait_read_only=True)
-                    out_smem[wg] = act[c * epi_m:(c + 1) * epi_m].astype(dtype)
-                    plgpu.commit_smem()
-                    plgpu.copy_smem_to_gmem(
-                        out_smem.at[wg],
-                        out_gmem.at[pl.ds(m_idx * cta_m + wg * bm + c * epi_m, epi_m), cols])
+                acc = pl.run_scoped(scope, plgpu.ACC((bm, 2 * bn), jnp.float32))
+            _store_swiglu(acc[:, :bn], acc[:, bn:], out_smem.at[wg], out_gmem,
+                          m_idx * cta_m + wg * bm, pl.ds(n_idx * bn, bn))
+            return g0 + k_steps
 
-            def compute_context(run_pipeline):
-                if interpret:  # float32 values as the carry (the interpreter has no ACC)
-                    zeros = jnp.zeros((bm, bn), jnp.float32)
-                    epilogue(*run_pipeline((zeros, zeros)))
-                    return
+        lax.fori_loop(0, my_tiles, tile, i32(0))
+        plgpu.wait_smem_to_gmem(0, wait_read_only=True)
 
-                @functools.partial(pl.run_scoped, acc_g=plgpu.ACC((bm, bn), jnp.float32),
-                                   acc_u=plgpu.ACC((bm, bn), jnp.float32))
-                def _acc(acc_g, acc_u):
-                    run_pipeline((acc_g, acc_u))
-                    epilogue(acc_g[...], acc_u[...])
+    @pl.when(wg == NUM_CONSUMERS)
+    def _producer():
+        if not interpret:
+            plgpu.set_max_registers(40, action="decrease")
 
-            def mma(_, x_smem, w_smem, carry):
-                a = x_smem.at[wg_rows]
-                if interpret:  # the interpreter's wgmma takes no transposed operands
-                    def nt(b):
-                        return lax.dot_general(a[...], b, (((1,), (1,)), ((), ())),
-                                               preferred_element_type=jnp.float32)
-                    return carry[0] + nt(w_smem[0]), carry[1] + nt(w_smem[1])
-                for acc, part in zip(carry, (0, 1), strict=True):  # gate, then up: `x @ w[part].T`
-                    plgpu.wgmma(acc, a, w_smem.at[part].transpose((1, 0)))
-                plgpu.wgmma_wait(0)
-                return carry
+        def tile(i, g0):
+            m_idx, n_idx = tile_coords(i)
+            rows, cols = pl.ds(m_idx * cta_m, cta_m), pl.ds(n_idx * bn, bn)
 
-            pipeline(mma, compute_context)(
-                x_gmem.at[rows, :], w_gmem.at[:, cols, :], allocations=allocs)
+            def step(k, _):
+                g = g0 + k
+                slot = lax.rem(g, i32(stages))
 
-    plgpu.wait_smem_to_gmem(0, wait_read_only=True)
+                @pl.when(g >= stages)
+                def _():
+                    plgpu.barrier_wait(free.at[slot])
+
+                ks = pl.ds(k * bk, bk)
+                plgpu.copy_gmem_to_smem(x_gmem.at[rows, ks], a_smem.at[slot], full.at[slot])
+                for part in (0, 1):  # gate rows, then up rows
+                    plgpu.copy_gmem_to_smem(w_gmem.at[part, cols, ks],
+                                            b_smem.at[slot, pl.ds(part * bn, bn)],
+                                            full.at[slot])
+                return ()
+
+            lax.fori_loop(0, k_steps, step, ())
+            return g0 + k_steps
+
+        total = lax.fori_loop(0, my_tiles, tile, i32(0))
+
+        # Observe the last stages' releases too (the interpreter checks that every
+        # barrier phase is waited on by each thread that waits on that barrier).
+        @pl.loop(jnp.maximum(total - stages, 0), total)
+        def _drain(g):
+            plgpu.barrier_wait(free.at[lax.rem(g, i32(stages))])
 
 
 def swiglu_up(x: jax.Array, w: jax.Array, *, interpret: bool = False,
@@ -210,24 +233,33 @@ def swiglu_up(x: jax.Array, w: jax.Array, *, interpret: bool = False,
         raise ValueError(f"swiglu_up: x {x.shape} {x.dtype} / w {w.shape} {w.dtype} is not "
                          f"covered by the kernel with {bs}")
     t, inter = x.shape[0], w.shape[1]
-    num_tiles = (t // (NUM_CONSUMERS * bs.block_m)) * (inter // (bs.block_n * bs.cluster_n))
-    num_clusters = min(num_tiles, (2 if interpret else _num_sms()) // bs.cluster_n)
+    num_tiles = (t // (NUM_CONSUMERS * bs.block_m)) * (inter // bs.block_n)
+    num_ctas = min(num_tiles, 2 if interpret else _num_sms())
     kw = {}
     if interpret:
         from jax._src.pallas.mosaic_gpu.interpret import params as interpret_params
 
         kw["interpret"] = interpret_params.InterpretGPUParams()
-    sem = plgpu.LoweringSemantics.Warpgroup
+    dt, tr = x.dtype, _transforms(x.dtype, bs.block_k, interpret)
     call = plgpu.kernel(
-        functools.partial(_kernel, bs=bs, interpret=bool(interpret)),
-        out_type=jax.ShapeDtypeStruct((t, inter), x.dtype),
-        grid=(num_clusters,),
-        grid_names=("cluster_grid",),
-        cluster=(bs.cluster_n,),
-        cluster_names=("cluster",),
+        functools.partial(_kernel, bs=bs, interpret=bool(interpret), num_ctas=num_ctas),
+        out_type=jax.ShapeDtypeStruct((t, inter), dt),
+        scratch_types=[
+            plgpu.SMEM((bs.num_stages, NUM_CONSUMERS * bs.block_m, bs.block_k), dt,
+                       transforms=tr),  # x blocks
+            plgpu.SMEM((bs.num_stages, 2 * bs.block_n, bs.block_k), dt,
+                       transforms=tr),  # weight blocks: gate rows, then up rows
+            plgpu.SMEM((NUM_CONSUMERS, EPI_ROWS, bs.block_n), dt,
+                       transforms=_transforms(dt, bs.block_n, interpret)),  # output staging
+            plgpu.Barrier(num_arrivals=3, num_barriers=bs.num_stages),  # stage loaded
+            plgpu.Barrier(num_arrivals=NUM_CONSUMERS, num_barriers=bs.num_stages),  # consumed
+        ],
+        grid=(num_ctas,),
+        grid_names=("cta",),
         num_threads=NUM_CONSUMERS + 1,
         thread_name="wg",
-        compiler_params=plgpu.CompilerParams(approx_math=True, lowering_semantics=sem),
+        compiler_params=plgpu.CompilerParams(
+            approx_math=True, lowering_semantics=plgpu.LoweringSemantics.Warpgroup),
         **kw,
     )
     return call(x, w)

@@ -1,11 +1,10 @@
 """The fused SwiGLU up-projection kernel agrees with the jnp reference.
 
 Where it runs: on the CPU in Mosaic GPU interpret mode (shared memory, TMA
-copies and the warp-specialized pipeline's barriers are simulated; the wgmma
-matmuls become plain dots, and the interpreter has no clusters, so x multicast
-is off there); on a Hopper GPU the compiled kernel with its default tiling,
-clusters included. Anywhere else the kernel tests skip; the XLA path of
-`jaxllm.layers.mlp.SwiGLU` is tested everywhere.
+copies and the producer / consumer barriers are simulated; the wgmma matmuls
+become plain dots); on a Hopper GPU the compiled kernel. Anywhere else the
+kernel tests skip; the XLA path of `jaxllm.layers.mlp.SwiGLU` is tested
+everywhere.
 
 Bounds against the reference (float32 math on the same inputs, rounded to the
 output dtype): relative L2 error <= 1e-5 for float32 (interpret only) and
@@ -52,12 +51,6 @@ def _rel_l2(got, want):
     return float(np.linalg.norm(got - want) / np.linalg.norm(want))
 
 
-def _block_sizes(**kw):
-    if MODE == "interpret":
-        kw.setdefault("cluster_n", 1)
-    return B(**kw)
-
-
 # (T, H, I, dtype, block sizes): several output tiles per CTA (the persistent walk
 # and the planar snake), K steps beyond the pipeline depth, both snake orientations.
 CASES = {
@@ -77,7 +70,7 @@ def test_kernel_matches_reference(case):
     if MODE == "device" and dtype == jnp.float32:
         pytest.skip("float32 is interpret-only (the tensor cores would take it as tf32)")
     x, w = _inputs(t, h, i, dtype, seed=len(case))
-    bs = _block_sizes(**kw)
+    bs = B(**kw)
     assert gpu_mgpu.supported(x, w, interpret=MODE == "interpret", block_sizes=bs)
     got = jax.jit(lambda x, w: gpu_mgpu.swiglu_up(x, w, interpret=MODE == "interpret",
                                                   block_sizes=bs))(x, w)
@@ -88,7 +81,7 @@ def test_kernel_matches_reference(case):
     assert _rel_l2(got, reference.swiglu_up(x, w[::-1])) > 0.5
 
 
-@pytest.mark.skipif(MODE != "device", reason="the default tiling with clusters: Hopper only")
+@pytest.mark.skipif(MODE != "device", reason="a model-sized shape: Hopper only")
 def test_default_tiling_on_device_at_a_model_shape():
     x, w = _inputs(2048, 1024, 3584, jnp.bfloat16)
     got = jax.jit(gpu_mgpu.swiglu_up)(x, w)
@@ -97,7 +90,7 @@ def test_default_tiling_on_device_at_a_model_shape():
 
 def test_supported_names_what_the_kernel_does_not_cover():
     x, w = _inputs(256, 64, 128, jnp.float32)
-    interp = dict(interpret=True, block_sizes=B(cluster_n=1))
+    interp = dict(interpret=True, block_sizes=B())
     ok = gpu_mgpu.plgpu is not None
     assert gpu_mgpu.supported(x, w, **interp) is ok
     assert not gpu_mgpu.supported(x[:200], w, **interp)  # T not a multiple of 2 x block_m
@@ -105,10 +98,7 @@ def test_supported_names_what_the_kernel_does_not_cover():
     assert not gpu_mgpu.supported(x[:, :48], w[:, :, :48], **interp)  # H % block_k
     assert not gpu_mgpu.supported(x, w.astype(jnp.bfloat16), **interp)  # mixed dtypes
     assert not gpu_mgpu.supported(x, w[:1], **interp)  # not a gate/up pair
-    # float32 is interpret-only; cluster 2 needs I a multiple of 2 x block_n.
-    assert not gpu_mgpu.supported(x, w, interpret=False, block_sizes=B(cluster_n=1))
-    assert not gpu_mgpu.supported(x.astype(jnp.bfloat16), w[:, :64].astype(jnp.bfloat16),
-                                  interpret=True, block_sizes=B(cluster_n=2))
+    assert not gpu_mgpu.supported(x, w, interpret=False)  # float32 is interpret-only
     with pytest.raises(ValueError, match="not covered"):
         gpu_mgpu.swiglu_up(x[:200], w, **interp)
 
