@@ -70,12 +70,10 @@ import jax.numpy as jnp
 from jax import lax
 from jax.experimental import pallas as pl
 
+from pallas_kernels.mosaic_gpu_util import is_hopper as _is_hopper
+from pallas_kernels.mosaic_gpu_util import num_sms as _num_sms
+from pallas_kernels.mosaic_gpu_util import plgpu, wait_last_releases
 from pallas_kernels.ragged_paged_attention import gpu
-
-try:  # Mosaic GPU is part of jax proper, but keep the module importable without it.
-    from jax.experimental.pallas import mosaic_gpu as plgpu
-except Exception:  # pragma: no cover
-    plgpu = None
 
 LOG2E = math.log2(math.e)
 ROWS_PER_WG = 64  # one wgmma M tile per consumer warpgroup
@@ -141,16 +139,6 @@ def supported(q: jax.Array, kv_cache: jax.Array, page_indices: jax.Array, *,
     return _is_hopper()
 
 
-@functools.cache
-def _is_hopper() -> bool:
-    try:
-        dev = jax.devices()[0]
-    except Exception:  # pragma: no cover
-        return False
-    if dev.platform != "gpu":
-        return False
-    cc = str(getattr(dev, "compute_capability", ""))
-    return cc.startswith("9.")
 
 
 def work_items(cu_q_lens: jax.Array, num_seqs: jax.Array, num_tokens: int,
@@ -432,15 +420,8 @@ def _kernel(req_ref, w0_ref, lo_ref, hi_ref, cu_ref, kvlen_ref, pidx_ref, off_re
             lax.fori_loop(0, num_steps, kv_step, ())
             return g0 + num_steps
 
-        total = lax.fori_loop(0, my_works, process, i32(0))
-
-        # Observe the last stages' releases too, so every barrier phase is waited on
-        # by each thread that waits on that barrier (the interpreter checks this).
-        @pl.loop(jnp.maximum(total - num_stages, 0), total)
-        def _drain(g):
-            slot = lax.rem(g, i32(num_stages))
-            plgpu.barrier_wait(k_free.at[slot])
-            plgpu.barrier_wait(v_free.at[slot])
+        wait_last_releases(lax.fori_loop(0, my_works, process, i32(0)), num_stages,
+                           k_free, v_free)
 
 
 def ragged_paged_attention(
@@ -477,11 +458,6 @@ def ragged_paged_attention(
                       interpret=interpret, page_offset=page_offset)
 
 
-def _num_sms() -> int:
-    try:
-        return int(getattr(jax.devices()[0], "core_count", 0)) or 132
-    except Exception:  # pragma: no cover
-        return 132
 
 
 def _mgpu_call(q, kv_cache, kv_lens, page_indices, cu_q_lens, num_seqs, *, sm_scale,

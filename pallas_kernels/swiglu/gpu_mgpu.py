@@ -52,10 +52,9 @@ import jax.numpy as jnp
 from jax import lax
 from jax.experimental import pallas as pl
 
-try:  # Mosaic GPU is part of jax proper, but keep the module importable without it.
-    from jax.experimental.pallas import mosaic_gpu as plgpu
-except Exception:  # pragma: no cover
-    plgpu = None
+from pallas_kernels.mosaic_gpu_util import is_hopper as _is_hopper
+from pallas_kernels.mosaic_gpu_util import num_sms as _num_sms
+from pallas_kernels.mosaic_gpu_util import plgpu, wait_last_releases
 
 LOG2E = math.log2(math.e)
 NUM_CONSUMERS = 2
@@ -91,20 +90,8 @@ def supported(x: jax.Array, w: jax.Array, *, interpret: bool = False,
     return True if interpret else _is_hopper()
 
 
-@functools.cache
-def _is_hopper() -> bool:
-    try:
-        dev = jax.devices()[0]
-    except Exception:  # pragma: no cover
-        return False
-    return dev.platform == "gpu" and str(getattr(dev, "compute_capability", "")).startswith("9.")
 
 
-def _num_sms() -> int:
-    try:
-        return int(getattr(jax.devices()[0], "core_count", 0)) or 132
-    except Exception:  # pragma: no cover
-        return 132
 
 
 def _store_swiglu(gate, up, out_smem, out_gmem, row0, cols):
@@ -214,13 +201,7 @@ def _kernel(x_gmem, w_gmem, out_gmem, a_smem, b_smem, out_smem, full, free, *,
             lax.fori_loop(0, k_steps, step, ())
             return g0 + k_steps
 
-        total = lax.fori_loop(0, my_tiles, tile, i32(0))
-
-        # Observe the last stages' releases too (the interpreter checks that every
-        # barrier phase is waited on by each thread that waits on that barrier).
-        @pl.loop(jnp.maximum(total - stages, 0), total)
-        def _drain(g):
-            plgpu.barrier_wait(free.at[lax.rem(g, i32(stages))])
+        wait_last_releases(lax.fori_loop(0, my_tiles, tile, i32(0)), stages, free)
 
 
 def swiglu_up(x: jax.Array, w: jax.Array, *, interpret: bool = False,

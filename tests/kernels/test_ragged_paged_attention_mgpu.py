@@ -30,21 +30,13 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
+from pallas_kernels.mosaic_gpu_util import kernel_mode
 from pallas_kernels.ragged_paged_attention import gpu_mgpu, reference
 
 MAX_ABS, REL_L2 = 6e-2, 1e-2
 
 
-def _mode() -> str | None:
-    backend = jax.default_backend()
-    if backend == "cpu":
-        return "interpret"
-    if backend == "gpu" and gpu_mgpu._is_hopper():
-        return "device"
-    return None
-
-
-MODE = _mode()
+MODE = kernel_mode()
 pytestmark = pytest.mark.skipif(
     MODE is None or gpu_mgpu.plgpu is None,
     reason="needs the CPU (Mosaic GPU interpret mode) or a Hopper GPU")

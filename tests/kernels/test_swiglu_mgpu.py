@@ -21,19 +21,10 @@ import pytest
 
 from jaxllm.errors import ParameterError
 from jaxllm.layers.mlp import MIN_KERNEL_TOKENS, SwiGLU, get_swiglu
+from pallas_kernels.mosaic_gpu_util import kernel_mode
 from pallas_kernels.swiglu import gpu_mgpu, reference
 
-
-def _mode() -> str | None:
-    backend = jax.default_backend()
-    if backend == "cpu":
-        return "interpret"
-    if backend == "gpu" and gpu_mgpu._is_hopper():
-        return "device"
-    return None
-
-
-MODE = _mode()
+MODE = kernel_mode()
 needs_kernel = pytest.mark.skipif(MODE is None or gpu_mgpu.plgpu is None,
                                   reason="needs the CPU (interpret mode) or a Hopper GPU")
 B = gpu_mgpu.BlockSizes
