@@ -2,7 +2,8 @@
 
 Where it runs: on the CPU in Mosaic GPU interpret mode (shared memory, TMA
 copies and the producer / consumer barriers are simulated; the wgmma matmuls
-become plain dots); on a Hopper GPU the compiled kernel. Anywhere else the
+become plain dots); on a Hopper GPU the compiled kernel (tests/conftest.py
+defaults JAX to the CPU: run with `JAX_PLATFORMS=cuda`). Anywhere else the
 kernel tests skip; the XLA path of `jaxllm.layers.mlp.SwiGLU` is tested
 everywhere.
 
