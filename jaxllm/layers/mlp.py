@@ -4,9 +4,9 @@ The gate/up weight is the model's `[2, I, H]` stack. XLA computes it as one
 GEMM writing `[T, 2I]` and one elementwise pass reading that back to write
 `[T, I]`. On a Hopper GPU, `pallas_kernels/swiglu` does the SiLU·mul in the
 GEMM's epilogue instead, so the `[T, 2I]` product never reaches HBM. At the
-8B shapes that saves 5-6% of the layer's MLP up-projection at 4096 tokens and
-more, and nothing at a few hundred (BENCHMARKS.md, throughput), so "auto" sends
-only steps of at least `MIN_KERNEL_TOKENS` tokens to the kernel. Steps whose
+8B shapes on an H100 that makes the up-projection 6% faster at 16384 tokens,
+11% at 4096, 3% at 2048, and 2% slower at 512 (BENCHMARKS.md, throughput, stop
+25), so "auto" sends only steps of at least `MIN_KERNEL_TOKENS` tokens to the kernel. Steps whose
 shapes the kernel does not cover, and biased projections, stay on XLA.
 
 Under tensor parallelism the weight is split over 'model' along I (column
@@ -26,8 +26,7 @@ from jax.sharding import PartitionSpec as P
 from jaxllm.errors import ParameterError
 
 MLP_BACKENDS = ("auto", "xla", "pallas_gpu_mosaic")
-# "auto": the kernel from this many tokens a step (measured on an H100 at the 8B
-# shapes: 2048 tokens gain ~3%, 512 lose ~2%).
+# "auto": the kernel from this many tokens a step (see above).
 MIN_KERNEL_TOKENS = 2048
 
 
