@@ -364,46 +364,85 @@ def ragged_paged_attention(
     if items is None:
         items = work_items(cu_q_lens, num_seqs, num_tokens, bs.block_q,
                            skip_decode=bs.decode is not None)
-
-    rows = num_tokens * num_q_heads
-    args = (cu_q_lens.astype(jnp.int32), kv_lens.astype(jnp.int32),
-            page_indices.astype(jnp.int32).reshape(-1), q.reshape(rows, head_dim),
-            kv_cache.reshape(num_pages * two_h * page_size, head_dim))
-
-    def call(b: BlockSizes, items: tuple[jax.Array, jax.Array], into: jax.Array | None):
-        splits = b.num_kv_splits
-        kernel = functools.partial(
-            _kernel, aliased=into is not None, kv_heads=num_kv_heads, block_q=b.block_q,
-            block_kv=b.block_kv, group=group, num_q_heads=num_q_heads, page_size=page_size,
-            pages_per_seq=pages_per_seq, num_tokens=num_tokens, num_splits=splits,
-            kv_evict_first=b.kv_evict_first, page_offset=page_offset,
-            sm_scale=float(sm_scale), sliding_window=sliding_window, soft_cap=soft_cap)
-        if splits == 1:
-            out_shape = [jax.ShapeDtypeStruct((rows, head_dim), q.dtype)]
-        else:
-            out_shape = [jax.ShapeDtypeStruct((splits * rows, head_dim), jnp.float32),
-                         jax.ShapeDtypeStruct((splits * rows,), jnp.float32)]
-        extra = () if into is None else (into,)
-        return pl.pallas_call(
-            kernel,
-            out_shape=out_shape,
-            grid=(items[0].shape[0], num_kv_heads, splits),
-            input_output_aliases={} if into is None else {2 + len(args): 0},
-            compiler_params=_compiler_params(b.num_warps, b.num_stages),
-            interpret=interpret,
-            name="ragged_paged_attention_gpu",
-        )(*items, *args, *extra)
+    static = dict(sm_scale=sm_scale, sliding_window=sliding_window, soft_cap=soft_cap,
+                  interpret=interpret, page_offset=page_offset)
 
     into = None
     if bs.decode is not None:  # the one-token requests' rows; the main call fills the rest
-        into = call(bs.decode, decode_items(cu_q_lens, num_seqs), None)[0]
-    outs = call(bs, items, into)
+        into = _call(bs.decode, decode_items(cu_q_lens, num_seqs), q, kv_cache, kv_lens,
+                     page_indices, cu_q_lens, None, **static)[0]
+    outs = _call(bs, items, q, kv_cache, kv_lens, page_indices, cu_q_lens, into, **static)
     if bs.num_kv_splits == 1:
         return outs[0].reshape(num_tokens, num_q_heads, head_dim)
+    rows = num_tokens * num_q_heads
     splits = bs.num_kv_splits
     o = outs[0].reshape(splits, rows, head_dim)
     lse = outs[1].reshape(splits, rows)
     return _combine(o, lse).astype(q.dtype).reshape(num_tokens, num_q_heads, head_dim)
+
+
+def attend_decodes_into(
+    out: jax.Array,
+    q: jax.Array,
+    kv_cache: jax.Array,
+    kv_lens: jax.Array,
+    page_indices: jax.Array,
+    cu_q_lens: jax.Array,
+    num_seqs: jax.Array,
+    *,
+    sm_scale: float,
+    interpret: bool = False,
+    page_offset: int = 0,
+) -> jax.Array:
+    """`out` `[T, Hq, D]` with the rows of every one-token request replaced by their
+    attention (decode tiles, one item per request); all other rows are kept. The
+    update is in place (`out` is aliased to the result): a prefill body that skips
+    the one-token requests and this call together write each row once."""
+    num_tokens, num_q_heads, head_dim = q.shape
+    group = num_q_heads // (kv_cache.shape[1] // 2)
+    dec = decode_block_sizes(group, head_dim, jnp.dtype(kv_cache.dtype).itemsize)
+    res = _call(dec, decode_items(cu_q_lens, num_seqs), q, kv_cache, kv_lens, page_indices,
+                cu_q_lens, out.reshape(num_tokens * num_q_heads, head_dim),
+                sm_scale=sm_scale, sliding_window=None, soft_cap=None, interpret=interpret,
+                page_offset=page_offset)
+    return res[0].reshape(out.shape)
+
+
+def _call(b: BlockSizes, items: tuple[jax.Array, jax.Array], q, kv_cache, kv_lens,
+          page_indices, cu_q_lens, into: jax.Array | None, *, sm_scale, sliding_window,
+          soft_cap, interpret, page_offset):
+    """One pallas_call of the kernel over `items`; with `into` (`[T * Hq, D]`) its
+    rows are updated in place (aliased) and rows of no item keep their values."""
+    num_tokens, num_q_heads, head_dim = q.shape
+    num_pages, two_h, page_size, _ = kv_cache.shape
+    num_kv_heads = two_h // 2
+    pages_per_seq = page_indices.shape[1]
+    rows = num_tokens * num_q_heads
+    args = (cu_q_lens.astype(jnp.int32), kv_lens.astype(jnp.int32),
+            page_indices.astype(jnp.int32).reshape(-1), q.reshape(rows, head_dim),
+            kv_cache.reshape(num_pages * two_h * page_size, head_dim))
+    splits = b.num_kv_splits
+    kernel = functools.partial(
+        _kernel, aliased=into is not None, kv_heads=num_kv_heads, block_q=b.block_q,
+        block_kv=b.block_kv, group=num_q_heads // num_kv_heads, num_q_heads=num_q_heads,
+        page_size=page_size, pages_per_seq=pages_per_seq, num_tokens=num_tokens,
+        num_splits=splits, kv_evict_first=b.kv_evict_first, page_offset=page_offset,
+        sm_scale=float(sm_scale), sliding_window=sliding_window, soft_cap=soft_cap)
+    if splits == 1:
+        out_shape = [jax.ShapeDtypeStruct((rows, head_dim), q.dtype)]
+    else:
+        out_shape = [jax.ShapeDtypeStruct((splits * rows, head_dim), jnp.float32),
+                     jax.ShapeDtypeStruct((splits * rows,), jnp.float32)]
+    extra = () if into is None else (into,)
+    return pl.pallas_call(
+        kernel,
+        out_shape=out_shape,
+        grid=(items[0].shape[0], num_kv_heads, splits),
+        input_output_aliases={} if into is None else {2 + len(args): 0},
+        compiler_params=_compiler_params(b.num_warps, b.num_stages),
+        interpret=interpret,
+        name="ragged_paged_attention_gpu",
+    )(*items, *args, *extra)
 
 
 def _combine(o: jax.Array, lse: jax.Array) -> jax.Array:

@@ -52,6 +52,11 @@ CTA structure (FA3-style, three warpgroups):
   of another request is ever written. Rows past `cu_q_lens[num_seqs]` are
   written as zeros; requests >= num_seqs own no item and are never read.
 
+Decodes beside prompt chunks (as in `gpu.py`): a one-token request owns no
+item here. As a window of 128 / G tokens it would stream its whole context
+for one row; `gpu.attend_decodes_into` writes those rows afterwards with the
+decode tiles, in place, so every row of the output is still written once.
+
 Measured (H100 SXM, jax 0.11.2, kernel-prefill workload: 4 x 2048-token causal
 prompts, 32 q / 8 kv heads, head_dim 128, bf16, page size 16, shuffled pages; at
 0316e30, BENCHMARKS.md): 314.0 us = 59.7% of the measured bf16 matmul peak
@@ -142,7 +147,8 @@ def supported(q: jax.Array, kv_cache: jax.Array, page_indices: jax.Array, *,
 
 
 def work_items(cu_q_lens: jax.Array, num_seqs: jax.Array, num_tokens: int,
-               block_q: int) -> tuple[jax.Array, jax.Array, jax.Array, jax.Array]:
+               block_q: int, *, skip_decode: bool = False
+               ) -> tuple[jax.Array, jax.Array, jax.Array, jax.Array]:
     """Work items as (request, window start, first row, end row), reversed (longest first).
 
     Each request's rows [cu[r], cu[r + 1]) are covered by windows of `block_q`
@@ -152,6 +158,8 @@ def work_items(cu_q_lens: jax.Array, num_seqs: jax.Array, num_tokens: int,
     [cu[num_seqs], T) are one more such segment with request -1 (zero fill);
     request -2 marks an unused slot. Sized statically: every segment needs at
     most cdiv(len, block_q) + 1 windows, hence cdiv(T, bq) + 2 * min(R, T) + 2.
+    `skip_decode`: one-token requests get no item (`gpu.attend_decodes_into` covers
+    them); the padding segment keeps its items whatever its length.
     """
     assert block_q % 8 == 0
     num_req = cu_q_lens.shape[0] - 1
@@ -162,6 +170,9 @@ def work_items(cu_q_lens: jax.Array, num_seqs: jax.Array, num_tokens: int,
     seg_lo = jnp.concatenate([cu[:-1], t_real[None]])
     seg_hi = jnp.concatenate([cu[1:], jnp.full((1,), num_tokens, jnp.int32)])
     live = jnp.concatenate([ridx < n, jnp.ones((1,), bool)]) & (seg_hi > seg_lo)
+    if skip_decode:
+        is_req = jnp.concatenate([jnp.ones((num_req,), bool), jnp.zeros((1,), bool)])
+        live = live & ~(is_req & (seg_hi - seg_lo == 1))
     seg_req = jnp.concatenate([ridx, jnp.full((1,), -1, jnp.int32)])
     seg_start = (seg_lo // 8) * 8
     seg_n = jnp.where(live, (seg_hi - seg_start + block_q - 1) // block_q, 0)
@@ -443,9 +454,10 @@ def ragged_paged_attention(
 ) -> jax.Array:
     """Ragged paged attention; Mosaic GPU body where `supported()`, else `gpu.py`'s.
 
-    `items` (optional) must come from this module's `work_items(..., 128 // G)`
-    (used on the fast path only); `fallback_block_sizes` goes to
-    `gpu.ragged_paged_attention` on the fallback; `page_offset` as in reference.py.
+    `items` (optional) must come from this module's
+    `work_items(..., 128 // G, skip_decode=True)` (used on the fast path only);
+    `fallback_block_sizes` goes to `gpu.ragged_paged_attention` on the fallback;
+    `page_offset` as in reference.py.
     """
     if not supported(q, kv_cache, page_indices, sliding_window=sliding_window,
                      soft_cap=soft_cap, interpret=interpret, block_sizes=block_sizes):
@@ -453,9 +465,13 @@ def ragged_paged_attention(
             q, kv_cache, kv_lens, page_indices, cu_q_lens, num_seqs, sm_scale=sm_scale,
             sliding_window=sliding_window, soft_cap=soft_cap,
             block_sizes=fallback_block_sizes, interpret=interpret, page_offset=page_offset)
-    return _mgpu_call(q, kv_cache, kv_lens, page_indices, cu_q_lens, num_seqs,
-                      sm_scale=sm_scale, block_sizes=block_sizes, items=items,
-                      interpret=interpret, page_offset=page_offset)
+    out = _mgpu_call(q, kv_cache, kv_lens, page_indices, cu_q_lens, num_seqs,
+                     sm_scale=sm_scale, block_sizes=block_sizes, items=items,
+                     interpret=interpret, page_offset=page_offset)
+    # The one-token requests' rows (no item above): gpu.py's decode tiles, in place.
+    return gpu.attend_decodes_into(out, q, kv_cache, kv_lens, page_indices, cu_q_lens,
+                                   num_seqs, sm_scale=sm_scale, interpret=interpret,
+                                   page_offset=page_offset)
 
 
 
@@ -469,7 +485,7 @@ def _mgpu_call(q, kv_cache, kv_lens, page_indices, cu_q_lens, num_seqs, *, sm_sc
     bq = CTA_ROWS // group
     bs = block_sizes or default_block_sizes(head_dim, page_size)
     if items is None:
-        items = work_items(cu_q_lens, num_seqs, num_tokens, bq)
+        items = work_items(cu_q_lens, num_seqs, num_tokens, bq, skip_decode=True)
     num_items = items[0].shape[0]
     num_works = num_items * num_kv_heads
     if bs.persistent:

@@ -194,12 +194,15 @@ def test_fallback_cases():
     assert not ok(t=260)  # not a whole number of 8-row tiles
 
 
-def test_work_items_cover_every_row_once():
-    """Windows start on the 8-row grid, lie in one segment, and own every row once."""
+@pytest.mark.parametrize("skip_decode", [False, True])
+def test_work_items_cover_every_row_once(skip_decode: bool):
+    """Windows start on the 8-row grid, lie in one segment, and own every row once;
+    with `skip_decode` the one-token requests' rows are owned by no item."""
     cu = np.asarray([0, 1, 9, 9, 30, 31, 47], np.int32)  # one empty request
     num_tokens, block_q, n = 64, 16, 5
     req, w0, lo, hi = (np.asarray(x) for x in gpu_mgpu.work_items(
-        jnp.asarray(cu), jnp.asarray([n], jnp.int32), num_tokens, block_q))
+        jnp.asarray(cu), jnp.asarray([n], jnp.int32), num_tokens, block_q,
+        skip_decode=skip_decode))
     owner = np.full(num_tokens, -3)
     for r, w, a, b in zip(req, w0, lo, hi, strict=True):
         if r == -2:
@@ -211,6 +214,8 @@ def test_work_items_cover_every_row_once():
         owner[a:b] = r
     want = np.concatenate([np.repeat(np.arange(n), np.diff(cu[:n + 1])),
                            np.full(num_tokens - cu[n], -1)])
+    if skip_decode:  # requests 0 and 3 have one token each
+        want[[0, 30]] = -3
     np.testing.assert_array_equal(owner, want)
 
 
