@@ -17,6 +17,7 @@ parallel); the Pallas call is not partitioned by XLA, so it runs per shard in
 from __future__ import annotations
 
 import dataclasses
+import functools
 
 import jax
 import jax.numpy as jnp
@@ -55,6 +56,20 @@ class SwiGLU:
             gate_up = gate_up + bias
         return jax.nn.silu(gate_up[:, 0]) * gate_up[:, 1]
 
+    @functools.cached_property
+    def _kernel_call(self):
+        """The kernel as one jitted function per SwiGLU: every layer's call is then the
+        same nested program, lowered and compiled once per step shape rather than once
+        per layer (H100: 32 call sites at 16384 tokens took 28 s one by one, 1.3 s as
+        one nested program)."""
+        from pallas_kernels.swiglu import gpu_mgpu
+
+        def run(x, w):
+            return gpu_mgpu.swiglu_up(x, w, interpret=self.interpret,
+                                      block_sizes=gpu_mgpu.BlockSizes())
+
+        return jax.jit(run)
+
     def _fused(self, x: jax.Array, w: jax.Array) -> jax.Array | None:
         from pallas_kernels.swiglu import gpu_mgpu
 
@@ -66,9 +81,7 @@ class SwiGLU:
         if not gpu_mgpu.supported(x, local_w, interpret=self.interpret, block_sizes=bs):
             return None
 
-        def run(x, w):
-            return gpu_mgpu.swiglu_up(x, w, interpret=self.interpret, block_sizes=bs)
-
+        run = self._kernel_call
         if shards == 1:
             return run(x, w)
         shard_map = getattr(jax, "shard_map", None)

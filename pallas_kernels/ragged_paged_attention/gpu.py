@@ -189,12 +189,12 @@ def decode_items(cu_q_lens: jax.Array, num_seqs: jax.Array) -> tuple[jax.Array, 
             jnp.where(one, cu_q_lens[:-1], 0).astype(jnp.int32))
 
 
-def _kernel(item_req_ref, item_tok_ref, cu_ref, kvlen_ref, pidx_ref, q_ref, kv_ref,
+def _kernel(item_req_ref, item_tok_ref, cu_ref, kvlen_ref, pidx_ref, off_ref, q_ref, kv_ref,
             *out_refs, aliased: bool, block_q: int, block_kv: int, group: int,
             num_q_heads: int, kv_heads: int,
             page_size: int, pages_per_seq: int, num_tokens: int, num_splits: int,
-            kv_evict_first: bool, page_offset: int,
-            sm_scale: float, sliding_window: int | None, soft_cap: float | None):
+            kv_evict_first: bool, sm_scale: float, sliding_window: int | None,
+            soft_cap: float | None):
     if aliased:  # the decode call's output, as an input: the same buffer as out_refs[1]
         out_refs = out_refs[1:]
     o_ref = out_refs[0]
@@ -231,6 +231,7 @@ def _kernel(item_req_ref, item_tok_ref, cu_ref, kvlen_ref, pidx_ref, q_ref, kv_r
     @pl.when(r >= 0)
     def _attend():
         rr = jnp.maximum(r, 0)
+        page_offset = off_ref[0]
         q_beg = cu_ref[rr]
         q_end = cu_ref[rr + 1]
         kv_len = kvlen_ref[rr]
@@ -418,16 +419,19 @@ def _call(b: BlockSizes, items: tuple[jax.Array, jax.Array], q, kv_cache, kv_len
     num_kv_heads = two_h // 2
     pages_per_seq = page_indices.shape[1]
     rows = num_tokens * num_q_heads
+    # The page offset is an input, not a constant of the kernel, so every layer's
+    # call is the same kernel (compiled once per shape, not once per layer).
     args = (cu_q_lens.astype(jnp.int32), kv_lens.astype(jnp.int32),
-            page_indices.astype(jnp.int32).reshape(-1), q.reshape(rows, head_dim),
+            page_indices.astype(jnp.int32).reshape(-1),
+            jnp.asarray(page_offset, jnp.int32).reshape(1), q.reshape(rows, head_dim),
             kv_cache.reshape(num_pages * two_h * page_size, head_dim))
     splits = b.num_kv_splits
     kernel = functools.partial(
         _kernel, aliased=into is not None, kv_heads=num_kv_heads, block_q=b.block_q,
         block_kv=b.block_kv, group=num_q_heads // num_kv_heads, num_q_heads=num_q_heads,
         page_size=page_size, pages_per_seq=pages_per_seq, num_tokens=num_tokens,
-        num_splits=splits, kv_evict_first=b.kv_evict_first, page_offset=page_offset,
-        sm_scale=float(sm_scale), sliding_window=sliding_window, soft_cap=soft_cap)
+        num_splits=splits, kv_evict_first=b.kv_evict_first, sm_scale=float(sm_scale),
+        sliding_window=sliding_window, soft_cap=soft_cap)
     if splits == 1:
         out_shape = [jax.ShapeDtypeStruct((rows, head_dim), q.dtype)]
     else:

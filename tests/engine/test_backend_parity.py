@@ -85,6 +85,7 @@ def test_engine_on_the_fused_swiglu_kernel_in_interpret_mode_matches_transformer
     outs = llm.generate([{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False)
     assert [o.outputs[0].token_ids for o in outs] == hf_tokens
     inter = llm.llm_engine.model_config.hf_config.intermediate_size
-    # Traced once per layer (per shard under tp), at the bucket's 256 rows.
+    # Traced at the bucket's 256 rows, per shard under tp (the layers share one
+    # nested program, so once per shape).
     assert traced and {x[0] for x, _ in traced} == {256}, traced
     assert {s[1] for _, s in traced} == {inter // tp}

@@ -222,7 +222,8 @@ def test_work_items_cover_every_row_once(skip_decode: bool):
 def test_mosaic_backend_routes_prefill_steps_to_the_mosaic_body(monkeypatch):
     """The engine's opt-in backend: a prefill-shaped bf16 step (KV written through the
     backend, then attended) runs this body and matches the reference."""
-    from jaxllm.layers.attention import AttentionBackend, AttentionMetadata, get_attention_backend
+    from jaxllm.layers.attention import AttentionBackend, AttentionMetadata
+    from jaxllm.layers.attention_pallas import PallasGPUMosaicBackend
 
     calls = []
     real = gpu_mgpu._mgpu_call
@@ -242,7 +243,9 @@ def test_mosaic_backend_routes_prefill_steps_to_the_mosaic_body(monkeypatch):
     v = jnp.asarray(rng.standard_normal((q.shape[0], hkv, d)), jnp.bfloat16)
     md = AttentionMetadata(jnp.asarray(slots), kv_lens, page_indices, cu, num_seqs)
     outs = []
-    mosaic = get_attention_backend("pallas_gpu_mosaic", interpret=MODE == "interpret")
+    # A backend of its own (not get_attention_backend's shared one): its jitted attend
+    # must trace here, where _mgpu_call is the counting one.
+    mosaic = PallasGPUMosaicBackend(interpret=MODE == "interpret")
     for backend in (AttentionBackend(), mosaic):
         layout = cache if type(backend) is AttentionBackend else cache.transpose(0, 2, 1, 3)
         kv = backend.write_kv(layout.astype(jnp.bfloat16), k, v, md)
