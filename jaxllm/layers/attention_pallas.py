@@ -93,8 +93,12 @@ class PallasGPUBackend(_PallasBackend):
 class PallasGPUMosaicBackend(PallasGPUBackend):
     """Opt-in (`attention_backend="pallas_gpu_mosaic"`): prefill-shaped steps on Hopper
     (bf16/f16, head_dim 64/128, no window or soft-cap) run the Mosaic GPU kernel
-    (`gpu_mgpu.py`: TMA page copies, wgmma; 59.7% of bf16 peak against the Triton
-    body's 32% on the kernel-prefill workload), everything else the Triton one.
+    (`gpu_mgpu.py`: TMA page copies, wgmma, persistent CTAs; its one-token requests go
+    to the Triton decode tiles), everything else the Triton body. On the H100 at the 8B
+    throughput workload's shapes its prefill calls take 0.70-0.86x the Triton body's
+    time (level with 96 decodes beside 3 prompts in 2048 tokens), and the whole run
+    ~0.1 s less (17.8 against 17.9 s on one machine, BENCHMARKS.md, 2026-11-25). Not
+    the default yet: a server's warm restart with it has not been measured since.
 
     A program loaded from the persistent caches (a warm start) links each Mosaic GPU
     kernel's host code against the Mosaic GPU runtime's functions
@@ -103,10 +107,6 @@ class PallasGPUMosaicBackend(PallasGPUBackend):
     programs without tracing the kernel, so nothing imported it and the load failed
     with "Failed to lookup host symbol ... anonymous_mosaic_gpu" (H100, jax 0.11.2).
     The backend imports it when it is made, before any program loads.
-
-    Not the default: on the 8B throughput workload it is level with the Triton body
-    (18.2 against 18.3 s at 1f7fb1d), and its cold start is 2.3x as long (450 against
-    200 s, BENCHMARKS.md); it pays on long prompts.
     """
 
     name = "pallas_gpu_mosaic"
