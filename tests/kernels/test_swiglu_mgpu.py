@@ -143,3 +143,22 @@ def test_get_swiglu_by_name():
             get_swiglu("pallas_gpu_mosaic")
     explicit = get_swiglu("pallas_gpu_mosaic", interpret=True)
     assert (explicit.kernel, explicit.interpret, explicit.min_tokens) == (True, True, 0)
+
+
+@needs_kernel
+def test_swiglu_traces_the_kernel_once_for_every_layer(monkeypatch):
+    """Layers of one step call the kernel with the same shapes: one nested program,
+    traced and compiled once (32 separate call sites cost 28 s on the H100, one 1.3 s)."""
+    calls = []
+    real = gpu_mgpu.swiglu_up
+    monkeypatch.setattr(gpu_mgpu, "swiglu_up",
+                        lambda x, w, **kw: calls.append(x.shape) or real(x, w, **kw))
+    interpret = MODE == "interpret"
+    f = SwiGLU("pallas_gpu_mosaic", kernel=True, interpret=interpret)
+    dtype = jnp.float32 if interpret else jnp.bfloat16
+    x, w = _inputs(256, 64, 128, dtype)
+    layers = jax.jit(lambda x, w: [f(x * (i + 1), w) for i in range(3)])
+    outs = layers(x, w)
+    assert calls == [(256, 64)]
+    for i, out in enumerate(outs):
+        assert _rel_l2(out, reference.swiglu_up(x * (i + 1), w)) <= (1e-5 if interpret else 5e-3)
