@@ -342,7 +342,8 @@ def ragged_paged_attention(
     page_offset: int = 0,
 ) -> jax.Array:
     """Ragged paged attention; `kv_cache` is `[P, 2 * Hkv, page_size, D]` (see module doc;
-    `page_offset` as in reference.py). `items`, if given, must be
+    `page_offset` as in reference.py, but an input of the kernel: it may be traced).
+    `items`, if given, must be
     `work_items(cu_q_lens, num_seqs, T, bs.block_q, skip_decode=bs.decode is not None)`."""
     num_tokens, num_q_heads, head_dim = q.shape
     num_pages, two_h, page_size, _ = kv_cache.shape

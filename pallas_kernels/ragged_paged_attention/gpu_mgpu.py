@@ -459,7 +459,7 @@ def ragged_paged_attention(
     `items` (optional) must come from this module's
     `work_items(..., 128 // G, skip_decode=True)` (used on the fast path only);
     `fallback_block_sizes` goes to `gpu.ragged_paged_attention` on the fallback;
-    `page_offset` as in reference.py.
+    `page_offset` as in reference.py, but an input of the kernels: it may be traced.
     """
     if not supported(q, kv_cache, page_indices, sliding_window=sliding_window,
                      soft_cap=soft_cap, interpret=interpret, block_sizes=block_sizes):
