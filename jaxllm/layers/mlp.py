@@ -65,20 +65,18 @@ class SwiGLU:
         from pallas_kernels.swiglu import gpu_mgpu
 
         def run(x, w):
-            return gpu_mgpu.swiglu_up(x, w, interpret=self.interpret,
-                                      block_sizes=gpu_mgpu.BlockSizes())
+            return gpu_mgpu.swiglu_up(x, w, interpret=self.interpret)
 
         return jax.jit(run)
 
     def _fused(self, x: jax.Array, w: jax.Array) -> jax.Array | None:
         from pallas_kernels.swiglu import gpu_mgpu
 
-        bs = gpu_mgpu.BlockSizes()
         shards = 1 if self.mesh is None else self.mesh.shape["model"]
         if w.shape[1] % shards:
             return None
         local_w = jax.ShapeDtypeStruct((2, w.shape[1] // shards, w.shape[2]), w.dtype)
-        if not gpu_mgpu.supported(x, local_w, interpret=self.interpret, block_sizes=bs):
+        if not gpu_mgpu.supported(x, local_w, interpret=self.interpret):
             return None
 
         run = self._kernel_call
