@@ -8,7 +8,8 @@ prefill chunks and decodes. The layers of a model share one cache array of
 page `l * num_blocks + b`, and both calls take that `page_offset`. One array
 instead of one per layer: every array a jitted step takes and returns costs
 the host ~1-2 us per call. Backends: "reference" (plain jnp, the oracle, used
-on the CPU), "pallas_tpu" and "pallas_gpu" (pallas_kernels/), chosen by
+on the CPU), "pallas_tpu", "pallas_gpu" (Triton) and "pallas_gpu_mosaic" (Mosaic
+GPU prefill body on Hopper, Triton for the rest; pallas_kernels/), chosen by
 platform unless `attention_backend` names one.
 """
 
@@ -63,13 +64,26 @@ class AttentionBackend:
 BACKENDS = ("auto", "reference", "pallas_tpu", "pallas_gpu", "pallas_gpu_mosaic")
 
 
+def _mosaic_gpu_available() -> bool:
+    """A Hopper GPU, and a jax with Pallas Mosaic GPU: the Mosaic GPU prefill body runs."""
+    from pallas_kernels import mosaic_gpu_util
+
+    return mosaic_gpu_util.plgpu is not None and mosaic_gpu_util.is_hopper()
+
+
 @functools.cache
 def get_attention_backend(name: str = "auto", interpret: bool = False) -> AttentionBackend:
-    """Backend by name; "auto" picks by the default device's platform."""
+    """Backend by name; "auto" picks by the default device's platform.
+
+    "auto": "pallas_tpu" on a TPU; on a GPU "pallas_gpu_mosaic" where the Mosaic GPU
+    prefill body runs (Hopper), else "pallas_gpu"; "reference" elsewhere.
+    """
     if name == "auto":
         platform = jax.devices()[0].platform
         name = {"tpu": "pallas_tpu", "gpu": "pallas_gpu", "cuda": "pallas_gpu"}.get(
             platform, "reference")
+        if name == "pallas_gpu" and _mosaic_gpu_available():
+            name = "pallas_gpu_mosaic"
     if name == "reference":
         return AttentionBackend(interpret)
     want = {"pallas_tpu": "tpu", "pallas_gpu": "gpu", "pallas_gpu_mosaic": "gpu"}.get(name)

@@ -150,16 +150,19 @@ def supported(q: jax.Array, kv_cache: jax.Array, page_indices: jax.Array, *,
 
 def work_items(cu_q_lens: jax.Array, num_seqs: jax.Array, num_tokens: int,
                block_q: int, *, skip_decode: bool = False
-               ) -> tuple[jax.Array, jax.Array, jax.Array, jax.Array]:
-    """Work items as (request, window start, first row, end row), reversed (longest first).
+               ) -> tuple[jax.Array, jax.Array, jax.Array, jax.Array, jax.Array]:
+    """Work items as (request, window start, first row, end row), and their count.
 
     Each request's rows [cu[r], cu[r + 1]) are covered by windows of `block_q`
     tokens whose starts are multiples of 8 (so every Q / O tile is an aligned
     TMA box of the tiled, swizzled shared-memory layout); an item computes its
     whole window but owns (stores) only rows [lo, hi) of it. Padding rows
-    [cu[num_seqs], T) are one more such segment with request -1 (zero fill);
-    request -2 marks an unused slot. Sized statically: every segment needs at
-    most cdiv(len, block_q) + 1 windows, hence cdiv(T, bq) + 2 * min(R, T) + 2.
+    [cu[num_seqs], T) are one more such segment with request -1 (zero fill).
+    Sized statically: every segment needs at most cdiv(len, block_q) + 1
+    windows, hence cdiv(T, bq) + 2 * min(R, T) + 2 slots. The used ones come
+    first, in reverse order (a request's last window, the one with the most
+    keys, first); request -2 marks the unused slots after them. The count
+    (shape (1,)) lets the kernel stop there rather than walk the empty slots.
     `skip_decode`: one-token requests get no item (`gpu.attend_decodes_into` covers
     them); the padding segment keeps its items whatever its length.
     """
@@ -190,14 +193,16 @@ def work_items(cu_q_lens: jax.Array, num_seqs: jax.Array, num_tokens: int,
     hi = jnp.minimum(w0 + block_q, seg_hi[seg])
     req = jnp.where(used, seg_req[seg], -2).astype(jnp.int32)
     w0, lo, hi = (jnp.where(used, x, 0).astype(jnp.int32) for x in (w0, lo, hi))
-    return req[::-1], w0[::-1], lo[::-1], hi[::-1]
+    count = cum[-1].astype(jnp.int32)
+    order = jnp.where(i < count, count - 1 - i, i)  # used slots reversed, then the rest
+    return req[order], w0[order], lo[order], hi[order], count.reshape(1)
 
 
-def _kernel(req_ref, w0_ref, lo_ref, hi_ref, cu_ref, kvlen_ref, pidx_ref, off_ref, q_ref,
+def _kernel(req_ref, w0_ref, lo_ref, hi_ref, count_ref, cu_ref, kvlen_ref, pidx_ref, off_ref, q_ref,
             kv_ref, out_ref, q_smem, o_smem, k_smem, v_smem, q_bar, k_bar, v_bar, k_free,
             v_free, sched_bar, *, group: int, page_size: int, block_kv: int, num_stages: int,
-            scale: float, schedule_barrier: bool, num_works: int, num_ctas: int,
-            num_kv_heads: int, interpret: bool):
+            scale: float, schedule_barrier: bool, num_ctas: int, num_kv_heads: int,
+            interpret: bool):
     bq = CTA_ROWS // group  # tokens per window
     chunk = min(bq, ROWS_PER_WG)  # rows per (query head, token run) of a warpgroup
     num_chunks = ROWS_PER_WG // chunk
@@ -209,6 +214,8 @@ def _kernel(req_ref, w0_ref, lo_ref, hi_ref, cu_ref, kvlen_ref, pidx_ref, off_re
     cta = lax.axis_index("cta")
     wg = lax.axis_index("wg")
     # Works (item, kv head), kv heads fastest; CTA c takes works c, c + num_ctas, ...
+    # up to the used items' count (the list's empty slots come after them).
+    num_works = count_ref[0] * num_kv_heads
     my_works = lax.div(num_works - cta + num_ctas - 1, i32(num_ctas))
 
     def work_info(k):
@@ -518,8 +525,8 @@ def _mgpu_call(q, kv_cache, kv_lens, page_indices, cu_q_lens, num_seqs, *, sm_sc
     body = functools.partial(
         _kernel, group=group, page_size=page_size, block_kv=bs.block_kv,
         num_stages=bs.num_stages, scale=float(sm_scale) * LOG2E,
-        schedule_barrier=bs.schedule_barrier, num_works=num_works, num_ctas=num_ctas,
-        num_kv_heads=num_kv_heads, interpret=bool(interpret))
+        schedule_barrier=bs.schedule_barrier, num_ctas=num_ctas, num_kv_heads=num_kv_heads,
+        interpret=bool(interpret))
     sem = {}
     if bs.semantics is not None:
         sem["lowering_semantics"] = getattr(plgpu.LoweringSemantics, bs.semantics.capitalize())

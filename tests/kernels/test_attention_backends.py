@@ -37,6 +37,26 @@ def test_auto_picks_reference_on_cpu_and_names_override():
             get_attention_backend(name)
 
 
+@pytest.mark.parametrize("capability,want", [("9.0", "pallas_gpu_mosaic"),
+                                              ("8.0", "pallas_gpu")])
+def test_auto_picks_the_mosaic_body_on_hopper_only(monkeypatch, capability, want):
+    """On a GPU, "auto" is the Mosaic GPU prefill body where it runs (compute capability
+    9.x), the Triton body elsewhere (a stand-in device; the caches are bypassed)."""
+    from pallas_kernels import mosaic_gpu_util
+
+    class FakeGPU:
+        platform = "gpu"
+        compute_capability = capability
+
+    monkeypatch.setattr(jax, "devices", lambda *a, **k: [FakeGPU()])
+    mosaic_gpu_util.is_hopper.cache_clear()
+    try:
+        assert get_attention_backend.__wrapped__("auto").name == want
+    finally:
+        monkeypatch.undo()
+        mosaic_gpu_util.is_hopper.cache_clear()
+
+
 @pytest.mark.parametrize("backend", [PallasTPUBackend(True), PallasGPUBackend(True)])
 def test_pallas_layout_is_head_major_pages(backend):
     assert backend.kv_cache_shape(NUM_BLOCKS, BLOCK, HKV, D) == (NUM_BLOCKS, 2 * HKV, BLOCK, D)

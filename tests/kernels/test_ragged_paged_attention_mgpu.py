@@ -197,12 +197,15 @@ def test_fallback_cases():
 @pytest.mark.parametrize("skip_decode", [False, True])
 def test_work_items_cover_every_row_once(skip_decode: bool):
     """Windows start on the 8-row grid, lie in one segment, and own every row once;
-    with `skip_decode` the one-token requests' rows are owned by no item."""
+    with `skip_decode` the one-token requests' rows are owned by no item. The used
+    items come first and their count is returned (the kernel stops there)."""
     cu = np.asarray([0, 1, 9, 9, 30, 31, 47], np.int32)  # one empty request
     num_tokens, block_q, n = 64, 16, 5
-    req, w0, lo, hi = (np.asarray(x) for x in gpu_mgpu.work_items(
+    req, w0, lo, hi, count = (np.asarray(x) for x in gpu_mgpu.work_items(
         jnp.asarray(cu), jnp.asarray([n], jnp.int32), num_tokens, block_q,
         skip_decode=skip_decode))
+    assert count.shape == (1,) and 0 < count[0] < len(req)
+    assert (req[:count[0]] != -2).all() and (req[count[0]:] == -2).all()
     owner = np.full(num_tokens, -3)
     for r, w, a, b in zip(req, w0, lo, hi, strict=True):
         if r == -2:
