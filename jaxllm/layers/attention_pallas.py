@@ -1,4 +1,4 @@
-"""Pallas attention backends (TPU: Mosaic, GPU: Triton) and the KV layout they share.
+"""Pallas attention backends (TPU: Mosaic; GPU: Triton, Mosaic GPU) and their KV layout.
 
 Both kernels read the cache head-major inside each page,
 `[num_pages, 2 * num_kv_heads, page_size, head_dim]` (K of kv head h at 2h, V
@@ -91,14 +91,14 @@ class PallasGPUBackend(_PallasBackend):
 
 
 class PallasGPUMosaicBackend(PallasGPUBackend):
-    """Opt-in (`attention_backend="pallas_gpu_mosaic"`): prefill-shaped steps on Hopper
-    (bf16/f16, head_dim 64/128, no window or soft-cap) run the Mosaic GPU kernel
-    (`gpu_mgpu.py`: TMA page copies, wgmma, persistent CTAs; its one-token requests go
-    to the Triton decode tiles), everything else the Triton body. On the H100 at the 8B
-    throughput workload's shapes its prefill calls take 0.70-0.86x the Triton body's
-    time (level with 96 decodes beside 3 prompts in 2048 tokens), and the whole run
-    ~0.1 s less (17.8 against 17.9 s on one machine, BENCHMARKS.md, 2026-11-25). Not
-    the default yet: a server's warm restart with it has not been measured since.
+    """The GPU default on Hopper ("auto"): prefill-shaped steps (bf16/f16, head_dim
+    64/128, no window or soft-cap) run the Mosaic GPU kernel (`gpu_mgpu.py`: TMA page
+    copies, wgmma, persistent CTAs; its one-token requests go to the Triton decode
+    tiles), everything else the Triton body. On the H100 at the 8B throughput
+    workload's shapes its prefill calls take 0.61-0.91x the Triton body's time, and
+    the whole run 0.1 s less (17.7 against 17.8 s on one machine, BENCHMARKS.md,
+    throughput, stop 27). A server's warm restart with it: 27.8-29.7 s, most of it
+    the frontend's imports (BENCHMARKS.md, serving).
 
     A program loaded from the persistent caches (a warm start) links each Mosaic GPU
     kernel's host code against the Mosaic GPU runtime's functions

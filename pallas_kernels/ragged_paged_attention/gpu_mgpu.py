@@ -27,7 +27,11 @@ into windows of BQ = 128 / G tokens whose starts are multiples of 8
 owns. A CTA handles one (item, kv head): its 128 query rows are the G query
 heads of the kv head times BQ tokens, head-major (row = g * BQ + token), so
 every K/V tile feeds all G heads (GQA packing). Items are ordered longest
-first; with `persistent` one CTA per SM walks a strided list of them.
+first; with `persistent` one CTA per SM walks a strided list of them, up to
+the used items' count. The list is sized for the worst case (at 16384 tokens
+and 512 request slots two thirds of it is empty); walking the empty slots
+cost 29-41 us a call at the 8B workload's shapes on the H100 (BENCHMARKS.md,
+throughput, stop 27).
 
 CTA structure (FA3-style, three warpgroups):
 
@@ -99,6 +103,7 @@ class BlockSizes:
     # against 387 us for 32 x 512-token prompts, 380 against 422 for 4 x 2048, 83
     # against 136 for a 1024-token step; level (190 / 237) with 96 decodes beside 3
     # prompts in 2048 tokens (it was slower, 347 vs 331 us at 4 x 2048, at 0316e30).
+    # Since the walk stops at the used items: 260, 352, 69 and 148 us.
     persistent: bool = True
     # Mosaic GPU lowering semantics: "lane" (explicit register layouts; what this
     # body is written for; jax 0.10's default) or "warpgroup" (layout inference;
