@@ -18,6 +18,13 @@ def default_model_path() -> str:
     return os.path.join(os.path.dirname(__file__), "assets", "demo-model")
 
 
+def compilation_cache_dir(path: str | None = None) -> str:
+    """Where the compilation caches live: `path`, else `JAXLLM_CACHE_DIR`, else
+    `~/.cache/jaxllm/xla` (under `XDG_CACHE_HOME` when set)."""
+    return path or os.environ.get("JAXLLM_CACHE_DIR") or os.path.join(
+        os.environ.get("XDG_CACHE_HOME", os.path.expanduser("~/.cache")), "jaxllm", "xla")
+
+
 @dataclass
 class ModelConfig:
     model: str

@@ -18,7 +18,7 @@ from typing import TYPE_CHECKING, Any
 
 import msgspec
 
-from jaxllm.config import EngineArgs, EngineConfig
+from jaxllm.config import EngineArgs, EngineConfig, portable_config
 from jaxllm.engine.input_processor import InputProcessor, PromptType, load_tokenizer
 from jaxllm.engine.llm_engine import fan_out
 from jaxllm.engine.messages import EngineCoreOutputs, SchedulerStats
@@ -126,20 +126,37 @@ class AsyncLLM:
     def from_engine_args(cls, args: EngineArgs, stat_loggers: list[StatLogger] | None = None,
                          startup_timeout_s: float | None = None) -> AsyncLLM:
         """Spawns the engine core first: it starts JAX while this process builds the
-        config (transformers' imports, the checkpoint's config), then receives it."""
+        config (transformers' imports, the checkpoint's config), then receives it.
+
+        With a config stored by an earlier start from the same inputs
+        (`jaxllm/config_cache.py`) the core gets that one at once and loads the model
+        meanwhile; should the config built here differ, the core is started again
+        with it.
+        """
+        from jaxllm import config_cache
         from jaxllm.engine.core_mp import AsyncMPClient
 
+        stored = config_cache.load(args)
         with ThreadPoolExecutor(1, thread_name_prefix="frontend-config") as pool:
             config_future = pool.submit(args.create_engine_config)
             tokenizer_future = pool.submit(
                 lambda: load_tokenizer(config_future.result().model_config))
-            client = AsyncMPClient(config_future, startup_timeout_s=startup_timeout_s)
-            config = config_future.result()
+            client = AsyncMPClient(config_future if stored is None else stored,
+                                   startup_timeout_s=startup_timeout_s)
             try:
+                config = config_future.result()
                 tokenizer = tokenizer_future.result()
             except BaseException:
                 client.shutdown()
                 raise
+        if stored is None:
+            config_cache.store(args, config)
+        elif not config_cache.same_config(stored, portable_config(config)):
+            logger.warning("the stored engine config differs from the one built now; "
+                           "starting the engine core again with the new one")
+            client.shutdown()
+            client = AsyncMPClient(config, startup_timeout_s=startup_timeout_s)
+            config_cache.store(args, config)
         try:
             return cls(config, stat_loggers, engine_core=client, tokenizer=tokenizer)
         except BaseException:

@@ -23,7 +23,6 @@ Set `JAXLLM_AOT_CACHE=0` to turn it off.
 
 from __future__ import annotations
 
-import functools
 import hashlib
 import json
 import logging
@@ -35,27 +34,9 @@ from typing import Any
 import jax
 import numpy as np
 
+from jaxllm.config_cache import code_fingerprint
+
 logger = logging.getLogger(__name__)
-
-_PACKAGES = ("jaxllm", "pallas_kernels")
-
-
-@functools.cache
-def code_fingerprint() -> str:
-    """sha256 over the source of jaxllm and pallas_kernels (paths and bytes)."""
-    h = hashlib.sha256()
-    root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-    for pkg in _PACKAGES:
-        base = os.path.join(root, pkg)
-        for dirpath, dirnames, filenames in os.walk(base):
-            dirnames[:] = sorted(d for d in dirnames if d != "__pycache__")
-            for name in sorted(filenames):
-                if name.endswith(".py"):
-                    path = os.path.join(dirpath, name)
-                    h.update(os.path.relpath(path, root).encode())
-                    with open(path, "rb") as f:
-                        h.update(hashlib.sha256(f.read()).digest())
-    return h.hexdigest()
 
 
 def _describe_args(args: tuple) -> str:

@@ -36,7 +36,7 @@ from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 from tqdm.auto import tqdm
 
-from jaxllm.config import EngineConfig
+from jaxllm.config import EngineConfig, compilation_cache_dir
 from jaxllm.core.sched_output import SchedulerOutput
 from jaxllm.distributed.mesh import make_mesh
 from jaxllm.engine.messages import LogprobsLists
@@ -82,8 +82,7 @@ def device_memory_total(platform: str, bytes_limit: int) -> int:
 
 def enable_compilation_cache(path: str | None) -> str:
     """JAX's persistent compilation cache, so a restart skips XLA compilation."""
-    path = path or os.environ.get("JAXLLM_CACHE_DIR") or os.path.join(
-        os.environ.get("XDG_CACHE_HOME", os.path.expanduser("~/.cache")), "jaxllm", "xla")
+    path = compilation_cache_dir(path)
     os.makedirs(path, exist_ok=True)
     jax.config.update("jax_compilation_cache_dir", path)
     # Every executable, however quick to compile: a warm start then compiles nothing.
