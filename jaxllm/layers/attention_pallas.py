@@ -97,8 +97,8 @@ class PallasGPUMosaicBackend(PallasGPUBackend):
     tiles), everything else the Triton body. On the H100 at the 8B throughput
     workload's shapes its prefill calls take 0.61-0.91x the Triton body's time, and
     the whole run 0.1 s less (17.7 against 17.8 s on one machine, BENCHMARKS.md,
-    throughput, stop 27). A server's warm restart with it: 27.8-29.7 s, most of it
-    the frontend's imports (BENCHMARKS.md, serving).
+    throughput, stop 27). A server's warm restart with it: 13.9 s (BENCHMARKS.md,
+    serving).
 
     A program loaded from the persistent caches (a warm start) links each Mosaic GPU
     kernel's host code against the Mosaic GPU runtime's functions
