@@ -12,6 +12,12 @@ shapes the kernel does not cover, and biased projections, stay on XLA.
 Under tensor parallelism the weight is split over 'model' along I (column
 parallel); the Pallas call is not partitioned by XLA, so it runs per shard in
 `shard_map`, each shard producing its own columns of the output.
+
+The same backend choice covers `MatmulAdd`: a projection plus the residual it
+feeds (the attention's output projection, the MLP's down projection), with the
+add in the GEMM's epilogue (`pallas_kernels/matmul_add`). Those weights are
+row parallel; under a split mesh their products are summed over 'model' before
+the add, so there XLA computes them.
 """
 
 from __future__ import annotations
@@ -57,6 +63,11 @@ class SwiGLU:
         return jax.nn.silu(gate_up[:, 0]) * gate_up[:, 1]
 
     @functools.cached_property
+    def matmul_add(self) -> MatmulAdd:
+        """The residual projections with this backend's kernel choice."""
+        return MatmulAdd(self.kernel and self.mesh is None, self.interpret, self.min_tokens)
+
+    @functools.cached_property
     def _kernel_call(self):
         """The kernel as one jitted function per SwiGLU: every layer's call is then the
         same nested program, lowered and compiled once per step shape rather than once
@@ -87,6 +98,46 @@ class SwiGLU:
             from jax.experimental.shard_map import shard_map
         return shard_map(run, mesh=self.mesh, in_specs=(P(), P(None, "model", None)),
                          out_specs=P(None, "model"), check_vma=False)(x, w)
+
+
+@dataclasses.dataclass(frozen=True)
+class MatmulAdd:
+    """`residual + x @ w.T` (+ bias) for `x [T, K]`, `w [N, K]`, `residual [T, N]`.
+
+    `kernel`: the Mosaic GPU kernel where it covers the call (no bias) and the step
+    has at least `min_tokens` tokens; XLA otherwise. On the H100 at 16384 tokens
+    the kernel takes 2770 us for the down projection (cuBLAS's GEMM alone 2802)
+    and 872 us for the output projection (811), and removes the add's own pass
+    (BENCHMARKS.md, throughput, stop 28); at 512 tokens it is 1.5x slower than
+    cuBLAS, hence the same token floor as the SwiGLU kernel.
+    """
+
+    kernel: bool = False
+    interpret: bool = False
+    min_tokens: int = 0
+
+    def __call__(self, x: jax.Array, w: jax.Array, residual: jax.Array,
+                 bias: jax.Array | None = None) -> jax.Array:
+        if self.kernel and bias is None and x.shape[0] >= self.min_tokens:
+            from pallas_kernels.matmul_add import gpu_mgpu
+
+            if gpu_mgpu.supported(x, w, residual, interpret=self.interpret):
+                return self._kernel_call(x, w, residual)
+        out = jnp.einsum("tk,nk->tn", x, w)
+        if bias is not None:
+            out = out + bias
+        return residual + out
+
+    @functools.cached_property
+    def _kernel_call(self):
+        """One jitted function per MatmulAdd, as `SwiGLU._kernel_call` (every layer's
+        call is the same nested program)."""
+        from pallas_kernels.matmul_add import gpu_mgpu
+
+        def run(x, w, residual):
+            return gpu_mgpu.matmul_add(x, w, residual, interpret=self.interpret)
+
+        return jax.jit(run)
 
 
 def get_swiglu(name: str = "auto", interpret: bool = False, *, dtype=None,

@@ -38,7 +38,7 @@ from jax.sharding import PartitionSpec as P
 
 from jaxllm.errors import ParameterError
 from jaxllm.layers.attention import AttentionBackend, AttentionMetadata
-from jaxllm.layers.mlp import SwiGLU
+from jaxllm.layers.mlp import MatmulAdd, SwiGLU
 from jaxllm.layers.norm import RMSNorm, rms_norm
 from jaxllm.layers.rotary import RotaryEmbedding
 
@@ -127,8 +127,10 @@ def _param(rngs: nnx.Rngs, shape: tuple[int, ...], dtype: jnp.dtype, spec: P,
 
 class LlamaAttention(nnx.Module):
     def __init__(self, arch: LlamaArch, layer: int, *, dtype: jnp.dtype, rngs: nnx.Rngs,
-                 attn_backend: AttentionBackend, rope: RotaryEmbedding):
+                 attn_backend: AttentionBackend, rope: RotaryEmbedding,
+                 matmul_add: MatmulAdd):
         kv, g, d, h = arch.num_kv_heads, arch.group, arch.head_dim, arch.hidden_size
+        self.matmul_add = matmul_add
         self.group = g
         self.qkv_proj = _param(rngs, (kv, g + 2, d, h), dtype, P("model", None, None, None))
         self.qkv_bias = (_param(rngs, (kv, g + 2, d), dtype, P("model", None, None), "zeros")
@@ -143,8 +145,10 @@ class LlamaAttention(nnx.Module):
         self.layer, self.num_layers = layer, arch.num_layers
 
     def __call__(self, x: jax.Array, positions: jax.Array, kv_cache: jax.Array,
-                 md: AttentionMetadata, qk_norms: jax.Array | None
+                 md: AttentionMetadata, qk_norms: jax.Array | None, residual: jax.Array
                  ) -> tuple[jax.Array, jax.Array]:
+        """`residual` plus the attention block's output (for the normed input `x`), and
+        the updated cache."""
         qkv = jnp.einsum("th,kgdh->tkgd", x, self.qkv_proj[...])
         if self.qkv_bias is not None:
             qkv = qkv + self.qkv_bias[...]
@@ -160,9 +164,9 @@ class LlamaAttention(nnx.Module):
         o = self.attn_backend.attend(q, kv_cache, md, sm_scale=self.sm_scale,
                                      sliding_window=self.sliding_window,
                                      page_offset=page_offset)
-        out = jnp.einsum("tnd,hnd->th", o, self.o_proj[...])
-        if self.o_bias is not None:
-            out = out + self.o_bias[...]
+        w = self.o_proj[...]
+        out = self.matmul_add(o.reshape(t, -1), w.reshape(w.shape[0], -1), residual,
+                              None if self.o_bias is None else self.o_bias[...])
         return out, kv_cache
 
 
@@ -178,20 +182,20 @@ class LlamaMLP(nnx.Module):
         else:
             self.gate_up_bias = self.down_bias = None
 
-    def __call__(self, x: jax.Array) -> jax.Array:
+    def __call__(self, x: jax.Array, residual: jax.Array) -> jax.Array:
+        """`residual` plus the MLP's output for the normed input `x`."""
         bias = None if self.gate_up_bias is None else self.gate_up_bias[...]
-        out = jnp.einsum("ti,hi->th", self.swiglu(x, self.gate_up_proj[...], bias),
-                         self.down_proj[...])
-        if self.down_bias is not None:
-            out = out + self.down_bias[...]
-        return out
+        return self.swiglu.matmul_add(self.swiglu(x, self.gate_up_proj[...], bias),
+                                      self.down_proj[...], residual,
+                                      None if self.down_bias is None else self.down_bias[...])
 
 
 class LlamaDecoderLayer(nnx.Module):
     def __init__(self, arch: LlamaArch, layer: int, *, dtype: jnp.dtype, rngs: nnx.Rngs,
                  attn_backend: AttentionBackend, rope: RotaryEmbedding, swiglu: SwiGLU):
         self.self_attn = LlamaAttention(arch, layer, dtype=dtype, rngs=rngs,
-                                        attn_backend=attn_backend, rope=rope)
+                                        attn_backend=attn_backend, rope=rope,
+                                        matmul_add=swiglu.matmul_add)
         self.mlp = LlamaMLP(arch, dtype=dtype, rngs=rngs, swiglu=swiglu)
         self.eps = arch.rms_norm_eps
 
@@ -199,11 +203,9 @@ class LlamaDecoderLayer(nnx.Module):
                  md: AttentionMetadata, norms: jax.Array, qk_norms: jax.Array | None
                  ) -> tuple[jax.Array, jax.Array]:
         """`norms`: this layer's [input, post-attention] RMSNorm weights `[2, hidden]`."""
-        attn, kv_cache = self.self_attn(rms_norm(x, norms[0], self.eps), positions, kv_cache,
-                                        md, qk_norms)
-        x = x + attn
-        x = x + self.mlp(rms_norm(x, norms[1], self.eps))
-        return x, kv_cache
+        x, kv_cache = self.self_attn(rms_norm(x, norms[0], self.eps), positions, kv_cache,
+                                     md, qk_norms, residual=x)
+        return self.mlp(rms_norm(x, norms[1], self.eps), residual=x), kv_cache
 
 
 class LlamaForCausalLM(nnx.Module):

@@ -62,20 +62,29 @@ def test_engine_on_a_pallas_body_in_interpret_mode_matches_transformers_greedy(
 def test_engine_on_the_fused_swiglu_kernel_in_interpret_mode_matches_transformers_greedy(
         tp, model_dir, prompts, hf_tokens, monkeypatch):
     """The MLP's gate/up projection through the Mosaic GPU SwiGLU kernel in interpret
-    mode. One 256-token bucket: every step, decodes included, is a multiple of the
-    kernel's 256-row CTA tile. Under tensor parallelism the call runs per 'model'
-    shard in shard_map; the interpreter cannot run two devices' kernels at once, so
-    there the per-shard body is the kernel's reference (the sharding is what is tested)."""
+    mode, and (without tensor parallelism) the output and down projections through
+    the residual-add kernel. One 256-token bucket: every step, decodes included, is a
+    multiple of the kernels' 256-row CTA tile. Under tensor parallelism the SwiGLU
+    call runs per 'model' shard in shard_map; the interpreter cannot run two devices'
+    kernels at once, so there the per-shard body is the kernel's reference (the
+    sharding is what is tested). The row-parallel projections stay on XLA there."""
+    from pallas_kernels.matmul_add import gpu_mgpu as ma_kernel
     from pallas_kernels.swiglu import gpu_mgpu, reference
 
-    traced = []
+    traced, traced_add = [], []
     real = gpu_mgpu.swiglu_up if tp == 1 else (lambda x, w, **_: reference.swiglu_up(x, w))
+    real_add = ma_kernel.matmul_add
 
     def counting(x, w, **kw):
         traced.append((x.shape, w.shape))
         return real(x, w, **kw)
 
+    def counting_add(x, w, residual, **kw):
+        traced_add.append((x.shape, w.shape))
+        return real_add(x, w, residual, **kw)
+
     monkeypatch.setattr(gpu_mgpu, "swiglu_up", counting)
+    monkeypatch.setattr(ma_kernel, "matmul_add", counting_add)
     engine = dict(ENGINE, max_num_batched_tokens=256, token_buckets=[256])
     llm = LLM(model_dir, mlp_backend="pallas_gpu_mosaic", mlp_interpret=True,
               tensor_parallel_size=tp, **engine)
@@ -89,3 +98,7 @@ def test_engine_on_the_fused_swiglu_kernel_in_interpret_mode_matches_transformer
     # nested program, so once per shape).
     assert traced and {x[0] for x, _ in traced} == {256}, traced
     assert {s[1] for _, s in traced} == {inter // tp}
+    hf = llm.llm_engine.model_config.hf_config
+    hidden, q_width = hf.hidden_size, hf.num_attention_heads * runner.head_dim
+    want_add = {((256, q_width), (hidden, q_width)), ((256, inter), (hidden, inter))}
+    assert set(traced_add) == (want_add if tp == 1 else set()), traced_add
