@@ -13,11 +13,13 @@ Under tensor parallelism the weight is split over 'model' along I (column
 parallel); the Pallas call is not partitioned by XLA, so it runs per shard in
 `shard_map`, each shard producing its own columns of the output.
 
-The same backend choice covers `MatmulAdd`: a projection plus the residual it
-feeds (the attention's output projection, the MLP's down projection), with the
-add in the GEMM's epilogue (`pallas_kernels/matmul_add`). Those weights are
-row parallel; under a split mesh their products are summed over 'model' before
-the add, so there XLA computes them.
+"pallas_gpu_mosaic" also sends `MatmulAdd` to a kernel: a projection plus the
+residual it feeds (the attention's output projection, the MLP's down
+projection), with the add in the GEMM's epilogue (`pallas_kernels/matmul_add`).
+"auto" leaves those to XLA: on the H100 the 8B throughput run took the same
+17.9 s either way (BENCHMARKS.md, throughput, stop 28). Those weights are row
+parallel; under a split mesh their products are summed over 'model' before the
+add, so there XLA computes them whatever the backend.
 """
 
 from __future__ import annotations
@@ -64,8 +66,9 @@ class SwiGLU:
 
     @functools.cached_property
     def matmul_add(self) -> MatmulAdd:
-        """The residual projections with this backend's kernel choice."""
-        return MatmulAdd(self.kernel and self.mesh is None, self.interpret, self.min_tokens)
+        """The residual projections: the kernel with "pallas_gpu_mosaic" (see above)."""
+        return MatmulAdd(self.kernel and self.name == "pallas_gpu_mosaic" and self.mesh is None,
+                         self.interpret, self.min_tokens)
 
     @functools.cached_property
     def _kernel_call(self):
@@ -105,11 +108,12 @@ class MatmulAdd:
     """`residual + x @ w.T` (+ bias) for `x [T, K]`, `w [N, K]`, `residual [T, N]`.
 
     `kernel`: the Mosaic GPU kernel where it covers the call (no bias) and the step
-    has at least `min_tokens` tokens; XLA otherwise. On the H100 at 16384 tokens
-    the kernel takes 2770 us for the down projection (cuBLAS's GEMM alone 2802)
-    and 872 us for the output projection (811), and removes the add's own pass
-    (BENCHMARKS.md, throughput, stop 28); at 512 tokens it is 1.5x slower than
-    cuBLAS, hence the same token floor as the SwiGLU kernel.
+    has at least `min_tokens` tokens; XLA otherwise. Inside a prefill layer of the
+    8B model on the H100 (16384 tokens) the kernel removes ~0.2 ms of elementwise
+    passes but runs the two projections ~0.12 ms slower than cuBLAS (down +2%,
+    output +8-10%: a 2048-tile walk over 132 SMs leaves its last wave half empty,
+    and the epilogue is not hidden behind the next tile's K loop); at 512 tokens
+    it is 1.5x slower (BENCHMARKS.md, throughput, stop 28).
     """
 
     kernel: bool = False
