@@ -77,8 +77,13 @@ def step_floor(rec: Any, params: int, hf_config: Any, bw: float, peak: float,
     # but the lm_head is, and only for the sampled rows).
     embed = hf_config.vocab_size * hf_config.hidden_size
     flops = 2 * (params - 2 * embed) * rec.num_tokens + 2 * embed * rec.num_reqs
-    flops += 4 * hf_config.num_hidden_layers * hf_config.num_attention_heads * head_dim \
-        * rec.attn_pairs
+    # The last layer needs every token's K/V but its q, attention output, output
+    # projection and MLP only at each request's last token (the model's forward_rows).
+    hidden, heads = hf_config.hidden_size, hf_config.num_attention_heads
+    rows_only = 2 * heads * head_dim * hidden + 3 * hidden * hf_config.intermediate_size
+    flops -= 2 * rows_only * max(rec.num_tokens - rec.num_reqs, 0)
+    flops += 4 * heads * head_dim * (
+        (hf_config.num_hidden_layers - 1) * rec.attn_pairs + rec.kv_tokens)
     nbytes = itemsize * params + rec.kv_tokens * kv_bytes_per_token(hf_config, itemsize)
     return max(flops / peak, nbytes / bw)
 

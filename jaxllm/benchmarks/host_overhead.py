@@ -108,7 +108,7 @@ def main(argv: list[str] | None = None) -> dict:
     # Instance attributes: they go with this engine, and later engines in the
     # process (a test's) sample for real.
     runner._forward = forward
-    runner._forward_exec = {}
+    runner._exec = {}
     runner._sample_fn = sample
     # A small stand-in for the (one, all-layer) cache: the stub passes it through.
     runner.kv_cache = jnp.zeros(8, jnp.float32)

@@ -15,10 +15,12 @@ platform unless `attention_backend` names one.
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 from dataclasses import dataclass
 
 import jax
+import jax.numpy as jnp
 
 from jaxllm.errors import ParameterError
 from pallas_kernels.ragged_paged_attention import reference
@@ -34,6 +36,14 @@ class AttentionMetadata:
     page_indices: jax.Array  # [R, W] int32, block tables
     cu_q_lens: jax.Array  # [R + 1] int32, query start offsets
     num_seqs: jax.Array  # [1] int32, real requests
+
+    def last_queries(self) -> AttentionMetadata:
+        """The same requests with one query each, their last token, at row i for
+        request i (the rows `cu_q_lens[1:] - 1` gathered): a decode-shaped call
+        over the same context. Padding requests get no query."""
+        r = self.kv_lens.shape[0]
+        cu = jnp.minimum(jnp.arange(r + 1, dtype=jnp.int32), self.num_seqs[0])
+        return dataclasses.replace(self, cu_q_lens=cu)
 
 
 class AttentionBackend:

@@ -145,10 +145,16 @@ class LlamaAttention(nnx.Module):
         self.layer, self.num_layers = layer, arch.num_layers
 
     def __call__(self, x: jax.Array, positions: jax.Array, kv_cache: jax.Array,
-                 md: AttentionMetadata, qk_norms: jax.Array | None, residual: jax.Array
+                 md: AttentionMetadata, qk_norms: jax.Array | None, residual: jax.Array,
+                 rows: jax.Array | None = None, write: bool = True
                  ) -> tuple[jax.Array, jax.Array]:
         """`residual` plus the attention block's output (for the normed input `x`), and
-        the updated cache."""
+        the updated cache.
+
+        `rows` (one per request, its last token): every token's K/V still goes to the
+        cache, but only those rows' outputs are computed and returned. `write=False`:
+        this step's K/V are in the cache already (`LlamaForCausalLM.finish_states`).
+        """
         qkv = jnp.einsum("th,kgdh->tkgd", x, self.qkv_proj[...])
         if self.qkv_bias is not None:
             qkv = qkv + self.qkv_bias[...]
@@ -160,12 +166,15 @@ class LlamaAttention(nnx.Module):
         q, k = self.rope(q, positions), self.rope(k, positions)
         # The cache holds every layer's pages; this layer's come after the previous ones'.
         page_offset = self.layer * (kv_cache.shape[0] // self.num_layers)
-        kv_cache = self.attn_backend.write_kv(kv_cache, k, v, md, page_offset)
+        if write:
+            kv_cache = self.attn_backend.write_kv(kv_cache, k, v, md, page_offset)
+        if rows is not None:
+            q, residual, md = q[rows], residual[rows], md.last_queries()
         o = self.attn_backend.attend(q, kv_cache, md, sm_scale=self.sm_scale,
                                      sliding_window=self.sliding_window,
                                      page_offset=page_offset)
         w = self.o_proj[...]
-        out = self.matmul_add(o.reshape(t, -1), w.reshape(w.shape[0], -1), residual,
+        out = self.matmul_add(o.reshape(q.shape[0], -1), w.reshape(w.shape[0], -1), residual,
                               None if self.o_bias is None else self.o_bias[...])
         return out, kv_cache
 
@@ -200,11 +209,13 @@ class LlamaDecoderLayer(nnx.Module):
         self.eps = arch.rms_norm_eps
 
     def __call__(self, x: jax.Array, positions: jax.Array, kv_cache: jax.Array,
-                 md: AttentionMetadata, norms: jax.Array, qk_norms: jax.Array | None
+                 md: AttentionMetadata, norms: jax.Array, qk_norms: jax.Array | None,
+                 rows: jax.Array | None = None, write: bool = True
                  ) -> tuple[jax.Array, jax.Array]:
-        """`norms`: this layer's [input, post-attention] RMSNorm weights `[2, hidden]`."""
+        """`norms`: this layer's [input, post-attention] RMSNorm weights `[2, hidden]`;
+        `rows`, `write`: as in `LlamaAttention` (the output has `rows`' rows)."""
         x, kv_cache = self.self_attn(rms_norm(x, norms[0], self.eps), positions, kv_cache,
-                                     md, qk_norms, residual=x)
+                                     md, qk_norms, residual=x, rows=rows, write=write)
         return self.mlp(rms_norm(x, norms[1], self.eps), residual=x), kv_cache
 
 
@@ -243,16 +254,52 @@ class LlamaForCausalLM(nnx.Module):
         `kv_cache` holds the pages of every layer, `num_layers` equal runs along
         axis 0 (see jaxllm/layers/attention.py).
         """
+        states, kv_cache = self._trunk(input_ids, positions, kv_cache, md)
+        x, kv_cache = self._layer(-1, states, positions, kv_cache, md)
+        return self.norm(x), kv_cache
+
+    def forward_rows(self, input_ids: jax.Array, positions: jax.Array, kv_cache: jax.Array,
+                     md: AttentionMetadata, rows: jax.Array
+                     ) -> tuple[jax.Array, jax.Array, jax.Array]:
+        """The forward for the rows whose hidden states are used: `rows` `[R]`, request
+        i's last token at row i (`md.cu_q_lens[1:] - 1`; a padding request's value is
+        ignored). Returns their hidden states after the final norm `[R, hidden]`, the
+        updated cache, and the residual stream entering the last layer `[T, hidden]`
+        (`finish_states` turns it into every row's hidden state).
+
+        Equal to `__call__` at those rows: no layer but the last mixes rows of
+        different tokens after it, and the last one's K/V (which later tokens read)
+        are still written for every token. Its attention output, output projection and
+        MLP run for R rows instead of T: at 16384 tokens and 512 requests, ~9 ms of a
+        ~350 ms Llama-3-8B step on an H100.
+        """
+        states, kv_cache = self._trunk(input_ids, positions, kv_cache, md)
+        x, kv_cache = self._layer(-1, states, positions, kv_cache, md, rows=rows)
+        return self.norm(x), kv_cache, states
+
+    def finish_states(self, states: jax.Array, positions: jax.Array, kv_cache: jax.Array,
+                      md: AttentionMetadata) -> jax.Array:
+        """Every row's hidden state `[T, hidden]` from `forward_rows`' `states` and the
+        cache it returned (the rare steps that score prompt tokens)."""
+        x, _ = self._layer(-1, states, positions, kv_cache, md, write=False)
+        return self.norm(x)
+
+    def _trunk(self, input_ids: jax.Array, positions: jax.Array, kv_cache: jax.Array,
+               md: AttentionMetadata) -> tuple[jax.Array, jax.Array]:
+        """Embedding and every layer but the last."""
         if kv_cache.shape[0] % len(self.layers):
             raise ValueError(f"KV cache of {kv_cache.shape[0]} pages does not split into "
                              f"{len(self.layers)} layers")
         x = jnp.take(self.embed_tokens[...], input_ids, axis=0)
-        norms = self.layer_norms[...]
-        qk_norms = None if self.qk_norms is None else self.qk_norms[...]
-        for i, layer in enumerate(self.layers):
-            x, kv_cache = layer(x, positions, kv_cache, md, norms[i],
-                                None if qk_norms is None else qk_norms[i])
-        return self.norm(x), kv_cache
+        for i in range(len(self.layers) - 1):
+            x, kv_cache = self._layer(i, x, positions, kv_cache, md)
+        return x, kv_cache
+
+    def _layer(self, i: int, x: jax.Array, positions: jax.Array, kv_cache: jax.Array,
+               md: AttentionMetadata, **kw: Any) -> tuple[jax.Array, jax.Array]:
+        i %= len(self.layers)
+        qk_norms = None if self.qk_norms is None else self.qk_norms[i]
+        return self.layers[i](x, positions, kv_cache, md, self.layer_norms[i], qk_norms, **kw)
 
     @property
     def logits_head(self) -> nnx.Param:

@@ -2,7 +2,8 @@
 
 Per step it turns a SchedulerOutput into padded device inputs (vectorized numpy
 over the persistent InputBatch, one packed array), runs the forward for the
-token bucket, which also gathers the last hidden state of every request, and
+token bucket, which also gathers the last hidden state of every request (in a
+bucket larger than max_num_seqs its last layer runs for those rows alone), and
 samples on the device. A usual step is two dispatches (forward, then logits and
 sampling in one program) and one host-to-device transfer (the packed inputs;
 the sampling keys are made on the device); exactly one device-to-host transfer:
@@ -15,7 +16,9 @@ Compiled shapes (all made at start-up, see `precompile`):
                                    random, random with top-k/top-p)
   logits[R], then adjust / draw /  the staged sampler, for steps with penalties,
   logprobs[R, variant]             logit adjustments or logprobs
-  prompt_logprobs[T]               only when a request asks for prompt logprobs
+  prompt_logprobs[T]               only when a request asks for prompt logprobs (with
+                                   the last layer for every row where the forward ran
+                                   it for the last rows alone)
 """
 
 from __future__ import annotations
@@ -168,6 +171,12 @@ def unpack_step_inputs(packed: jax.Array, num_reqs: int, width: int) -> tuple:
     return tok[0], tok[1], md, tok[3], req[:, width + 3]
 
 
+def last_layer_on_rows(num_tokens: int, num_reqs: int) -> bool:
+    """Whether a bucket's forward runs its last layer for the requests' last rows only
+    (the model's `forward_rows`): where it has more tokens than request rows."""
+    return num_tokens > num_reqs
+
+
 @functools.cache
 def _step_functions(graphdef: Any, state_def: Any, head_logits: Any, num_reqs: int,
                     width: int) -> tuple[Any, Any, Any, Any]:
@@ -190,12 +199,18 @@ def _step_functions(graphdef: Any, state_def: Any, head_logits: Any, num_reqs: i
         # Tokens sampled by the previous step that the host has not seen yet
         # (async scheduling) are read from its device output: src >= 0 names the row.
         input_ids = jnp.where(src >= 0, prev_tokens[jnp.maximum(src, 0)], input_ids)
-        hidden, kv_cache = merge(weights)(input_ids, positions, kv_cache, md)
         # Every request's last scheduled token, the row its next token is sampled
         # from (padding requests end where the step's tokens end).
-        last_hidden = hidden[jnp.maximum(md.cu_q_lens[1:] - 1, 0)]
+        rows = jnp.maximum(md.cu_q_lens[1:] - 1, 0)
+        model = merge(weights)
+        if last_layer_on_rows(input_ids.shape[0], num_reqs):
+            last_hidden, kv_cache, states = model.forward_rows(input_ids, positions, kv_cache,
+                                                               md, rows)
+        else:
+            states, kv_cache = model(input_ids, positions, kv_cache, md)
+            last_hidden = states[rows]
         # The sampler's output indices ride along, so that its keys need no host array.
-        return kv_cache, hidden, last_hidden, out_index
+        return kv_cache, states, last_hidden, out_index
 
     def logits(head, last_hidden, rows):
         return head_logits(head, last_hidden[:rows])
@@ -203,7 +218,14 @@ def _step_functions(graphdef: Any, state_def: Any, head_logits: Any, num_reqs: i
     def sample(head, last_hidden, md, size):
         return _draw_padded(logits(head, last_hidden, md.temperature.shape[0]), md, size)
 
-    def prompt_logprobs(head, hidden, targets):
+    def prompt_logprobs(weights, kv_cache, packed, states, targets):
+        """Scores of `targets` at every row of a step, from the forward's `states` and cache."""
+        model = merge(weights)
+        hidden = states
+        if last_layer_on_rows(states.shape[0], num_reqs):  # its last layer, for every row
+            _, positions, md, _, _ = unpack_step_inputs(packed, num_reqs, width)
+            hidden = model.finish_states(states, positions, kv_cache, md)
+        head = model.logits_head[...]
         return compute_prompt_logprobs_chunked(lambda h: head_logits(head, h), hidden,
                                                targets, MAX_LOGPROBS, PROMPT_LOGPROBS_ROWS)
 
@@ -288,9 +310,10 @@ class ModelRunner:
         # Benchmarks set this to a list to get one StepRecord per executed step.
         self.step_log: list[StepRecord] | None = None
         self._build_functions()
-        # Compiled forwards by token bucket, loaded from (or stored to) the disk cache
-        # at precompile; a bucket missing here runs through the jitted function.
-        self._forward_exec: dict[int, Any] = {}
+        # Compiled forward and prompt-logprobs programs by (name, packed inputs' size),
+        # loaded from (or stored to) the disk cache at precompile; a bucket missing
+        # here runs through the jitted function.
+        self._exec: dict[tuple[str, int], Any] = {}
         self.aot_cache = ExecutableCache.create(
             xla_cache_dir, self._aot_context(), list(self.mesh.devices.flat))
 
@@ -369,8 +392,17 @@ class ModelRunner:
                 "mesh": [list(self.mesh.axis_names), list(self.mesh.devices.shape)]}
 
     def _run_forward(self, *args: Any) -> tuple:
-        compiled = self._forward_exec.get(args[2].shape[0])  # by the packed inputs' size
+        compiled = self._exec.get(("forward", args[2].shape[0]))
         return (compiled or self._forward)(*args)
+
+    def _run_prompt_logprobs(self, *args: Any) -> tuple:
+        compiled = self._exec.get(("prompt_logprobs", args[2].shape[0]))
+        return (compiled or self._prompt_logprobs)(*args)
+
+    def _load_or_compile(self, name: str, fn: Any, args: tuple, **kw: Any) -> None:
+        compiled = self.aot_cache and self.aot_cache.load_or_compile(name, fn, args, **kw)
+        if compiled is not None:
+            self._exec[name, args[2].shape[0]] = compiled
 
     def _sample(self, last_hidden: jax.Array, md: SamplingMetadata) -> SamplerOutput:
         """Logits of the step's requests and their next tokens, padded to max_num_seqs."""
@@ -395,10 +427,7 @@ class ModelRunner:
                               disable=os.environ.get("JAXLLM_NO_PROGRESS") == "1"):
             if kind == "forward":
                 args = (self.state, self.kv_cache, self._dummy_inputs(arg), self._no_prev)
-                compiled = self.aot_cache and self.aot_cache.load_or_compile(
-                    "forward", self._forward, args, donate_argnums=(1,))
-                if compiled is not None:
-                    self._forward_exec[args[2].shape[0]] = compiled
+                self._load_or_compile("forward", self._forward, args, donate_argnums=(1,))
                 self.kv_cache, hidden[arg], last_hidden, out_index = self._run_forward(*args)
             elif kind == "sample":
                 # The one-program sampler for each mode, then the staged one's parts.
@@ -416,7 +445,12 @@ class ModelRunner:
                                    fn(logits, part, size=s))
                 _jit_logprobs(logits, out)  # `out`: token ids of the last draw
             else:
-                self._prompt_logprobs(self._head, hidden[arg], np.zeros(arg, np.int32))
+                # Traced on a miss only: at bucket sizes over max_num_seqs it runs the
+                # last layer again, attention kernel included (forward_rows).
+                args = (self.state, self.kv_cache, self._dummy_inputs(arg), hidden[arg],
+                        np.zeros(arg, np.int32))
+                self._load_or_compile("prompt_logprobs", self._prompt_logprobs, args)
+                self._run_prompt_logprobs(*args)
         jax.block_until_ready(self.kv_cache)
         aot = self.aot_cache
         note = (f" (forward programs: {aot.loaded} loaded from disk, {aot.traced} traced)"
@@ -491,7 +525,7 @@ class ModelRunner:
         page_indices[:n] = ib.block_table[rows]
         out_idx[:n] = np.maximum(end - ib.num_prompt_tokens[rows], 0)
 
-        self.kv_cache, hidden, last_hidden, out_index = self._run_forward(
+        self.kv_cache, states, last_hidden, out_index = self._run_forward(
             self.state, self.kv_cache, packed, prev_tokens)
         # A prompt chunk that stops short of the prompt's end samples nothing.
         done = end >= ib.num_tokens[rows] + ib.num_pending[rows]
@@ -500,7 +534,7 @@ class ModelRunner:
         prompt_lp = None
         if ib.wants_prompt_logprobs[:ib.num_reqs].any():  # none for most steps
             prompt_lp = self._dispatch_prompt_logprobs(req_ids, rows, nsched, computed, first,
-                                                       hidden, t_pad)
+                                                       packed, states)
         ib.num_computed_tokens[rows] = end
         gen = done & ib.samples[rows]
         if gen.all():  # every request samples: a decode step
@@ -597,11 +631,11 @@ class ModelRunner:
             out[h.req_ids[i]] = v.tolist()
         return out
 
-    def _dispatch_prompt_logprobs(self, req_ids, rows, nsched, computed, first, hidden,
-                                  t_pad) -> tuple | None:
+    def _dispatch_prompt_logprobs(self, req_ids, rows, nsched, computed, first, packed,
+                                  states) -> tuple | None:
         ib = self.input_batch
         spans = {}
-        targets = np.zeros(t_pad, np.int32)
+        targets = np.zeros(states.shape[0], np.int32)
         for i in np.flatnonzero(ib.wants_prompt_logprobs[rows]):
             # Positions [start, stop) of this step's tokens for the request (a
             # resumed request skips those scored before its preemption).
@@ -615,7 +649,8 @@ class ModelRunner:
             spans[req_ids[i]] = slice(at, at + stop - start)
         if not spans:
             return None
-        return self._prompt_logprobs(self._head, hidden, targets), spans
+        scored = self._run_prompt_logprobs(self.state, self.kv_cache, packed, states, targets)
+        return scored, spans
 
     @staticmethod
     def _collect_prompt_logprobs(pending: tuple | None) -> dict[str, LogprobsLists]:

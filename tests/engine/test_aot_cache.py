@@ -27,12 +27,14 @@ def _start(model_dir, cache_dir, monkeypatch):
 def test_a_restart_loads_the_forward_programs_and_generates_the_same(model_dir, tmp_path,
                                                                      monkeypatch, caplog):
     _, first, want = _start(model_dir, tmp_path, monkeypatch)
-    assert (first.aot_cache.traced, first.aot_cache.loaded) == (2, 0)
+    # One forward and one prompt-logprobs program per token bucket.
+    assert (first.aot_cache.traced, first.aot_cache.loaded) == (4, 0)
     files = sorted((tmp_path / "jaxllm-aot").glob("forward-*.jaxexe"))
-    assert len(files) == 2  # one per token bucket
+    assert len(files) == 2
+    assert len(list((tmp_path / "jaxllm-aot").glob("prompt_logprobs-*.jaxexe"))) == 2
 
     _, second, got = _start(model_dir, tmp_path, monkeypatch)
-    assert (second.aot_cache.traced, second.aot_cache.loaded) == (0, 2)
+    assert (second.aot_cache.traced, second.aot_cache.loaded) == (0, 4)
     assert got == want
     assert sorted((tmp_path / "jaxllm-aot").glob("forward-*.jaxexe")) == files
 
@@ -40,7 +42,7 @@ def test_a_restart_loads_the_forward_programs_and_generates_the_same(model_dir, 
     kv0 = second.kv_cache
     ptr = kv0.unsafe_buffer_pointer()
     args = (second.state, second.kv_cache, second._dummy_inputs(16), second._no_prev)
-    assert second._forward_exec.get(args[2].shape[0]) is not None  # the loaded program runs
+    assert second._exec.get(("forward", args[2].shape[0])) is not None  # the loaded program runs
     second.kv_cache, *_ = second._run_forward(*args)
     assert kv0.is_deleted()
     assert second.kv_cache.unsafe_buffer_pointer() == ptr
@@ -49,7 +51,7 @@ def test_a_restart_loads_the_forward_programs_and_generates_the_same(model_dir, 
     files[0].write_bytes(b"not a program")
     with caplog.at_level(logging.WARNING, logger="jaxllm.worker.aot_cache"):
         _, third, again = _start(model_dir, tmp_path, monkeypatch)
-    assert (third.aot_cache.traced, third.aot_cache.loaded) == (1, 1)
+    assert (third.aot_cache.traced, third.aot_cache.loaded) == (1, 3)
     assert "could not load the cached program" in caplog.text
     assert again == want
     assert files[0].read_bytes() != b"not a program"

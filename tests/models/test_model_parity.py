@@ -144,6 +144,54 @@ def test_ragged_prefill_and_decode_logits_match_transformers(case, tmp_path):
     np.testing.assert_allclose(got_decode, want_decode, rtol=0, atol=1e-4)
 
 
+@pytest.mark.parametrize("case", ["llama-gqa-untied", "mistral-sliding-window",
+                                  "qwen3-qk-norm"])
+def test_forward_rows_equals_the_full_forward_at_the_last_rows(case, tmp_path):
+    """`forward_rows` (the last layer for each request's last token only) gives the
+    full forward's hidden states there and the same cache; `finish_states` gives the
+    full forward's every row. The step mixes a decode and two prompt chunks over
+    cached context, with a padding request and padding tokens."""
+    model = load(make_tiny_checkpoint(tmp_path, **CASES[case]))
+    arch = model.arch
+    prompts = prompts_for(256)
+    shape = model.layers[0].self_attn.attn_backend.kv_cache_shape(
+        arch.num_layers * (1 + REQUEST_BUCKET * TABLE_WIDTH), BLOCK_SIZE, arch.num_kv_heads,
+        arch.head_dim)
+    graphdef, state = nnx.split(model)
+    lens = [len(p) for p in prompts]
+    ids = np.zeros(TOKEN_BUCKET, np.int32)
+    positions = np.zeros(TOKEN_BUCKET, np.int32)
+    ids[:sum(lens)] = np.concatenate(prompts)
+    positions[:sum(lens)] = np.concatenate([np.arange(n) for n in lens])
+    cache = jax.jit(lambda s, *a: nnx.merge(graphdef, s)(*a)[1])(
+        state, ids, positions, jnp.zeros(shape, model.dtype), _metadata(lens, lens, TOKEN_BUCKET))
+
+    q_lens, extra = [1, 4, 2], np.random.default_rng(1).integers(4, 256, size=7)
+    ids, positions = np.zeros(TOKEN_BUCKET, np.int32), np.zeros(TOKEN_BUCKET, np.int32)
+    ids[:7] = extra
+    positions[:7] = np.concatenate([np.arange(n, n + q) for n, q in zip(lens, q_lens)])
+    md = _metadata(q_lens, [n + q for n, q in zip(lens, q_lens)], TOKEN_BUCKET)
+    rows = jnp.maximum(md.cu_q_lens[1:] - 1, 0)
+
+    @jax.jit
+    def both(state, ids, positions, cache, md):
+        m = nnx.merge(graphdef, state)
+        full, full_cache = m(ids, positions, cache, md)
+        got, got_cache, states = m.forward_rows(ids, positions, cache, md, rows)
+        return full, full_cache, got, got_cache, m.finish_states(states, positions, got_cache, md)
+
+    full, full_cache, got, got_cache, finished = both(state, ids, positions, cache, md)
+    last = np.asarray(rows)[:len(q_lens)]
+    assert got.shape == (REQUEST_BUCKET, arch.hidden_size)
+    np.testing.assert_array_equal(np.asarray(got_cache), np.asarray(full_cache))
+    np.testing.assert_allclose(np.asarray(got)[:len(q_lens)], np.asarray(full)[last],
+                               rtol=0, atol=1e-5)
+    np.testing.assert_allclose(np.asarray(finished)[:7], np.asarray(full)[:7], rtol=0,
+                               atol=1e-5)
+    assert np.abs(np.asarray(full)[last]).max() > 0.5  # not a comparison of near-zeros
+    assert np.isfinite(np.asarray(got)).all()  # the padding request's row too
+
+
 def _params(model: nnx.Module) -> dict:
     return jax.tree.map(np.asarray, nnx.to_pure_dict(nnx.state(model)))
 
