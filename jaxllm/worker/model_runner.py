@@ -453,8 +453,8 @@ class ModelRunner:
                 self._run_prompt_logprobs(*args)
         jax.block_until_ready(self.kv_cache)
         aot = self.aot_cache
-        note = (f" (forward programs: {aot.loaded} loaded from disk, {aot.traced} traced)"
-                if aot else "")
+        note = (f" (forward and prompt-logprobs programs: {aot.loaded} loaded from disk, "
+                f"{aot.traced} traced)" if aot else "")
         logger.info("precompiled %d shapes in %.1fs%s", len(jobs), time.perf_counter() - t0, note)
 
     def _dummy_inputs(self, t: int) -> np.ndarray:
