@@ -267,11 +267,12 @@ class LlamaForCausalLM(nnx.Module):
         updated cache, and the residual stream entering the last layer `[T, hidden]`
         (`finish_states` turns it into every row's hidden state).
 
-        Equal to `__call__` at those rows: no layer but the last mixes rows of
-        different tokens after it, and the last one's K/V (which later tokens read)
-        are still written for every token. Its attention output, output projection and
-        MLP run for R rows instead of T: at 16384 tokens and 512 requests, ~9 ms of a
-        ~350 ms Llama-3-8B step on an H100.
+        Equal to `__call__` at those rows. Every token's K/V is still written in the
+        last layer too (later steps read it), and after the last layer's attention
+        nothing mixes rows. So the last layer's attention output, output projection
+        and MLP run for R rows instead of T: at 16384 tokens and 512 requests that
+        skips ~9 ms of a ~350 ms Llama-3-8B step on an H100 (BENCHMARKS.md,
+        throughput, stop 29).
         """
         states, kv_cache = self._trunk(input_ids, positions, kv_cache, md)
         x, kv_cache = self._layer(-1, states, positions, kv_cache, md, rows=rows)

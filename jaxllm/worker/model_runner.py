@@ -187,8 +187,10 @@ def _step_functions(graphdef: Any, state_def: Any, head_logits: Any, num_reqs: i
     not hashed per call). The weights come in as the flat list of the state's
     leaves (`state_def` is its tree structure): flattening an `nnx.State` on
     every call costs the host ~0.7 ms for a 32-layer model, a list next to
-    nothing. The logits steps take the head matrix alone (`head_logits(head,
-    hidden)`, the model's): every array argument costs a dispatch ~1 us.
+    nothing. The logits and sampling steps take the head matrix alone
+    (`head_logits(head, hidden)`, the model's): every array argument costs a
+    dispatch ~1 us. The prompt-logprobs step (rare) takes all the weights: it may
+    run the last layer again.
     """
 
     def merge(weights):
@@ -421,14 +423,14 @@ class ModelRunner:
         jobs += [("sample", r) for r in b.request_buckets]
         jobs += [("prompt_logprobs", t) for t in b.token_buckets]
         t0 = time.perf_counter()
-        hidden, last_hidden, out_index = {}, None, None
+        states, last_hidden, out_index = {}, None, None
         s = b.max_num_seqs
         for kind, arg in tqdm(jobs, desc="Precompiling buckets", unit="shape",
                               disable=os.environ.get("JAXLLM_NO_PROGRESS") == "1"):
             if kind == "forward":
                 args = (self.state, self.kv_cache, self._dummy_inputs(arg), self._no_prev)
                 self._load_or_compile("forward", self._forward, args, donate_argnums=(1,))
-                self.kv_cache, hidden[arg], last_hidden, out_index = self._run_forward(*args)
+                self.kv_cache, states[arg], last_hidden, out_index = self._run_forward(*args)
             elif kind == "sample":
                 # The one-program sampler for each mode, then the staged one's parts.
                 logits = self._logits(self._head, last_hidden, rows=arg)
@@ -445,9 +447,9 @@ class ModelRunner:
                                    fn(logits, part, size=s))
                 _jit_logprobs(logits, out)  # `out`: token ids of the last draw
             else:
-                # Traced on a miss only: at bucket sizes over max_num_seqs it runs the
-                # last layer again, attention kernel included (forward_rows).
-                args = (self.state, self.kv_cache, self._dummy_inputs(arg), hidden[arg],
+                # Traced on a miss only: in buckets over max_num_seqs it runs the last
+                # layer again, attention kernel included (finish_states).
+                args = (self.state, self.kv_cache, self._dummy_inputs(arg), states[arg],
                         np.zeros(arg, np.int32))
                 self._load_or_compile("prompt_logprobs", self._prompt_logprobs, args)
                 self._run_prompt_logprobs(*args)

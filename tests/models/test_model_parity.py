@@ -169,8 +169,8 @@ def test_forward_rows_equals_the_full_forward_at_the_last_rows(case, tmp_path):
     q_lens, extra = [1, 4, 2], np.random.default_rng(1).integers(4, 256, size=7)
     ids, positions = np.zeros(TOKEN_BUCKET, np.int32), np.zeros(TOKEN_BUCKET, np.int32)
     ids[:7] = extra
-    positions[:7] = np.concatenate([np.arange(n, n + q) for n, q in zip(lens, q_lens)])
-    md = _metadata(q_lens, [n + q for n, q in zip(lens, q_lens)], TOKEN_BUCKET)
+    positions[:7] = np.concatenate([np.arange(n, n + q) for n, q in zip(lens, q_lens, strict=True)])
+    md = _metadata(q_lens, [n + q for n, q in zip(lens, q_lens, strict=True)], TOKEN_BUCKET)
     rows = jnp.maximum(md.cu_q_lens[1:] - 1, 0)
 
     @jax.jit
