@@ -21,8 +21,11 @@ from tests.models.tiny_checkpoints import make_tiny_checkpoint
 
 API_KEY = "test-key"
 MODEL = "tiny"
-MAX_MODEL_LEN = 512
-LONG = 480  # tokens: long enough that a request is still running when the client leaves
+MAX_MODEL_LEN = 2048
+# Tokens: long enough that a request is still running when the client leaves. A
+# decode step of the tiny model takes the CPU ~0.5 ms: 480 tokens once finished
+# inside the 0.3 s client timeout below.
+LONG = 2000
 GREEDY = {"temperature": 0.0, "extra_body": {"ignore_eos": True}}
 
 
@@ -187,7 +190,7 @@ def test_all_sampling_knobs_are_accepted(client):
     ("/v1/completions", {"prompt": "x", "n": "many"}, "n"),
     ("/v1/completions", {"prompt": "x", "max_tokens": 0}, "max_tokens"),
     ("/v1/completions", {"prompt": "x", "logprobs": 99}, "logprobs"),
-    ("/v1/completions", {"prompt": "x" * 600}, "prompt"),
+    ("/v1/completions", {"prompt": "x" * (MAX_MODEL_LEN + 100)}, "prompt"),
     ("/v1/completions", {"prompt": [1, 2, 10**6]}, "prompt_token_ids"),
     ("/v1/completions", {}, "prompt"),
     ("/v1/completions", {"prompt": "x", "stream_options": {"include_usage": True}},
@@ -329,7 +332,7 @@ def test_disconnect_mid_stream_aborts_and_frees_blocks(server):
 def test_client_timeout_on_a_plain_request_aborts_it(server):
     before = wait_idle(server)
     impatient = openai.OpenAI(base_url=server.url + "/v1", api_key=API_KEY, max_retries=0,
-                              timeout=0.3)
+                              timeout=0.15)
     with pytest.raises(openai.APITimeoutError):
         impatient.completions.create(model=MODEL, prompt="go on", max_tokens=LONG,
                                      **GREEDY)
