@@ -82,14 +82,29 @@ def _metadata(q_lens: list[int], kv_lens: list[int], num_tokens: int) -> Attenti
                              num_seqs=jnp.asarray([len(q_lens)], jnp.int32))
 
 
+def _empty_cache(model: nnx.Module, sharding=None) -> jax.Array:
+    """A zero KV cache for REQUEST_BUCKET requests of TABLE_WIDTH blocks (+ the null block)."""
+    arch = model.arch
+    shape = model.layers[0].self_attn.attn_backend.kv_cache_shape(
+        arch.num_layers * (1 + REQUEST_BUCKET * TABLE_WIDTH), BLOCK_SIZE, arch.num_kv_heads,
+        arch.head_dim)
+    return jnp.zeros(shape, model.dtype, device=sharding)
+
+
+def _prefill_inputs(prompts: list[np.ndarray]) -> tuple[np.ndarray, np.ndarray]:
+    """(token ids, positions) of the prompts as one ragged prefill, padded to TOKEN_BUCKET."""
+    lens = [len(p) for p in prompts]
+    ids = np.zeros(TOKEN_BUCKET, np.int32)
+    positions = np.zeros(TOKEN_BUCKET, np.int32)
+    ids[:sum(lens)] = np.concatenate(prompts)
+    positions[:sum(lens)] = np.concatenate([np.arange(n) for n in lens])
+    return ids, positions
+
+
 def run_prefill_and_decode(model: nnx.Module, prompts: list[np.ndarray],
                            next_tokens: list[int], kv_sharding=None) -> tuple[np.ndarray, ...]:
     """(prefill logits of the real rows [sum(L), V], decode logits [R, V]) as numpy."""
-    backend = model.layers[0].self_attn.attn_backend
-    arch = model.arch
-    shape = backend.kv_cache_shape(arch.num_layers * (1 + REQUEST_BUCKET * TABLE_WIDTH),
-                                   BLOCK_SIZE, arch.num_kv_heads, arch.head_dim)
-    caches = jnp.zeros(shape, model.dtype, device=kv_sharding)
+    caches = _empty_cache(model, kv_sharding)
     graphdef, state = nnx.split(model)
 
     @jax.jit
@@ -99,11 +114,8 @@ def run_prefill_and_decode(model: nnx.Module, prompts: list[np.ndarray],
         return m.compute_logits(hidden), caches
 
     lens = [len(p) for p in prompts]
-    ids = np.zeros(TOKEN_BUCKET, np.int32)
-    positions = np.zeros(TOKEN_BUCKET, np.int32)
-    ids[:sum(lens)] = np.concatenate(prompts)
-    positions[:sum(lens)] = np.concatenate([np.arange(n) for n in lens])
-    logits, caches = step(state, ids, positions, caches, _metadata(lens, lens, TOKEN_BUCKET))
+    logits, caches = step(state, *_prefill_inputs(prompts), caches,
+                          _metadata(lens, lens, TOKEN_BUCKET))
     prefill = np.asarray(logits)[:sum(lens)]
 
     ids = np.zeros(DECODE_BUCKET, np.int32)
@@ -154,17 +166,10 @@ def test_forward_rows_equals_the_full_forward_at_the_last_rows(case, tmp_path):
     model = load(make_tiny_checkpoint(tmp_path, **CASES[case]))
     arch = model.arch
     prompts = prompts_for(256)
-    shape = model.layers[0].self_attn.attn_backend.kv_cache_shape(
-        arch.num_layers * (1 + REQUEST_BUCKET * TABLE_WIDTH), BLOCK_SIZE, arch.num_kv_heads,
-        arch.head_dim)
     graphdef, state = nnx.split(model)
     lens = [len(p) for p in prompts]
-    ids = np.zeros(TOKEN_BUCKET, np.int32)
-    positions = np.zeros(TOKEN_BUCKET, np.int32)
-    ids[:sum(lens)] = np.concatenate(prompts)
-    positions[:sum(lens)] = np.concatenate([np.arange(n) for n in lens])
     cache = jax.jit(lambda s, *a: nnx.merge(graphdef, s)(*a)[1])(
-        state, ids, positions, jnp.zeros(shape, model.dtype), _metadata(lens, lens, TOKEN_BUCKET))
+        state, *_prefill_inputs(prompts), _empty_cache(model), _metadata(lens, lens, TOKEN_BUCKET))
 
     q_lens, extra = [1, 4, 2], np.random.default_rng(1).integers(4, 256, size=7)
     ids, positions = np.zeros(TOKEN_BUCKET, np.int32), np.zeros(TOKEN_BUCKET, np.int32)
