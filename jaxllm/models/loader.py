@@ -20,6 +20,7 @@ from __future__ import annotations
 import glob
 import json
 import os
+from collections.abc import Callable
 from typing import Any, NamedTuple
 
 import jax
@@ -67,6 +68,26 @@ def kv_cache_bytes_per_token(hf_config: Any, dtype: str | jnp.dtype) -> int:
     return kv_cache_spec(hf_config).bytes_per_token(dtype)
 
 
+def _model_factory(model_config: ModelConfig, attn_backend: Any,
+                   swiglu: Any) -> Callable[[], nnx.Module]:
+    cls = get_model_class(model_config.architecture)
+    dtype = jnp.dtype(model_config.dtype)
+
+    def create() -> nnx.Module:
+        return cls(model_config.hf_config, dtype=dtype, rngs=nnx.Rngs(model_config.seed),
+                   attn_backend=attn_backend, swiglu=swiglu)
+
+    return create
+
+
+def abstract_model(model_config: ModelConfig, mesh: Mesh, attn_backend: Any,
+                   swiglu: Any = None) -> nnx.Module:
+    """The model of `model_config` with every weight a ShapeDtypeStruct: its graph, shapes
+    and declared shardings, nothing allocated (what `load_model` fills in)."""
+    validate_tensor_parallel(model_config.hf_config, mesh.shape["model"])
+    return nnx.eval_shape(_model_factory(model_config, attn_backend, swiglu))
+
+
 def load_model(model_config: ModelConfig, mesh: Mesh, attn_backend: Any,
                swiglu: Any = None) -> nnx.Module:
     """The model of `model_config`, every weight sharded on `mesh` in `model_config.dtype`.
@@ -74,14 +95,8 @@ def load_model(model_config: ModelConfig, mesh: Mesh, attn_backend: Any,
     `swiglu`: how the MLP computes its up-projection (jaxllm/layers/mlp.py; XLA if None)."""
     hf_config = model_config.hf_config
     cls = get_model_class(model_config.architecture)
-    validate_tensor_parallel(hf_config, mesh.shape["model"])
-    dtype = jnp.dtype(model_config.dtype)
-
-    def create() -> nnx.Module:
-        return cls(hf_config, dtype=dtype, rngs=nnx.Rngs(model_config.seed),
-                   attn_backend=attn_backend, swiglu=swiglu)
-
-    graphdef, state = nnx.split(nnx.eval_shape(create))
+    create = _model_factory(model_config, attn_backend, swiglu)
+    graphdef, state = nnx.split(abstract_model(model_config, mesh, attn_backend, swiglu))
     shardings = param_shardings(state, mesh)
     if model_config.load_format == "dummy":
         values = jax.jit(lambda: nnx.to_pure_dict(nnx.state(create())),
