@@ -10,7 +10,7 @@ from collections.abc import Iterator, Sequence
 from typing import TYPE_CHECKING
 
 from jaxllm.core.block_hash import BlockHash, BlockHasher
-from jaxllm.engine.messages import EngineCoreRequest, FinishReason
+from jaxllm.core.messages import EngineCoreRequest, FinishReason
 from jaxllm.sampling_params import PoolingParams, SamplingParams
 
 if TYPE_CHECKING:

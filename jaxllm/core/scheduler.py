@@ -27,12 +27,12 @@ import numpy as np
 from jaxllm.config import EngineConfig
 from jaxllm.core.block_hash import make_block_hasher
 from jaxllm.core.kv_cache_manager import KVCacheManager
+from jaxllm.core.messages import EngineCoreOutput, EngineCoreOutputs, SchedulerStats
 from jaxllm.core.request import Request, RequestStatus
 from jaxllm.core.request_queue import SchedulingPolicy, create_request_queue
+from jaxllm.core.runner_output import ModelRunnerOutput
 from jaxllm.core.running_batch import RunningBatch
 from jaxllm.core.sched_output import CachedRequestData, NewRequestData, SchedulerOutput
-from jaxllm.engine.messages import EngineCoreOutput, EngineCoreOutputs, SchedulerStats
-from jaxllm.worker.runner_output import ModelRunnerOutput
 
 
 class Scheduler:
