@@ -40,9 +40,10 @@ from jax.sharding import PartitionSpec as P
 from tqdm.auto import tqdm
 
 from jaxllm.config import EngineConfig, compilation_cache_dir
+from jaxllm.core.messages import LogprobsLists
+from jaxllm.core.runner_output import ModelRunnerOutput
 from jaxllm.core.sched_output import SchedulerOutput
 from jaxllm.distributed.mesh import make_mesh
-from jaxllm.engine.messages import LogprobsLists
 from jaxllm.layers.attention import AttentionMetadata, get_attention_backend
 from jaxllm.layers.mlp import get_swiglu
 from jaxllm.models.loader import kv_cache_spec, load_model
@@ -58,7 +59,6 @@ from jaxllm.sampling_params import MAX_LOGPROBS
 from jaxllm.worker.aot_cache import ExecutableCache
 from jaxllm.worker.buckets import Buckets
 from jaxllm.worker.input_batch import InputBatch
-from jaxllm.worker.runner_output import ModelRunnerOutput
 
 logger = logging.getLogger(__name__)
 
