@@ -33,10 +33,10 @@ from jax.sharding import PartitionSpec as P
 from jaxllm.config import EngineConfig
 from jaxllm.core.sched_output import SchedulerOutput
 from jaxllm.distributed.mesh import make_mesh
-from jaxllm.engine.messages import LogprobsLists
 from jaxllm.layers.attention import get_attention_backend
 from jaxllm.layers.mlp import get_swiglu
 from jaxllm.models.loader import kv_cache_spec, load_model
+from jaxllm.sample.logprobs import LogprobsLists
 from jaxllm.sample.sampler import SamplerOutput
 from jaxllm.worker.aot_cache import ExecutableCache
 from jaxllm.worker.buckets import Buckets
