@@ -62,6 +62,9 @@ class EngineCore:
         self.model_runner = ModelRunner(config)
         if config.precompile:
             self.model_runner.precompile()
+        # The KV cache's size is known once the runner has measured the device:
+        # the scheduler's block pool takes it from here.
+        config.cache_config.num_blocks = self.model_runner.num_kv_blocks
         self.scheduler = Scheduler(config)
         self.async_scheduling = config.async_scheduling
         self._inflight: tuple[SchedulerOutput, StepHandle | None] | None = None
