@@ -290,7 +290,8 @@ class ModelRunner:
 
         self.buckets = Buckets.make(sc.max_num_batched_tokens, sc.max_num_seqs, mc.max_model_len,
                                     cc.block_size, config.token_buckets, config.request_buckets)
-        self.num_layers, self.num_kv_heads, self.head_dim = kv_cache_spec(mc.hf_config)
+        self.num_layers, self.num_kv_heads, self.head_dim = kv_cache_spec(
+            mc.hf_config, self.mesh.shape["model"])
         cc.num_blocks = self._num_kv_blocks()
         self.kv_cache = self._allocate_kv_cache(cc.num_blocks)
         self.input_batch = InputBatch(sc.max_num_seqs, mc.max_model_len,
