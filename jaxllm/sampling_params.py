@@ -174,7 +174,7 @@ class SamplingParams(
                 check_int("bad_words", tid, 0, TOKEN_ID_MAX)
         for tid, bias in (self.logit_bias or {}).items():
             check_int("logit_bias", tid, 0, TOKEN_ID_MAX)
-            if not math.isfinite(bias):
+            if not math.isfinite(bias) or abs(bias) > _FLOAT32_MAX:
                 bad("logit_bias", f"the bias of token {tid} must be finite, got {bias}")
 
     def verify_vocab(self, vocab_size: int) -> None:

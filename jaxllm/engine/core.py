@@ -109,6 +109,11 @@ class EngineCore:
                 params.verify()
             except ValueError as e:
                 return str(e)
+            # The InputProcessor caps max_tokens to the context; so every count fits int32.
+            limit = self.config.model_config.max_model_len
+            if params.max_tokens is None or len(ids) + params.max_tokens > limit:
+                return f"max_tokens: {params.max_tokens} with {len(ids)} prompt tokens " \
+                       f"passes max_model_len {limit}"
         return None
 
     def abort_requests(self, request_ids: list[str]) -> None:

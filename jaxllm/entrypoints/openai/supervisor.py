@@ -1,9 +1,8 @@
 """Restarts a dead engine core for the API server, a bounded number of times.
 
 When the core's process dies, AsyncLLM fails the requests in flight and
-/health answers 503. The supervisor then starts a new core (the program cache
-on disk makes that a matter of seconds); /health is 200 again once it is
-ready. After `max_restarts` restarts without the core staying up for
+/health answers 503. The supervisor then starts a new core (its programs come
+from the on-disk compilation cache); /health is 200 again once it is ready. After `max_restarts` restarts without the core staying up for
 `stable_s` in between, or at once with `max_restarts=0` (vLLM's behaviour),
 it gives up and the server exits non-zero, so that an orchestrator restarts it.
 """
