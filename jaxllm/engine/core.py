@@ -44,7 +44,7 @@ def freeze_gc() -> None:
     collector never scans it again. A step makes and drops hundreds of small
     objects (outputs, token lists); nearly all die by reference counting, so
     the young generation is collected after 50,000 allocations, not 700: with
-    the default, collections took ~1 ms of a 256-request step on a 2-core VM.
+    the default, collections took a large share of a 256-request step's host time.
     Only for a process the engine owns (freezing keeps a discarded engine's
     cycles alive for good).
     """
@@ -63,6 +63,9 @@ class EngineCore:
         self.model_runner = ModelRunner(config)
         if config.precompile:
             self.model_runner.precompile()
+        # The KV cache's size is known once the runner has measured the device:
+        # the scheduler's block pool takes it from here.
+        config.cache_config.num_blocks = self.model_runner.num_kv_blocks
         self.scheduler = Scheduler(config)
         self.async_scheduling = config.async_scheduling
         self._inflight: tuple[SchedulerOutput, StepHandle | None] | None = None

@@ -12,7 +12,8 @@ import os
 import sys
 from typing import Any
 
-from jaxllm.entrypoints.cli import add_engine_args
+from jaxllm.entrypoints.arg_utils import DEFAULT_MAX_REQUEST_BYTES, add_engine_args
+from jaxllm.entrypoints.openai.supervisor import DEFAULT_ENGINE_RESTARTS
 from jaxllm.errors import ParameterError
 from jaxllm.sampling_params import DEFAULT_MAX_N_SEQUENCES, max_n_sequences
 
@@ -20,8 +21,6 @@ _UNSET: Any = type("Unset", (), {"__repr__": lambda self: "<unset>"})()
 # Left with its real default: cli.main() reads it before the command runs.
 _KEEP_DEFAULT = {"gpu_memory_utilization", "func", "command"}
 DEMO_MODEL_NAME = "demo"
-DEFAULT_MAX_REQUEST_BYTES = 32 * 1024 * 1024
-DEFAULT_ENGINE_RESTARTS = 3
 
 
 def add_serve_parser(subparsers: Any) -> argparse.ArgumentParser:

@@ -13,6 +13,7 @@ from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field
 
+from jaxllm.entrypoints.openai.strings import check_strings
 from jaxllm.errors import ParameterError
 from jaxllm.sampling_params import (
     INT64_MAX,
@@ -21,7 +22,6 @@ from jaxllm.sampling_params import (
     RequestOutputKind,
     SamplingParams,
     check_int,
-    check_text,
 )
 
 
@@ -29,26 +29,8 @@ class OpenAIBaseModel(BaseModel):
     model_config = ConfigDict(extra="ignore")
 
     def check_strings(self) -> None:
-        """Every string in the body, keys included, encodes as UTF-8; a ParameterError
-        names the first field that does not."""
-        _check_strings(self, "")
-
-
-def _check_strings(value: Any, path: str) -> None:
-    if isinstance(value, str):
-        check_text(path or "body", value)
-    elif isinstance(value, BaseModel):
-        fields = {**value.__dict__, **(value.model_extra or {})}
-        for name, v in fields.items():
-            _check_strings(v, f"{path}.{name}" if path else name)
-    elif isinstance(value, dict):
-        for k, v in value.items():
-            _check_strings(k, path)
-            _check_strings(v, f"{path}.{k}" if isinstance(k, str) and k.isprintable()
-                           and k.isascii() else path)
-    elif isinstance(value, (list, tuple)):
-        for i, v in enumerate(value):
-            _check_strings(v, f"{path}[{i}]")
+        """Every string in the body, keys included, is valid Unicode (see `strings.py`)."""
+        check_strings(self)
 
 
 class ErrorInfo(OpenAIBaseModel):

@@ -2,9 +2,10 @@
 
 When the core's process dies, AsyncLLM fails the requests in flight and
 /health answers 503. The supervisor then starts a new core (its programs come
-from the on-disk compilation cache); /health is 200 again once it is ready. After `max_restarts` restarts without the core staying up for
-`stable_s` in between, or at once with `max_restarts=0` (vLLM's behaviour),
-it gives up and the server exits non-zero, so that an orchestrator restarts it.
+from the on-disk compilation cache); /health is 200 again once it is ready.
+After `max_restarts` restarts without the core staying up for `stable_s` in
+between, or at once with `max_restarts=0` (vLLM's behaviour), it gives up and
+the server exits non-zero, so that an orchestrator restarts it.
 """
 
 from __future__ import annotations
@@ -16,6 +17,9 @@ from collections.abc import Callable
 from typing import Any
 
 logger = logging.getLogger("jaxllm.api_server")
+
+# `jaxllm serve --engine-restarts` and ServerOptions both default to it.
+DEFAULT_ENGINE_RESTARTS = 3
 
 
 class EngineSupervisor:
