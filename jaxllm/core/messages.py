@@ -10,6 +10,7 @@ import itertools
 
 import msgspec
 
+from jaxllm.sample.logprobs import LogprobsLists
 from jaxllm.sampling_params import PoolingParams, SamplingParams
 
 
@@ -36,23 +37,6 @@ class EngineCoreRequest(msgspec.Struct, omit_defaults=True, kw_only=True):  # ty
 # The per-step messages are made by the hundred every step and can hold no
 # reference cycle (they hold lists of numbers and each other, never themselves):
 # gc=False keeps them out of the cyclic collector's generations.
-
-
-class LogprobsLists(msgspec.Struct, array_like=True, gc=False):  # type: ignore[call-arg]
-    """Logprobs of several positions.
-
-    Row i: `token_ids[i][0]` is the chosen (sampled or prompt) token and the
-    rest are the top-k in descending order; `logprobs[i]` aligns with it;
-    `ranks[i]` is the chosen token's rank in the full distribution (1 = best).
-    """
-
-    token_ids: list[list[int]]
-    logprobs: list[list[float]]
-    ranks: list[int]
-
-    def slice(self, start: int, stop: int) -> LogprobsLists:
-        return LogprobsLists(self.token_ids[start:stop], self.logprobs[start:stop],
-                             self.ranks[start:stop])
 
 
 class EngineCoreOutput(msgspec.Struct, array_like=True, omit_defaults=True,  # type: ignore[call-arg]

@@ -7,14 +7,11 @@ import itertools
 import sys
 import time
 from collections.abc import Iterator, Sequence
-from typing import TYPE_CHECKING
+from typing import Any
 
 from jaxllm.core.block_hash import BlockHash, BlockHasher
 from jaxllm.core.messages import EngineCoreRequest, FinishReason
 from jaxllm.sampling_params import PoolingParams, SamplingParams
-
-if TYPE_CHECKING:
-    from jaxllm.core.running_batch import RunningBatch
 
 
 class RequestStatus(enum.IntEnum):
@@ -139,7 +136,8 @@ class Request:
         # While the request runs, these two counters live in the scheduler's
         # RunningBatch arrays (see the properties below).
         self.batch_index = -1  # position in that batch, -1 when not running
-        self._batch: RunningBatch | None = None
+        # The RunningBatch holding them (untyped: running_batch.py imports this module).
+        self._batch: Any = None
         self._num_computed_tokens = 0
         self._num_output_placeholders = 0
         # Prefix-cache hit (tokens) at the first schedule; -1 until then, as in vLLM.
