@@ -94,6 +94,9 @@ def topology_devices(name: str) -> tuple[jax.Device, ...]:
     os.environ.setdefault("TPU_ACCELERATOR_TYPE", tpu_slice.accelerator_type)
     os.environ.setdefault("TPU_SKIP_MDS_QUERY", "1")
     os.environ.setdefault("TPU_WORKER_HOSTNAMES", "localhost")
+    # libtpu lets one process per host hold it (a lock file), which is for the chips;
+    # compiling holds none, so compile steps may run side by side (pytest workers).
+    os.environ.setdefault("ALLOW_MULTIPLE_LIBTPU_LOAD", "1")
     from jax.experimental import topologies
 
     kw = {}

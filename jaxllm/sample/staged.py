@@ -12,7 +12,8 @@ per request bucket) instead of multiplying. Both paths compute what
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
+from typing import Any
 
 import jax
 import jax.numpy as jnp
@@ -68,9 +69,13 @@ def run_sampler(logits: jax.Array, md: SamplingMetadata, size: int) -> SamplerOu
 
 
 def precompile_stages(logits: jax.Array, variants: Iterable[SamplingMetadata],
-                      size: int) -> None:
+                      size: int, call: Callable[..., Any] | None = None) -> None:
     """Compiles each stage once per distinct variant it sees among `variants`
-    (from `variant_metadata`), for logits of `logits`' shape."""
+    (from `variant_metadata`), for logits of `logits`' shape. `call(fn, *args, **kw)`
+    runs each stage (default: calls it); an ahead-of-time compiler passes one that
+    compiles it for abstract arguments instead (worker/tpu_compile.py)."""
+    if call is None:
+        call = lambda fn, *args, **kw: fn(*args, **kw)  # noqa: E731
     seen = set()
     token_ids = None
     for md in variants:
@@ -78,8 +83,9 @@ def precompile_stages(logits: jax.Array, variants: Iterable[SamplingMetadata],
             key = (fn, jax.tree_util.tree_structure(part))
             if part is not None and key not in seen:
                 seen.add(key)
-                out = fn(logits, part) if fn is _jit_adjust else fn(logits, part, size=size)
+                out = (call(fn, logits, part) if fn is _jit_adjust else
+                       call(fn, logits, part, size=size))
                 if fn is _jit_draw:
                     token_ids = out
     if token_ids is not None:
-        _jit_logprobs(logits, token_ids)
+        call(_jit_logprobs, logits, token_ids)

@@ -156,12 +156,14 @@ class _Compiler:
         self.reports: list[ProgramReport] = []
         self.on_program = on_program
 
-    def run(self, name: str, bucket: int, build: Callable[[], Any], resident_args: int) -> Any:
-        """`build()` -> a compiled program; `resident_args`: bytes per chip of its
-        arguments that are weights or the KV cache (resident whether it runs or not)."""
+    def run(self, name: str, bucket: int, build: Callable[[], tuple[Any, Any]],
+            resident_args: int) -> Any:
+        """`build()` -> (compiled program, its abstract outputs), which this returns;
+        `resident_args`: bytes per chip of its arguments that are weights or the KV
+        cache (resident whether it runs or not)."""
         t0 = time.perf_counter()
         try:
-            compiled = build()
+            compiled, outputs = build()
         except Exception as e:
             first = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
             raise ProgramCompileError(f"{name}[{bucket}] does not compile for {self.target}: "
@@ -185,7 +187,7 @@ class _Compiler:
                 f"chip (weights, KV cache, its arguments, temporaries and outputs) of "
                 f"{_gib(self.hbm)} GiB; lower --hbm-utilization, --max-num-batched-tokens or "
                 f"--max-num-seqs, or raise --tensor-parallel-size")
-        return compiled
+        return outputs
 
 
 def compile_programs(config: EngineConfig, devices: Sequence[jax.Device], target: str, *,
@@ -219,7 +221,7 @@ def compile_programs(config: EngineConfig, devices: Sequence[jax.Device], target
 
     b = Buckets.make(sc.max_num_batched_tokens, sc.max_num_seqs, mc.max_model_len,
                      cc.block_size, config.token_buckets, config.request_buckets)
-    num_layers, num_kv_heads, head_dim = kv_cache_spec(mc.hf_config)
+    num_layers, num_kv_heads, head_dim = kv_cache_spec(mc.hf_config, pc.tensor_parallel_size)
     kv = PagedKVCache(attn, mesh, num_layers, num_kv_heads, head_dim, cc.block_size, dtype)
     reserve = activation_reserve(mc.hf_config, b.token_buckets[-1], b.request_buckets[-1],
                                  mc.vocab_size, dtype, PROMPT_LOGPROBS_ROWS)
@@ -256,13 +258,15 @@ def compile_programs(config: EngineConfig, devices: Sequence[jax.Device], target
         return program.compiled, program.out_tree.unflatten(
             jax.tree.leaves(program.compiled.out_info))
 
+    # Each program takes the KV cache as the one before it left it (as in the runner's
+    # precompile, where every forward returns the donated cache): its placement is
+    # part of what a compiled program expects.
     outputs = {}
     for t in b.token_buckets:
         args = (weights, kv_cache, packed(t), no_prev)
-        box: list[Any] = []
-        compiler.run("forward", t, lambda args=args, box=box: _keep(
-            box, compile_step("forward", forward, args, donate_argnums=(1,))), resident)
-        outputs[t] = box[0][1]
+        outputs[t] = compiler.run("forward", t, lambda args=args: compile_step(
+            "forward", forward, args, donate_argnums=(1,)), resident)
+        kv_cache = outputs[t][0]
     last_hidden, out_index = outputs[b.token_buckets[-1]][2:4]
     for r in b.request_buckets:
         _compile_sampler(compiler, r, b.max_num_seqs, mc.vocab_size, head, last_hidden,
@@ -270,14 +274,13 @@ def compile_programs(config: EngineConfig, devices: Sequence[jax.Device], target
     for t in b.token_buckets:
         args = (weights, kv_cache, packed(t), outputs[t][1], _abstract(np.zeros(t, np.int32)))
         compiler.run("prompt_logprobs", t, lambda args=args: compile_step(
-            "prompt_logprobs", prompt_logprobs, args)[0], resident)
+            "prompt_logprobs", prompt_logprobs, args), resident)
     return CompileReport(target, compiler.reports, hbm, weight_bytes, kv_bytes,
                          num_blocks - 1, cc.block_size, reserve)
 
 
-def _keep(box: list, value: tuple) -> Any:
-    box.append(value)
-    return value[0]
+def _with_outputs(compiled: Any) -> tuple[Any, Any]:
+    return compiled, compiled.out_info
 
 
 def _variant(md: SamplingMetadata, mode: bool = True) -> str:
@@ -299,17 +302,17 @@ def _compile_sampler(compiler: _Compiler, r: int, size: int, vocab_size: int, he
         lambda a: _abstract(a, replicated), x), out_index))
     variants = [jax.tree.map(lambda a: a if isinstance(a, jax.ShapeDtypeStruct)
                              else _abstract(a), md) for md in variants]
-    logits = compiler.run("logits", r, lambda: logits_fn.lower(
-        head, last_hidden, rows=r).compile(), head_bytes).out_info
+    logits = compiler.run("logits", r, lambda: _with_outputs(logits_fn.lower(
+        head, last_hidden, rows=r).compile()), head_bytes)
     for md in variants:
         if staged.is_plain(md):
-            compiler.run(f"sample[{_variant(md)}]", r, lambda md=md: sample_fn.lower(
-                head, last_hidden, md, size=size).compile(), head_bytes)
+            compiler.run(f"sample[{_variant(md)}]", r, lambda md=md: _with_outputs(
+                sample_fn.lower(head, last_hidden, md, size=size).compile()), head_bytes)
 
     def compile_stage(fn: Any, *args: Any, **kw: Any) -> Any:
         name = fn.__name__.strip("_")
         if isinstance(args[1], SamplingMetadata):  # adjust and draw: one per variant
             name += f"[{_variant(args[1], mode=fn is not staged._jit_adjust)}]"
-        return compiler.run(name, r, lambda: fn.lower(*args, **kw).compile(), 0).out_info
+        return compiler.run(name, r, lambda: _with_outputs(fn.lower(*args, **kw).compile()), 0)
 
     staged.precompile_stages(logits, variants, size, call=compile_stage)
