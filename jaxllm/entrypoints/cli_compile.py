@@ -12,6 +12,7 @@ from __future__ import annotations
 import argparse
 import os
 import sys
+import warnings
 from typing import Any
 
 from jaxllm.entrypoints.cli import add_engine_args, engine_args_from
@@ -46,6 +47,9 @@ def cmd_compile(ns: argparse.Namespace) -> int:
     import jax
 
     jax.config.update("jax_platforms", os.environ["JAX_PLATFORMS"])
+    # A compile-only client can write the persistent cache but not load from it: an
+    # entry found there is compiled again, which is all this command does anyway.
+    warnings.filterwarnings("ignore", message="Error reading persistent compilation cache")
     from jaxllm.distributed.tpu_topology import topology_devices
     from jaxllm.worker.tpu_compile import ProgramCompileError, compile_programs
 

@@ -76,9 +76,11 @@ class ProgramReport:
     optimal_seconds: float | None  # the compiler's own estimate; never a measurement
 
     def line(self) -> str:
+        estimate = ("" if self.optimal_seconds is None else
+                    f" (the compiler's estimate: {self.optimal_seconds * 1e3:.3f} ms a run)")
         return (f"{self.name}[{self.bucket}]: compiled in {self.compile_seconds:.1f}s; "
                 f"argument {_gib(self.argument_bytes)}, temp {_gib(self.temp_bytes)}, "
-                f"output {_gib(self.output_bytes)} GiB")
+                f"output {_gib(self.output_bytes)} GiB{estimate}")
 
 
 @dataclasses.dataclass(frozen=True)
