@@ -67,7 +67,8 @@ class ProgramReport:
 
     name: str  # forward | logits | sample[mode] | adjust | draw | logprobs | prompt_logprobs
     bucket: int  # token bucket (forward, prompt_logprobs) or request bucket
-    compile_seconds: float
+    compile_seconds: float  # wall clock
+    compile_cpu_seconds: float  # this process's CPU time (every thread): load-independent
     argument_bytes: int
     output_bytes: int
     temp_bytes: int
@@ -78,7 +79,8 @@ class ProgramReport:
     def line(self) -> str:
         estimate = ("" if self.optimal_seconds is None else
                     f" (the compiler's estimate: {self.optimal_seconds * 1e3:.3f} ms a run)")
-        return (f"{self.name}[{self.bucket}]: compiled in {self.compile_seconds:.1f}s; "
+        return (f"{self.name}[{self.bucket}]: compiled in {self.compile_seconds:.1f}s "
+                f"(CPU {self.compile_cpu_seconds:.1f}s); "
                 f"argument {_gib(self.argument_bytes)}, temp {_gib(self.temp_bytes)}, "
                 f"output {_gib(self.output_bytes)} GiB{estimate}")
 
@@ -163,14 +165,14 @@ class _Compiler:
         """`build()` -> (compiled program, its abstract outputs), which this returns;
         `resident_args`: bytes per chip of its arguments that are weights or the KV
         cache (resident whether it runs or not)."""
-        t0 = time.perf_counter()
+        t0, c0 = time.perf_counter(), time.process_time()
         try:
             compiled, outputs = build()
         except Exception as e:
             first = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
             raise ProgramCompileError(f"{name}[{bucket}] does not compile for {self.target}: "
                                       f"{first}") from e
-        seconds = time.perf_counter() - t0
+        seconds, cpu = time.perf_counter() - t0, time.process_time() - c0
         mem = compiled.memory_analysis()
         arg, out = int(mem.argument_size_in_bytes), int(mem.output_size_in_bytes)
         temp, alias = int(mem.temp_size_in_bytes), int(mem.alias_size_in_bytes)
@@ -178,7 +180,7 @@ class _Compiler:
         cost = compiled.cost_analysis()
         cost = cost[0] if isinstance(cost, list | tuple) and cost else cost
         optimal = (cost or {}).get("optimal_seconds") if isinstance(cost, dict) else None
-        report = ProgramReport(name, bucket, seconds, arg, out, temp, alias, peak,
+        report = ProgramReport(name, bucket, seconds, cpu, arg, out, temp, alias, peak,
                                None if optimal is None else float(optimal))
         self.reports.append(report)
         if self.on_program is not None:

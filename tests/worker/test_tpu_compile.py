@@ -42,7 +42,8 @@ def test_demo_model_compiles_for_v5e_2x2_and_prints_the_summary(tmp_path, capsys
     assert rc == 0, captured.err
     out = captured.out
     lines = out.strip().splitlines()
-    line = re.compile(r"^\S+\[\d+\]: compiled in [\d.]+s; argument [\d.]+, temp [\d.]+, "
+    line = re.compile(r"^\S+\[\d+\]: compiled in [\d.]+s \(CPU [\d.]+s\); "
+                      r"argument [\d.]+, temp [\d.]+, "
                       r"output [\d.]+ GiB( \(the compiler's estimate: [\d.]+ ms a run\))?$")
     programs = [ln for ln in lines if line.match(ln)]
     assert len(programs) == NUM_PROGRAMS, out
