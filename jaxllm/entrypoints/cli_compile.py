@@ -15,7 +15,7 @@ import sys
 import warnings
 from typing import Any
 
-from jaxllm.entrypoints.cli import add_engine_args, engine_args_from
+from jaxllm.entrypoints.arg_utils import add_engine_args, engine_args_from
 from jaxllm.errors import ParameterError
 
 
