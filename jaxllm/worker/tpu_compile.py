@@ -122,8 +122,9 @@ def _shard_bytes(spec: jax.ShapeDtypeStruct) -> int:
 
 
 def _abstract(x: Any, sharding: NamedSharding | None = None) -> jax.ShapeDtypeStruct:
-    return jax.ShapeDtypeStruct(np.shape(x), np.asarray(x).dtype if not hasattr(x, "dtype")
-                                else x.dtype, sharding=sharding)
+    """`x`'s shape and dtype, placed by `sharding` (None: as jit places a host array)."""
+    dtype = x.dtype if hasattr(x, "dtype") else np.asarray(x).dtype
+    return jax.ShapeDtypeStruct(np.shape(x), dtype, sharding=sharding)
 
 
 def _swiglu_for(config: EngineConfig, dtype: Any, mesh: jax.sharding.Mesh) -> SwiGLU:
@@ -170,7 +171,9 @@ class _Compiler:
             compiled, outputs = build()
         except Exception as e:
             first = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
-            raise ProgramCompileError(f"{name}[{bucket}] does not compile for {self.target}: "
+            verdict = ("does not fit" if "RESOURCE_EXHAUSTED" in first
+                       else "does not compile for")
+            raise ProgramCompileError(f"{name}[{bucket}] {verdict} {self.target}: "
                                       f"{first}") from e
         seconds, cpu = time.perf_counter() - t0, time.process_time() - c0
         mem = compiled.memory_analysis()
