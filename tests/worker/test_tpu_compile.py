@@ -30,8 +30,8 @@ FLAGS = ["--max-model-len", "256", "--max-num-seqs", "8", "--max-num-batched-tok
          "--token-buckets", "32", "--request-buckets", "8"]
 ENGINE = dict(max_model_len=256, max_num_seqs=8, max_num_batched_tokens=32, token_buckets=[32],
               request_buckets=[8])
-# forward, logits, 3 one-program samplers, 3 adjust + 4 draw stages (greedy among them),
-# logprobs, prompt logprobs
+# forward, logits, 3 one-program samplers, 3 adjust and 3 draw stages, logprobs,
+# prompt logprobs
 NUM_PROGRAMS = 13
 
 
