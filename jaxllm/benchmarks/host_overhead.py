@@ -43,7 +43,7 @@ def make_model_dir(path: str) -> str:
 
 def calibration_workload(table: dict[str, int], keys: list[str], ids: np.ndarray) -> int:
     """Fixed host work of the kind a step does (dict lookups, list appends, small numpy
-    operations), a small part of a step. Timed beside the steps, it tells how fast the
+    operations), a fraction of a step. Timed beside the steps, it tells how fast the
     host's core runs at that moment: a shared VM's core can slow down for seconds at a
     time, and this work then slows with the step."""
     out = []

@@ -34,7 +34,7 @@ from jaxllm.outputs import RequestOutput
 from jaxllm.sampling_params import RequestOutputKind, SamplingParams
 
 if TYPE_CHECKING:
-    from jaxllm.engine.core_mp import AsyncMPClient
+    from jaxllm.engine.core_client import AsyncMPClient
 
 logger = logging.getLogger(__name__)
 
@@ -105,7 +105,7 @@ class AsyncLLM:
     def __init__(self, config: EngineConfig, stat_loggers: list[StatLogger] | None = None,
                  startup_timeout_s: float | None = None,
                  engine_core: AsyncMPClient | None = None, tokenizer: Any = _LOAD):
-        from jaxllm.engine.core_mp import AsyncMPClient
+        from jaxllm.engine.core_client import AsyncMPClient
 
         self.config = config
         self.model_config = config.model_config
@@ -134,7 +134,7 @@ class AsyncLLM:
         with it.
         """
         from jaxllm import config_cache
-        from jaxllm.engine.core_mp import AsyncMPClient
+        from jaxllm.engine.core_client import AsyncMPClient
 
         stored = config_cache.load(args)
         with ThreadPoolExecutor(1, thread_name_prefix="frontend-config") as pool:

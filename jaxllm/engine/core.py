@@ -43,7 +43,7 @@ def freeze_gc() -> None:
     collector never scans it again. A step makes and drops hundreds of small
     objects (outputs, token lists); nearly all die by reference counting, so
     the young generation is collected after 50,000 allocations, not 700: with
-    the default, collections took ~1 ms of a 256-request step on a 2-core VM.
+    the default, collections took a large share of a 256-request step's host time.
     Only for a process the engine owns (freezing keeps a discarded engine's
     cycles alive for good).
     """

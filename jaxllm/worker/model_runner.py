@@ -31,6 +31,7 @@ from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
 from jaxllm.config import EngineConfig
+from jaxllm.core.runner_output import ModelRunnerOutput
 from jaxllm.core.sched_output import SchedulerOutput
 from jaxllm.distributed.mesh import make_mesh
 from jaxllm.layers.attention import get_attention_backend
@@ -48,7 +49,6 @@ from jaxllm.worker.programs import (
     aot_context,
     enable_compilation_cache,
 )
-from jaxllm.worker.runner_output import ModelRunnerOutput
 from jaxllm.worker.step_inputs import (
     StepInputs,
     prepare_step_inputs,
@@ -113,7 +113,8 @@ class ModelRunner:
         self.buckets = b = Buckets.make(sc.max_num_batched_tokens, sc.max_num_seqs,
                                         mc.max_model_len, cc.block_size, config.token_buckets,
                                         config.request_buckets)
-        self.num_layers, self.num_kv_heads, self.head_dim = kv_cache_spec(mc.hf_config)
+        self.num_layers, self.num_kv_heads, self.head_dim = kv_cache_spec(
+            mc.hf_config, self.mesh.shape["model"])
         kv = PagedKVCache(self.attn_backend, self.mesh, self.num_layers, self.num_kv_heads,
                           self.head_dim, cc.block_size, self.dtype)
         # The caller hands this count to the scheduler (EngineCore).

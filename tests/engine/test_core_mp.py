@@ -15,7 +15,8 @@ import pytest
 
 from jaxllm import LLM, SamplingParams
 from jaxllm.config import EngineArgs
-from jaxllm.engine.core_mp import Codec, SyncMPClient
+from jaxllm.engine.codec import Codec
+from jaxllm.engine.core_client import SyncMPClient
 from jaxllm.engine.llm_engine import LLMEngine
 from jaxllm.engine.messages import (
     EngineCoreOutput,
@@ -135,7 +136,7 @@ def test_startup_failure_is_reported_with_the_cause(model_dir, tmp_path):
 
 
 def test_multiprocessing_for_llm_is_opt_in_through_the_environment(monkeypatch):
-    from jaxllm.engine.core_mp import multiprocess_default
+    from jaxllm.engine.core_client import multiprocess_default
 
     monkeypatch.delenv("JAXLLM_ENABLE_MULTIPROCESSING", raising=False)
     assert multiprocess_default() is False

@@ -92,7 +92,7 @@ def test_sigkill_of_the_server_leaves_no_engine_process(tmp_path):
     script = (
         "import sys, time\n"
         "from jaxllm.config import EngineArgs\n"
-        "from jaxllm.engine.core_mp import SyncMPClient\n"
+        "from jaxllm.engine.core_client import SyncMPClient\n"
         "if __name__ == '__main__':\n"
         f"    cfg = EngineArgs(model={model!r}, dtype='float32', max_model_len=64,\n"
         "                     precompile=False, max_num_seqs=4,\n"

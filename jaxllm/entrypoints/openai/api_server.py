@@ -27,7 +27,7 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 
 import jaxllm
 from jaxllm.engine.async_llm import AsyncLLM
-from jaxllm.entrypoints.openai.cli_serve import DEFAULT_MAX_REQUEST_BYTES
+from jaxllm.entrypoints.arg_utils import DEFAULT_MAX_REQUEST_BYTES, engine_args_from
 from jaxllm.entrypoints.openai.protocol import (
     ChatCompletionRequest,
     CompletionRequest,
@@ -314,8 +314,6 @@ def _exit_on_sigterm(*_: Any) -> None:
 
 def run_server(args: argparse.Namespace) -> int:
     """`jaxllm serve`: build the engine (in its own process) and serve until a signal."""
-    from jaxllm.entrypoints.cli import engine_args_from
-
     engine_args = engine_args_from(args)
     options = ServerOptions(
         host=args.host, port=args.port, api_key=args.api_key,

@@ -12,14 +12,13 @@ import os
 import sys
 from typing import Any
 
-from jaxllm.entrypoints.cli import add_engine_args
+from jaxllm.entrypoints.arg_utils import DEFAULT_MAX_REQUEST_BYTES, add_engine_args
 from jaxllm.errors import ParameterError
 
 _UNSET: Any = type("Unset", (), {"__repr__": lambda self: "<unset>"})()
 # Left with its real default: cli.main() reads it before the command runs.
 _KEEP_DEFAULT = {"gpu_memory_utilization", "func", "command"}
 DEMO_MODEL_NAME = "demo"
-DEFAULT_MAX_REQUEST_BYTES = 32 * 1024 * 1024
 
 
 def add_serve_parser(subparsers: Any) -> argparse.ArgumentParser:
