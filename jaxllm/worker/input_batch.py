@@ -25,6 +25,8 @@ class InputBatch:
         self.token_ids = np.zeros((max_num_reqs, max_model_len), np.int32)
         self.num_tokens = np.zeros(max_num_reqs, np.int32)  # prompt + known outputs
         self.num_prompt_tokens = np.zeros(max_num_reqs, np.int32)
+        # The scheduler's count, as each SchedulerOutput sends it for the step's
+        # requests (new or cached); the runner never advances it itself.
         self.num_computed_tokens = np.zeros(max_num_reqs, np.int32)
         self.block_table = np.zeros((max_num_reqs, max_blocks_per_req), np.int32)
         self.num_blocks = np.zeros(max_num_reqs, np.int32)

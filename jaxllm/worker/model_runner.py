@@ -196,7 +196,6 @@ class ModelRunner:
         prompt_lp = None
         if ib.wants_prompt_logprobs[:ib.num_reqs].any():  # none for most steps
             prompt_lp = self._dispatch_prompt_logprobs(req_ids, rows, nsched, inputs, states)
-        ib.num_computed_tokens[rows] = end
         # The scheduler decides which requests reach their end this step (a prompt
         # chunk that stops short of the prompt's end does not); of those, the
         # generating ones sample a token and the pooling ones are pooled.
