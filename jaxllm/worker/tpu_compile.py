@@ -42,8 +42,8 @@ from jaxllm.distributed.tpu_topology import hbm_bytes_per_device
 from jaxllm.errors import ParameterError
 from jaxllm.layers.mlp import SwiGLU, get_swiglu
 from jaxllm.models.loader import abstract_model, kv_cache_spec
-from jaxllm.sample import staged
 from jaxllm.sample.metadata import SamplingMetadata, variant_metadata
+from jaxllm.sample.staged import STAGED, is_plain
 from jaxllm.worker.aot_cache import ExecutableCache
 from jaxllm.worker.buckets import Buckets
 from jaxllm.worker.kv_cache import PagedKVCache, activation_reserve
@@ -312,14 +312,13 @@ def _compile_sampler(compiler: _Compiler, r: int, size: int, vocab_size: int, he
     logits = compiler.run("logits", r, lambda: _with_outputs(logits_fn.lower(
         head, last_hidden, rows=r).compile()), head_bytes)
     for md in variants:
-        if staged.is_plain(md):
+        if is_plain(md):
             compiler.run(f"sample[{_variant(md)}]", r, lambda md=md: _with_outputs(
                 sample_fn.lower(head, last_hidden, md, size=size).compile()), head_bytes)
 
-    def compile_stage(fn: Any, *args: Any, **kw: Any) -> Any:
-        name = fn.__name__.strip("_")
+    def compile_stage(name: str, fn: Any, *args: Any, **kw: Any) -> Any:
         if isinstance(args[1], SamplingMetadata):  # adjust and draw: one per variant
-            name += f"[{_variant(args[1], mode=fn is not staged._jit_adjust)}]"
+            name += f"[{_variant(args[1], mode=name != 'adjust_logits')}]"
         return compiler.run(name, r, lambda: _with_outputs(fn.lower(*args, **kw).compile()), 0)
 
-    staged.precompile_stages(logits, variants, size, call=compile_stage)
+    STAGED.precompile(logits, variants, size, call=compile_stage)
