@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import argparse
 import json
 import os
 import subprocess
@@ -12,6 +13,8 @@ from typing import Any
 import jax
 import jax.numpy as jnp
 import numpy as np
+
+from jaxllm.distributed.mesh import kv_head_replicas
 
 
 def median_time(fn, *args, iters: int = 20, reps: int = 7) -> float:
@@ -49,6 +52,27 @@ def measure_matmul_peak(n: int = 8192) -> float:
     return 2 * n**3 / t
 
 
+def measure_allreduce_bandwidth(devices: Any, gib: float = 1.0) -> float:
+    """Bus bandwidth of a jitted psum of `gib` GiB of bf16 over `devices`: the bytes a
+    ring all-reduce moves through each device, 2 (n - 1) / n of the buffer, per second
+    (nccl-tests' busbw), the figure step_floor's all-reduce term divides by."""
+    from jax.sharding import Mesh, NamedSharding
+    from jax.sharding import PartitionSpec as P
+
+    devices = list(devices)
+    n = len(devices)
+    if n < 2:
+        raise ValueError(f"devices: an all-reduce needs at least 2, got {n}")
+    per_device = max(int(gib * (1 << 30)) // 2, 1)
+    mesh = Mesh(np.asarray(devices), ("x",))
+    x = jax.device_put(jnp.ones((n, per_device), jnp.bfloat16), NamedSharding(mesh, P("x")))
+    psum = jax.jit(jax.shard_map(lambda b: jax.lax.psum(b, "x"), mesh=mesh,
+                                 in_specs=P("x"), out_specs=P("x")))
+    t = median_time(psum, x, iters=5, reps=5)
+    del x
+    return per_device * 2 * 2 * (n - 1) / n / t
+
+
 def add_model_args(ap: Any) -> None:
     """--model, --load-format, --dtype: the Llama-3-8B shape with random bf16 weights."""
     ap.add_argument("--model", default="configs/llama-3-8b",
@@ -56,6 +80,22 @@ def add_model_args(ap: Any) -> None:
     ap.add_argument("--load-format", default="dummy",
                     help="dummy: random weights made on the device; auto: the checkpoint's")
     ap.add_argument("--dtype", default="bfloat16")
+
+
+def add_parallel_args(ap: Any) -> None:
+    """--tensor-parallel-size, --data-parallel-size, and the probes' sizes."""
+    ap.add_argument("--tensor-parallel-size", "-tp", type=int, default=1,
+                    help="devices each engine shards the model over")
+    ap.add_argument("--data-parallel-size", "-dp", type=int, default=1,
+                    help="independent engine replicas (one process each on its own "
+                         "tp devices, each taking 1/dp of the requests): the engine's "
+                         "own data parallelism awaits issue 31")
+    ap.add_argument("--probe-gib", type=float, default=2.0,
+                    help="GiB of the HBM bandwidth probe (the all-reduce probe takes half)")
+    ap.add_argument("--probe-matmul-n", type=int, default=8192,
+                    help="side of the matmul peak probe")
+    # Set by the data-parallel parent on its replicas (benchmarks/replicas.py).
+    ap.add_argument("--replica", default=None, help=argparse.SUPPRESS)
 
 
 def param_count(state: Any) -> int:
@@ -68,9 +108,33 @@ def kv_bytes_per_token(hf_config: Any, itemsize: int = 2) -> int:
     return 2 * hf_config.num_hidden_layers * hf_config.num_key_value_heads * head_dim * itemsize
 
 
+def kv_bytes_per_device_token(hf_config: Any, tp: int = 1, itemsize: int = 2) -> float:
+    """One token's K and V on one of `tp` shards: the kv heads split over the shards, or,
+    with fewer kv heads than shards, each shard holds one replicated kv head."""
+    return kv_bytes_per_token(hf_config, itemsize) * kv_head_replicas(hf_config, tp) / tp
+
+
+def allreduce_bytes_per_device(rec: Any, hf_config: Any, tp: int, itemsize: int = 2) -> float:
+    """Bytes each of `tp` devices sends in one step's all-reduces: two per layer (after
+    the attention output projection and after the MLP's down projection) of
+    [tokens, hidden]; the last layer's only at the sampled rows (as its FLOPs). A ring
+    all-reduce moves 2 (tp - 1) / tp of the buffer through each device."""
+    if tp == 1:
+        return 0.0
+    rows = (hf_config.num_hidden_layers - 1) * rec.num_tokens + rec.num_reqs
+    return 2 * rows * hf_config.hidden_size * itemsize * 2 * (tp - 1) / tp
+
+
 def step_floor(rec: Any, params: int, hf_config: Any, bw: float, peak: float,
-               itemsize: int = 2) -> float:
-    """max(FLOPs / peak, bytes / bandwidth) of one executed step (StepRecord)."""
+               itemsize: int = 2, tp: int = 1, link_bw: float | None = None) -> float:
+    """The least time of one executed step (StepRecord) on `tp` tensor-parallel devices:
+    max(FLOPs / (tp * peak), per-device bytes / bw) plus the all-reduces at `link_bw`.
+
+    `bw` and `peak` are one device's HBM bandwidth and matmul peak; `link_bw` is the
+    all-reduce bus bandwidth (bytes each device moves per second, as
+    measure_allreduce_bandwidth reports it), needed when tp > 1. Each device reads its
+    1/tp of the weights and its share of the KV cache.
+    """
     head_dim = getattr(hf_config, "head_dim", None) or (
         hf_config.hidden_size // hf_config.num_attention_heads)
     # Weight matmuls: 2 FLOPs per parameter per token (the embedding lookup is not a matmul,
@@ -84,8 +148,16 @@ def step_floor(rec: Any, params: int, hf_config: Any, bw: float, peak: float,
     flops -= 2 * rows_only * max(rec.num_tokens - rec.num_reqs, 0)
     flops += 4 * heads * head_dim * (
         (hf_config.num_hidden_layers - 1) * rec.attn_pairs + rec.kv_tokens)
-    nbytes = itemsize * params + rec.kv_tokens * kv_bytes_per_token(hf_config, itemsize)
-    return max(flops / peak, nbytes / bw)
+    if tp == 1:
+        nbytes = itemsize * params + rec.kv_tokens * kv_bytes_per_token(hf_config, itemsize)
+        return max(flops / peak, nbytes / bw)
+    if link_bw is None or link_bw <= 0:
+        raise ValueError(f"link_bw: tp={tp} needs the measured all-reduce bandwidth, "
+                         f"got {link_bw}")
+    nbytes = (itemsize * params / tp
+              + rec.kv_tokens * kv_bytes_per_device_token(hf_config, tp, itemsize))
+    comm = allreduce_bytes_per_device(rec, hf_config, tp, itemsize) / link_bw
+    return max(flops / (tp * peak), nbytes / bw) + comm
 
 
 def git_commit() -> str:

@@ -1,21 +1,30 @@
 """decode-1: batch 1, prompt 128, 256 new tokens on the Llama-3-8B shape; ms/token vs roofline.
 
     jaxllm bench latency --model configs/llama-3-8b --load-format dummy
+
+With --tensor-parallel-size the roofline is one device's bytes (its 1/tp of the weights
+and its share of the cache) over its HBM bandwidth plus the step's all-reduces at the bus
+bandwidth a psum over the tp devices measures in the same run. --data-parallel-size N
+runs N replicas (benchmarks/replicas.py), each decoding batch-size / N requests.
 """
 
 from __future__ import annotations
 
 import argparse
+import sys
 import time
 
 import numpy as np
 
+from jaxllm.benchmarks import replicas
 from jaxllm.benchmarks.common import (
     add_model_args,
-    kv_bytes_per_token,
+    add_parallel_args,
+    measure_allreduce_bandwidth,
     measure_hbm_bandwidth,
     param_count,
     print_table,
+    step_floor,
     write_json,
 )
 
@@ -29,11 +38,30 @@ def main(argv: list[str] | None = None) -> dict:
     ap.add_argument("--num-iters", type=int, default=3)
     ap.add_argument("--attention-backend", default="auto")
     ap.add_argument("--async-scheduling", action=argparse.BooleanOptionalAction, default=True)
+    add_parallel_args(ap)
     args = ap.parse_args(argv)
+    tp, dp = args.tensor_parallel_size, args.data_parallel_size
+    if dp < 1 or args.batch_size % dp:
+        ap.error(f"--data-parallel-size {dp} must be at least 1 and divide --batch-size "
+                 f"{args.batch_size}: each replica decodes batch-size / dp requests")
+    if dp > 1:
+        outs = replicas.run_replicas("jaxllm.benchmarks.latency",
+                                     list(sys.argv[1:] if argv is None else argv), dp, tp,
+                                     ["--batch-size", str(args.batch_size // dp)])
+        slowest = max(outs, key=lambda o: o["ms_per_token"])
+        result = {**slowest, "batch_size": args.batch_size, "data_parallel_size": dp,
+                  "num_devices": dp * tp,
+                  "prefill_ms": max(o["prefill_ms"] for o in outs),
+                  "startup_s": max(o["startup_s"] for o in outs), "replicas": outs}
+        return report(result, args)
+
+    import jax
 
     from jaxllm import LLM, SamplingParams
+    from jaxllm.worker.model_runner import StepRecord
 
-    bw = measure_hbm_bandwidth()
+    bw = measure_hbm_bandwidth(args.probe_gib)
+    link = measure_allreduce_bandwidth(jax.devices()[:tp], args.probe_gib / 2) if tp > 1 else None
     b, n_in, n_out = args.batch_size, args.input_len, args.output_len
     max_len = -(-(n_in + n_out + 16) // 128) * 128
     t0 = time.perf_counter()
@@ -42,7 +70,7 @@ def main(argv: list[str] | None = None) -> dict:
               max_num_batched_tokens=n_in * b, token_buckets=[8, n_in * b],
               request_buckets=[b], enable_prefix_caching=False,
               attention_backend=args.attention_backend,
-              async_scheduling=args.async_scheduling)
+              async_scheduling=args.async_scheduling, tensor_parallel_size=tp)
     startup = time.perf_counter() - t0
     runner = llm.llm_engine.engine_core.engine_core.model_runner
     hf = llm.llm_engine.model_config.hf_config
@@ -57,31 +85,48 @@ def main(argv: list[str] | None = None) -> dict:
         return time.perf_counter() - t
 
     run(4)  # warm-up
+    replicas.barrier(args.replica)
     prefill = float(np.median([run(1) for _ in range(args.num_iters)]))
     total = float(np.median([run(n_out) for _ in range(args.num_iters)]))
     ms_per_token = (total - prefill) / (n_out - 1) * 1e3
 
     params = param_count(runner.state)
+    # The average decode step: b tokens, each reading half the new tokens past its prompt.
+    # Decode at small batch is bandwidth-bound: the FLOPs (peak not measured) play no part.
     avg_ctx = n_in + n_out / 2
-    step_bytes = 2 * params + b * avg_ctx * kv_bytes_per_token(hf)
-    floor_ms = step_bytes / bw * 1e3
+    step = StepRecord(num_tokens=b, padded_tokens=b, num_reqs=b, kv_tokens=b * avg_ctx,
+                      attn_pairs=b * avg_ctx)
+    floor_ms = step_floor(step, params, hf, bw, float("inf"), tp=tp, link_bw=link) * 1e3
     result = {
         "workload": "decode-1", "batch_size": b, "input_len": n_in, "output_len": n_out,
         "attention_backend": runner.attn_backend.name, "params": params,
-        "async_scheduling": args.async_scheduling,
-        "hbm_bandwidth_GBps": bw / 1e9, "ms_per_token": ms_per_token,
+        "async_scheduling": args.async_scheduling, "tensor_parallel_size": tp,
+        "data_parallel_size": 1, "num_devices": tp,
+        "hbm_bandwidth_GBps": bw / 1e9, "allreduce_bus_GBps": link / 1e9 if link else None,
+        "ms_per_token": ms_per_token,
         "roofline_ms_per_token": floor_ms, "fraction_of_roofline": floor_ms / ms_per_token,
         "prefill_ms": prefill * 1e3, "startup_s": startup,
     }
-    write_json("bench_latency" + ("" if args.async_scheduling else "_sync"), result)
+    if replicas.report(args.replica, result):
+        return result
+    return report(result, args)
+
+
+def report(result: dict, args: argparse.Namespace) -> dict:
+    """Writes the JSON and prints the table."""
+    r = result
+    write_json("bench_latency" + ("" if args.async_scheduling else "_sync"), r)
+    link = (f", all-reduce {r['allreduce_bus_GBps']:.0f} GB/s"
+            if r["allreduce_bus_GBps"] else "")
     print_table([
-        ("device HBM (measured)", f"{bw / 1e12:.2f} TB/s"),
-        ("attention backend", runner.attn_backend.name),
-        ("startup (load + precompile)", f"{startup:.1f} s"),
-        ("prefill (TTFT, batch)", f"{prefill * 1e3:.1f} ms"),
-        ("decode", f"{ms_per_token:.2f} ms/token"),
-        ("roofline", f"{floor_ms:.2f} ms/token"),
-        ("fraction of roofline", f"{floor_ms / ms_per_token:.1%}"),
+        ("devices", f"dp {r['data_parallel_size']} x tp {r['tensor_parallel_size']}"),
+        ("device HBM (measured)", f"{r['hbm_bandwidth_GBps'] / 1e3:.2f} TB/s{link}"),
+        ("attention backend", r["attention_backend"]),
+        ("startup (load + precompile)", f"{r['startup_s']:.1f} s"),
+        ("prefill (TTFT, batch)", f"{r['prefill_ms']:.1f} ms"),
+        ("decode", f"{r['ms_per_token']:.2f} ms/token"),
+        ("roofline", f"{r['roofline_ms_per_token']:.2f} ms/token"),
+        ("fraction of roofline", f"{r['fraction_of_roofline']:.1%}"),
     ])
     return result
 

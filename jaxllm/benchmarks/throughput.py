@@ -17,8 +17,11 @@ import time
 
 import numpy as np
 
+from jaxllm.benchmarks import replicas
 from jaxllm.benchmarks.common import (
     add_model_args,
+    add_parallel_args,
+    measure_allreduce_bandwidth,
     measure_hbm_bandwidth,
     measure_matmul_peak,
     param_count,
@@ -64,13 +67,25 @@ def main(argv: list[str] | None = None) -> dict:
     ap.add_argument("--async-scheduling", action=argparse.BooleanOptionalAction, default=True)
     ap.add_argument("--hf-peer-batch-sizes", default="64,256,320,384",
                     help="transformers static-cache peer batch sizes ('' to skip)")
+    add_parallel_args(ap)
     args = ap.parse_args(argv)
+    tp, dp = args.tensor_parallel_size, args.data_parallel_size
+    if dp < 1:
+        ap.error(f"--data-parallel-size must be at least 1, got {dp}")
 
-    peers = run_peer(args)  # before JAX takes the GPU
+    peers = run_peer(args) if args.replica is None else []  # before JAX takes the GPU
+    if dp > 1:
+        outs = replicas.run_replicas("jaxllm.benchmarks.throughput",
+                                     list(sys.argv[1:] if argv is None else argv), dp, tp)
+        return report(merge_replicas(outs, dp, tp), peers, args)
+
+    import jax
 
     from jaxllm import LLM, SamplingParams
 
-    bw, peak = measure_hbm_bandwidth(), measure_matmul_peak()
+    bw = measure_hbm_bandwidth(args.probe_gib)
+    peak = measure_matmul_peak(args.probe_matmul_n)
+    link = measure_allreduce_bandwidth(jax.devices()[:tp], args.probe_gib / 2) if tp > 1 else None
     t0 = time.perf_counter()
     llm = LLM(args.model, load_format=args.load_format, dtype=args.dtype,
               skip_tokenizer_init=True,
@@ -81,16 +96,18 @@ def main(argv: list[str] | None = None) -> dict:
               request_buckets=[int(x) for x in args.request_buckets.split(",")],
               enable_prefix_caching=False, attention_backend=args.attention_backend,
               mlp_backend=args.mlp_backend, hbm_utilization=args.hbm_utilization,
-              async_scheduling=args.async_scheduling)
+              async_scheduling=args.async_scheduling, tensor_parallel_size=tp)
     startup = time.perf_counter() - t0
     runner = llm.llm_engine.engine_core.engine_core.model_runner
     hf = llm.llm_engine.model_config.hf_config
     rng = np.random.default_rng(0)
     prompts = [{"prompt_token_ids": rng.integers(0, hf.vocab_size, args.input_len).tolist()}
                for _ in range(args.num_prompts)]
+    prompts = replicas.replica_share(prompts, args.replica)
     params = SamplingParams(temperature=0.0, max_tokens=args.output_len, ignore_eos=True)
     llm.generate(prompts[:8], SamplingParams(max_tokens=4, ignore_eos=True), use_tqdm=False)
 
+    replicas.barrier(args.replica)
     runner.step_log = []
     runner.wait_seconds = runner.dispatch_seconds = 0.0
     t0 = time.perf_counter()
@@ -99,19 +116,20 @@ def main(argv: list[str] | None = None) -> dict:
     steps, runner.step_log = runner.step_log, None
 
     n_out = sum(len(o.outputs[0].token_ids) for o in outs)
-    n_in = args.num_prompts * args.input_len
+    n_in = len(prompts) * args.input_len
     nparams = param_count(runner.state)
-    floor = sum(step_floor(s, nparams, hf, bw, peak) for s in steps)
+    floor = sum(step_floor(s, nparams, hf, bw, peak, tp=tp, link_bw=link) for s in steps)
     computed = sum(s.num_tokens for s in steps)
     padded = sum(s.padded_tokens for s in steps)
     out_tps = n_out / elapsed
-    best_peer = max((p["output_tokens_per_s"] for p in peers if "output_tokens_per_s" in p),
-                    default=None)
     result = {
-        "workload": "throughput", "num_prompts": args.num_prompts, "input_len": args.input_len,
+        "workload": "throughput", "num_prompts": len(prompts), "input_len": args.input_len,
         "output_len": args.output_len, "attention_backend": runner.attn_backend.name,
         "mlp_backend": runner.swiglu.name, "mlp_kernel": runner.swiglu.kernel,
-        "block_size": args.block_size,
+        "block_size": args.block_size, "tensor_parallel_size": tp, "data_parallel_size": 1,
+        "num_devices": tp, "output_tokens": n_out, "input_tokens": n_in,
+        "computed_tokens": computed, "padded_tokens": padded,
+        "allreduce_bus_GBps": link / 1e9 if link else None,
         "async_scheduling": args.async_scheduling,
         "hbm_bandwidth_GBps": bw / 1e9, "matmul_TFLOPs": peak / 1e12,
         "elapsed_s": elapsed, "output_tokens_per_s": out_tps,
@@ -120,21 +138,65 @@ def main(argv: list[str] | None = None) -> dict:
         "padding_waste": 1 - computed / max(padded, 1), "startup_s": startup,
         # Host time not spent waiting for the device: the rest is the device's.
         "host_busy_s": elapsed - runner.wait_seconds, "dispatch_s": runner.dispatch_seconds,
-        "peers": peers,
-        "speedup_vs_best_peer": out_tps / best_peer if best_peer else None,
     }
+    if replicas.report(args.replica, result):
+        return result
+    return report(result, peers, args)
+
+
+def merge_replicas(outs: list[dict], dp: int, tp: int) -> dict:
+    """One result from `dp` replicas' results: they ran at once on their own devices,
+    so the run took the slowest one's time and its roofline is the slowest one's."""
+    elapsed = max(o["elapsed_s"] for o in outs)
+    floor = max(o["roofline_s"] for o in outs)
+    n_out = sum(o["output_tokens"] for o in outs)
+    n_in = sum(o["input_tokens"] for o in outs)
+    computed = sum(o["computed_tokens"] for o in outs)
+    padded = sum(o["padded_tokens"] for o in outs)
+    first = outs[0]
+    keep = ("workload", "input_len", "output_len", "attention_backend", "mlp_backend",
+            "mlp_kernel", "block_size", "async_scheduling", "hbm_bandwidth_GBps",
+            "matmul_TFLOPs", "allreduce_bus_GBps")
+    return {
+        **{k: first[k] for k in keep}, "num_prompts": sum(o["num_prompts"] for o in outs),
+        "tensor_parallel_size": tp, "data_parallel_size": dp, "num_devices": dp * tp,
+        "output_tokens": n_out, "input_tokens": n_in, "computed_tokens": computed,
+        "padded_tokens": padded, "elapsed_s": elapsed, "output_tokens_per_s": n_out / elapsed,
+        "total_tokens_per_s": (n_out + n_in) / elapsed,
+        "num_steps": max(o["num_steps"] for o in outs),
+        "roofline_s": floor, "time_over_roofline": elapsed / floor,
+        "padding_waste": 1 - computed / max(padded, 1),
+        "startup_s": max(o["startup_s"] for o in outs),
+        "host_busy_s": max(o["host_busy_s"] for o in outs),
+        "dispatch_s": max(o["dispatch_s"] for o in outs),
+        "replicas": outs,
+    }
+
+
+def report(result: dict, peers: list[dict], args: argparse.Namespace) -> dict:
+    """Adds the peers, writes the JSON and prints the table."""
+    out_tps = result["output_tokens_per_s"]
+    best_peer = max((p["output_tokens_per_s"] for p in peers if "output_tokens_per_s" in p),
+                    default=None)
+    result = {**result, "peers": peers,
+              "speedup_vs_best_peer": out_tps / best_peer if best_peer else None}
     write_json("bench_throughput" + ("" if args.async_scheduling else "_sync"), result)
+    r = result
+    link = (f", all-reduce {r['allreduce_bus_GBps']:.0f} GB/s"
+            if r["allreduce_bus_GBps"] else "")
     rows = [
-        ("device HBM / bf16 matmul", f"{bw / 1e12:.2f} TB/s / {peak / 1e12:.0f} TFLOP/s"),
-        ("attention backend", runner.attn_backend.name),
-        ("startup (load + precompile)", f"{startup:.1f} s"),
-        ("elapsed", f"{elapsed:.1f} s over {len(steps)} steps"),
+        ("devices", f"dp {r['data_parallel_size']} x tp {r['tensor_parallel_size']}"),
+        ("device HBM / bf16 matmul",
+         f"{r['hbm_bandwidth_GBps'] / 1e3:.2f} TB/s / {r['matmul_TFLOPs']:.0f} TFLOP/s{link}"),
+        ("attention backend", r["attention_backend"]),
+        ("startup (load + precompile)", f"{r['startup_s']:.1f} s"),
+        ("elapsed", f"{r['elapsed_s']:.1f} s over {r['num_steps']} steps"),
         ("output tok/s", f"{out_tps:.0f}"),
-        ("total tok/s", f"{(n_out + n_in) / elapsed:.0f}"),
-        ("roofline time", f"{floor:.1f} s -> {elapsed / floor:.2f}x of it"),
-        ("padding waste", f"{result['padding_waste']:.1%}"),
-        ("host busy (not waiting on tokens)", f"{result['host_busy_s']:.1f} s"),
-        ("  of which dispatching steps", f"{runner.dispatch_seconds:.1f} s"),
+        ("total tok/s", f"{r['total_tokens_per_s']:.0f}"),
+        ("roofline time", f"{r['roofline_s']:.1f} s -> {r['time_over_roofline']:.2f}x of it"),
+        ("padding waste", f"{r['padding_waste']:.1%}"),
+        ("host busy (not waiting on tokens)", f"{r['host_busy_s']:.1f} s"),
+        ("  of which dispatching steps", f"{r['dispatch_s']:.1f} s"),
     ]
     for p in peers:
         rows.append((f"transformers static, batch {p['batch_size']}",

@@ -45,3 +45,75 @@ def test_step_floor_counts_the_last_layer_at_the_sampled_rows_only():
     want_dec += 2 * sizes["lm_head.weight"] * 2
     want_dec += 4 * cfg.num_attention_heads * head_dim * cfg.num_hidden_layers * 66
     assert step_floor(dec, params, cfg, bw=1e30, peak=1.0) == pytest.approx(want_dec, rel=5e-3)
+
+
+def _llama_3_8b():
+    from transformers import AutoConfig
+
+    return AutoConfig.from_pretrained("configs/llama-3-8b")
+
+
+def test_step_floor_at_tp1_is_the_single_device_formula_and_needs_no_link():
+    from jaxllm.benchmarks.common import kv_bytes_per_token
+
+    hf = _llama_3_8b()
+    params = 8_030_261_248
+    # decode-1's average step: one token reading 256 cached ones.
+    rec = StepRecord(num_tokens=1, padded_tokens=1, num_reqs=1, kv_tokens=256, attn_pairs=256)
+    want = (2 * params + 256 * kv_bytes_per_token(hf)) / 3.0e12
+    assert step_floor(rec, params, hf, bw=3.0e12, peak=float("inf")) == want
+    assert step_floor(rec, params, hf, bw=3.0e12, peak=float("inf"), tp=1,
+                      link_bw=1.0) == want  # tp 1 has no all-reduce to time
+
+
+def test_step_floor_at_tp2_adds_the_8b_all_reduces_by_hand():
+    from jaxllm.benchmarks.common import allreduce_bytes_per_device
+
+    hf = _llama_3_8b()
+    params = 8_030_261_248
+    # A decode step of 4 requests, each at 100 cached tokens.
+    rec = StepRecord(num_tokens=4, padded_tokens=8, num_reqs=4, kv_tokens=400, attn_pairs=400)
+    # 32 layers x 2 all-reduces of [4, 4096] bf16 = 32 KiB each; a ring over 2 devices
+    # moves 2 * (2 - 1) / 2 = 1 of the buffer through each device.
+    by_hand = 32 * 2 * (4 * 4096 * 2) * 1.0
+    assert allreduce_bytes_per_device(rec, hf, tp=2) == by_hand == 2_097_152
+    # A prefill step of one 64-token prompt: the last layer's all-reduces only at its row.
+    pre = StepRecord(num_tokens=64, padded_tokens=64, num_reqs=1, kv_tokens=64,
+                     attn_pairs=64 * 65 // 2)
+    assert allreduce_bytes_per_device(pre, hf, tp=2) == (31 * 64 + 1) * 2 * 4096 * 2
+    # tp 4: 2 * 3 / 4 of each buffer.
+    assert allreduce_bytes_per_device(rec, hf, tp=4) == 32 * 2 * (4 * 4096 * 2) * 1.5
+
+    bw, link = 3.0e12, 1.0e11
+    # Each device reads half the weights and half the kv heads (8 kv heads over 2).
+    kv_per_device = 2 * 32 * 4 * 128 * 2
+    device_bytes = 2 * params / 2 + 400 * kv_per_device
+    got = step_floor(rec, params, hf, bw=bw, peak=float("inf"), tp=2, link_bw=link)
+    assert got == pytest.approx(device_bytes / bw + by_hand / link, rel=1e-12)
+    # Compute-bound: the FLOPs split over both devices' peaks.
+    one = step_floor(pre, params, hf, bw=1e30, peak=1e12)
+    two = step_floor(pre, params, hf, bw=1e30, peak=1e12, tp=2, link_bw=1e30)
+    assert two == pytest.approx(one / 2, rel=1e-12)
+    with pytest.raises(ValueError, match="link_bw"):
+        step_floor(rec, params, hf, bw=bw, peak=1e15, tp=2)
+
+
+def test_step_floor_counts_replicated_kv_heads_per_device():
+    from jaxllm.benchmarks.common import kv_bytes_per_device_token, kv_bytes_per_token
+
+    hf = _llama_3_8b()  # 8 kv heads: at tp 16 each device holds one (replicated) head
+    assert kv_bytes_per_device_token(hf, 2) == kv_bytes_per_token(hf) / 2
+    assert kv_bytes_per_device_token(hf, 8) == kv_bytes_per_token(hf) / 8
+    assert kv_bytes_per_device_token(hf, 16) == kv_bytes_per_token(hf) / 8
+
+
+def test_allreduce_probe_measures_a_positive_bandwidth_on_two_cpu_devices():
+    import jax
+
+    from jaxllm.benchmarks.common import measure_allreduce_bandwidth
+
+    devices = jax.devices()[:2]
+    assert len(devices) == 2
+    assert measure_allreduce_bandwidth(devices, gib=1 / 1024) > 0
+    with pytest.raises(ValueError, match="devices"):
+        measure_allreduce_bandwidth(devices[:1], gib=1 / 1024)
