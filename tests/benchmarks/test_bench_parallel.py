@@ -1,0 +1,87 @@
+"""`jaxllm bench latency|throughput` at tp 1, tp 2 and dp 2 on fake CPU devices, tiny model."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from jaxllm.benchmarks.replicas import parse_replica, replica_devices, replica_share
+from jaxllm.entrypoints.cli import main
+
+PROBES = ["--probe-gib", str(1 / 1024), "--probe-matmul-n", "64"]
+
+
+@pytest.fixture
+def tiny(tmp_path, monkeypatch):
+    from tests.models.tiny_checkpoints import make_tiny_checkpoint
+
+    monkeypatch.setenv("OUT", str(tmp_path))
+    return make_tiny_checkpoint(tmp_path, arch="llama", num_key_value_heads=2)
+
+
+def latency_args(model, *extra: str) -> list[str]:
+    return ["bench", "latency", "--model", str(model), "--load-format", "dummy",
+            "--input-len", "16", "--output-len", "4", "--num-iters", "1", *PROBES, *extra]
+
+
+def throughput_args(model, *extra: str) -> list[str]:
+    return ["bench", "throughput", "--model", str(model), "--load-format", "dummy",
+            "--num-prompts", "8", "--input-len", "16", "--output-len", "4",
+            "--max-num-seqs", "8", "--max-num-batched-tokens", "64", "--token-buckets", "16,64",
+            "--request-buckets", "8", "--hf-peer-batch-sizes", "", *PROBES, *extra]
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("tp", [1, 2])
+def test_bench_latency_runs_at_tp_and_times_the_all_reduces_only_above_tp1(tiny, tmp_path, tp):
+    assert main(latency_args(tiny, "--tensor-parallel-size", str(tp))) == 0
+    with open(tmp_path / "bench_latency.json") as f:
+        r = json.load(f)
+    assert r["tensor_parallel_size"] == tp and r["num_devices"] == tp
+    assert r["ms_per_token"] > 0 and r["roofline_ms_per_token"] > 0
+    assert (r["allreduce_bus_GBps"] is None) == (tp == 1)
+    if tp == 2:
+        assert r["allreduce_bus_GBps"] > 0
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("tp", [1, 2])
+def test_bench_throughput_runs_at_tp_and_generates_every_token(tiny, tmp_path, tp):
+    assert main(throughput_args(tiny, "--tensor-parallel-size", str(tp))) == 0
+    with open(tmp_path / "bench_throughput.json") as f:
+        r = json.load(f)
+    assert r["tensor_parallel_size"] == tp and r["data_parallel_size"] == 1
+    assert r["output_tokens"] == 8 * 4 and r["input_tokens"] == 8 * 16
+    assert r["roofline_s"] > 0 and r["elapsed_s"] > 0
+    assert (r["allreduce_bus_GBps"] is None) == (tp == 1)
+
+
+@pytest.mark.slow
+def test_bench_throughput_dp2_splits_the_requests_over_two_replica_processes(tiny, tmp_path):
+    assert main(throughput_args(tiny, "--data-parallel-size", "2")) == 0
+    with open(tmp_path / "bench_throughput.json") as f:
+        r = json.load(f)
+    assert r["data_parallel_size"] == 2 and r["num_devices"] == 2
+    assert [x["num_prompts"] for x in r["replicas"]] == [4, 4]
+    assert r["output_tokens"] == 8 * 4
+    # The replicas ran at once: the run took the slowest one's time.
+    assert r["elapsed_s"] == max(x["elapsed_s"] for x in r["replicas"])
+    assert r["roofline_s"] == max(x["roofline_s"] for x in r["replicas"])
+
+
+def test_latency_refuses_a_data_parallel_size_that_does_not_divide_the_batch(tiny, capsys):
+    with pytest.raises(SystemExit):
+        main(latency_args(tiny, "--data-parallel-size", "2"))
+    assert "--data-parallel-size 2" in capsys.readouterr().err
+
+
+def test_replicas_take_disjoint_request_shares_and_their_own_gpus():
+    items = list(range(10))
+    shares = [replica_share(items, f"{r}/3") for r in range(3)]
+    assert sorted(sum(shares, [])) == items and [len(s) for s in shares] == [4, 3, 3]
+    assert replica_share(items, None) == items and parse_replica(None) == (0, 1)
+    assert replica_devices(1, 2, None) == "2,3"
+    assert replica_devices(1, 1, "4,5,6") == "5"
+    with pytest.raises(ValueError, match="--data-parallel-size"):
+        replica_devices(2, 2, "0,1,2,3")
