@@ -29,7 +29,7 @@ from jaxllm.benchmarks.common import (
 )
 
 
-def main(argv: list[str] | None = None) -> dict:
+def build_parser() -> argparse.ArgumentParser:
     ap = argparse.ArgumentParser(description=__doc__)
     add_model_args(ap)
     ap.add_argument("--input-len", type=int, default=128)
@@ -39,6 +39,11 @@ def main(argv: list[str] | None = None) -> dict:
     ap.add_argument("--attention-backend", default="auto")
     ap.add_argument("--async-scheduling", action=argparse.BooleanOptionalAction, default=True)
     add_parallel_args(ap)
+    return ap
+
+
+def main(argv: list[str] | None = None) -> dict:
+    ap = build_parser()
     args = ap.parse_args(argv)
     tp, dp = args.tensor_parallel_size, args.data_parallel_size
     if dp < 1 or args.batch_size % dp:

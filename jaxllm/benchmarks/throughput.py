@@ -5,6 +5,11 @@ steps of max(FLOPs / matmul peak, bytes / HBM bandwidth), both measured in the
 same run), padding waste, and the transformers static-cache peer.
 
     jaxllm bench throughput --model configs/llama-3-8b --load-format dummy
+
+--tensor-parallel-size N shards the engine over N devices: the roofline then takes one
+device's bytes, all N devices' matmul peaks and the all-reduces at the bus bandwidth of
+a psum measured in the same run (common.step_floor). --data-parallel-size N runs N
+replica processes on their own devices, each with 1/N of the requests (replicas.py).
 """
 
 from __future__ import annotations
@@ -43,7 +48,7 @@ def run_peer(args: argparse.Namespace) -> list[dict]:
     return [json.loads(line) for line in proc.stdout.splitlines() if line.startswith("{")]
 
 
-def main(argv: list[str] | None = None) -> dict:
+def build_parser() -> argparse.ArgumentParser:
     ap = argparse.ArgumentParser(description=__doc__)
     add_model_args(ap)
     ap.add_argument("--num-prompts", type=int, default=1000)
@@ -68,6 +73,11 @@ def main(argv: list[str] | None = None) -> dict:
     ap.add_argument("--hf-peer-batch-sizes", default="64,256,320,384",
                     help="transformers static-cache peer batch sizes ('' to skip)")
     add_parallel_args(ap)
+    return ap
+
+
+def main(argv: list[str] | None = None) -> dict:
+    ap = build_parser()
     args = ap.parse_args(argv)
     tp, dp = args.tensor_parallel_size, args.data_parallel_size
     if dp < 1:
