@@ -20,7 +20,7 @@ import jax.numpy as jnp
 import numpy as np
 from jax.sharding import PartitionSpec as P
 
-from jaxllm.layers.attention import AttentionBackend, AttentionMetadata
+from jaxllm.layers.attention_backend import AttentionBackend, AttentionMetadata
 from pallas_kernels.ragged_paged_attention import paged_layout
 
 
