@@ -107,18 +107,19 @@ def test_compiled_step_at_tp2_has_two_all_reduces_per_layer_and_no_kv_gather(
     llm = LLM(model_dir, attention_backend=backend, attention_interpret=backend != "reference",
               tensor_parallel_size=2, **{**ENGINE, "precompile": False})
     runner = _runner(llm)
-    args = (runner.state, runner.kv_cache, runner._dummy_inputs(16), runner._no_prev)
-    forward = runner._forward.lower(*args).compile().as_text()
+    programs = runner.programs
+    args = (runner.state, runner.kv_cache, programs.dummy_inputs(16), runner._no_prev)
+    forward = programs.forward.lower(*args).compile().as_text()
     assert _collectives(forward) == {"all-reduce": 2 * LAYERS + 1}
     for shape, _ in _COLLECTIVE.findall(forward):
         assert shape.startswith("f32[16,64]") or shape.startswith("f32[4,64]"), shape
 
-    runner.kv_cache, _, last_hidden, out_index = runner._run_forward(*args)
+    runner.kv_cache, _, last_hidden, out_index = programs.run_forward(*args)
     s = runner.buckets.max_num_seqs
     greedy = next(md for md in variant_metadata(s, runner.vocab_size,
                                                 runner.input_batch.sampling.device_put,
                                                 out_index) if md.all_greedy)
-    sample = runner._sample_fn.lower(runner._head, last_hidden, greedy, size=s)
+    sample = programs.sample_fn.lower(programs.head, last_hidden, greedy, size=s)
     gathered = _COLLECTIVE.findall(sample.compile().as_text())
     assert gathered and all(kind == "all-gather" and re.match(rf"[fs]32\[{s},2\]", shape)
                             for shape, kind in gathered), gathered
