@@ -193,6 +193,9 @@ class ModelRunner:
         # A prompt chunk that stops short of the prompt's end samples nothing.
         done = end >= ib.num_tokens[rows] + ib.num_pending[rows]
         smd = ib.sampling.make_metadata(rows, r_pad, self.seed, out_index)
+        if so.grammar_bitmask is not None:  # structured outputs: only then a bitmask copy
+            smd = dataclasses.replace(smd, token_bitmask=self._pad_bitmask(so.grammar_bitmask,
+                                                                          r_pad))
         out = self.programs.sample(last_hidden, smd)
         prompt_lp = None
         if ib.wants_prompt_logprobs[:ib.num_reqs].any():  # none for most steps
@@ -252,6 +255,15 @@ class ModelRunner:
                                  prompt_logprobs=self._collect_prompt_logprobs(h.prompt_lp),
                                  pooler_output=self._pool(h),
                                  sampled_array=np.where(h.gen, sampled, -1))
+
+    def _pad_bitmask(self, bitmask: np.ndarray, r_pad: int) -> np.ndarray:
+        """The scheduler's `[n, words]` bitmask as the sampler takes it: `[r_pad,
+        ceil(vocab / 32)]`, padding rows (and words past the vocabulary) all ones."""
+        words = -(-self.vocab_size // 32)
+        out = np.full((r_pad, words), -1, np.int32)
+        w = min(words, bitmask.shape[1])
+        out[:bitmask.shape[0], :w] = bitmask[:, :w]
+        return out
 
     def _rows_of(self, req_ids: list[str]) -> np.ndarray:
         """The persistent rows of `req_ids` (read-only). A decode step asks for the same
