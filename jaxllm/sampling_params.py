@@ -45,8 +45,16 @@ class StructuredOutputsParams(
         if len(kinds) != 1:
             raise ParameterError("structured_outputs", "give exactly one of json, regex, choice, "
                                  f"grammar, json_object, structural_tag (got {kinds or 'none'})")
-        if self.choice is not None and not self.choice:
-            raise ParameterError("structured_outputs.choice", "must not be empty")
+        for name in ("regex", "grammar", "structural_tag"):
+            if getattr(self, name) is not None and not isinstance(getattr(self, name), str):
+                raise ParameterError(f"structured_outputs.{name}", "must be a string")
+        if self.json is not None and not isinstance(self.json, str | dict):
+            raise ParameterError("structured_outputs.json", "must be a JSON schema (an object "
+                                 "or its text)")
+        if self.choice is not None and (not isinstance(self.choice, list) or not self.choice
+                                        or not all(isinstance(c, str) for c in self.choice)):
+            raise ParameterError("structured_outputs.choice", "must be a non-empty list of "
+                                 "strings")
 
     def kinds(self) -> list[str]:
         return [k for k in ("json", "regex", "choice", "grammar", "json_object",

@@ -13,7 +13,12 @@ from typing import Any, Literal
 from pydantic import BaseModel, ConfigDict, Field
 
 from jaxllm.errors import ParameterError
-from jaxllm.sampling_params import MAX_LOGPROBS, RequestOutputKind, SamplingParams
+from jaxllm.sampling_params import (
+    MAX_LOGPROBS,
+    RequestOutputKind,
+    SamplingParams,
+    StructuredOutputsParams,
+)
 
 
 class OpenAIBaseModel(BaseModel):
@@ -40,6 +45,51 @@ class UsageInfo(OpenAIBaseModel):
     prompt_tokens: int = 0
     completion_tokens: int = 0
     total_tokens: int = 0
+
+
+class JsonSchemaFormat(OpenAIBaseModel):
+    name: str | None = None
+    description: str | None = None
+    # OpenAI's name is `schema`, which pydantic's BaseModel reserves.
+    json_schema: dict[str, Any] | None = Field(default=None, alias="schema")
+    strict: bool | None = None
+
+
+class ResponseFormat(OpenAIBaseModel):
+    type: str
+    json_schema: JsonSchemaFormat | None = None
+
+
+def _structured_params(response_format: ResponseFormat | None,
+                       structured: dict[str, Any] | None) -> StructuredOutputsParams | None:
+    """The request's constraint: vLLM's `structured_outputs`, else OpenAI's `response_format`."""
+    if structured is not None:
+        if not isinstance(structured, dict):
+            raise ParameterError("structured_outputs", "must be an object")
+        known = set(StructuredOutputsParams.__struct_fields__)
+        unknown = sorted(set(structured) - known)
+        if unknown:
+            raise ParameterError("structured_outputs", f"unknown fields {unknown}")
+        if response_format is not None and response_format.type != "text":
+            raise ParameterError("response_format", "give either response_format or "
+                                 "structured_outputs, not both")
+        values = {k: v for k, v in structured.items() if v is not None}
+        try:
+            return StructuredOutputsParams(**values)
+        except TypeError as e:
+            raise ParameterError("structured_outputs", str(e)) from e
+    if response_format is None or response_format.type == "text":
+        return None
+    if response_format.type == "json_object":
+        return StructuredOutputsParams(json_object=True)
+    if response_format.type == "json_schema":
+        fmt = response_format.json_schema
+        if fmt is None or fmt.json_schema is None:
+            raise ParameterError("response_format.json_schema",
+                                 "needs a 'schema' for type 'json_schema'")
+        return StructuredOutputsParams(json=fmt.json_schema)
+    raise ParameterError("response_format", f"type {response_format.type!r} is not supported "
+                         "(text, json_object or json_schema)")
 
 
 class SamplingFields(OpenAIBaseModel):
@@ -72,6 +122,19 @@ class SamplingFields(OpenAIBaseModel):
     prompt_logprobs: int | None = None
     priority: int = 0
     return_token_ids: bool = False  # adds the generated token ids to every choice
+    # Structured outputs: OpenAI's response_format, or vLLM's structured_outputs
+    # (json, regex, choice, grammar, json_object, structural_tag).
+    response_format: ResponseFormat | None = None
+    structured_outputs: dict[str, Any] | None = None
+
+    def structured_error(self, e: ParameterError) -> ParameterError:
+        """A grammar the engine's frontend rejected, named by the field the client used."""
+        if (e.field.startswith("structured_outputs") and self.structured_outputs is None
+                and self.response_format is not None):
+            field = ("response_format.json_schema.schema"
+                     if self.response_format.type == "json_schema" else "response_format")
+            return ParameterError(field, e.message)
+        return e
 
     def check_stream_options(self) -> None:
         if self.stream_options is not None and not self.stream:
@@ -106,6 +169,7 @@ class SamplingFields(OpenAIBaseModel):
             include_stop_str_in_output=self.include_stop_str_in_output,
             logit_bias=logit_bias, allowed_token_ids=self.allowed_token_ids,
             bad_words=self.bad_words,
+            structured_outputs=_structured_params(self.response_format, self.structured_outputs),
             output_kind=RequestOutputKind.DELTA if self.stream else RequestOutputKind.FINAL_ONLY)
 
 
@@ -190,10 +254,6 @@ class ChatMessage(OpenAIBaseModel):
     name: str | None = None
 
 
-class ResponseFormat(OpenAIBaseModel):
-    type: str
-
-
 class ChatCompletionRequest(SamplingFields):
     messages: list[ChatMessage]
     max_tokens: int | None = None
@@ -202,7 +262,6 @@ class ChatCompletionRequest(SamplingFields):
     top_logprobs: int | None = None
     tools: list[dict[str, Any]] | None = None
     tool_choice: Any = None
-    response_format: ResponseFormat | None = None
     echo: bool = False
     add_generation_prompt: bool = True
     continue_final_message: bool = False
@@ -227,9 +286,6 @@ class ChatCompletionRequest(SamplingFields):
                 raise ParameterError(name, f"must be at least 1, got {value}")
         if self.tools:
             raise ParameterError("tools", "tool calling is not supported")
-        if self.response_format is not None and self.response_format.type != "text":
-            raise ParameterError("response_format", f"type {self.response_format.type!r} is "
-                                 "not supported (only 'text')")
         if self.continue_final_message and self.add_generation_prompt:
             raise ParameterError("continue_final_message",
                                  "cannot be combined with add_generation_prompt=true")
