@@ -34,8 +34,9 @@ def _array(items: st.SearchStrategy) -> st.SearchStrategy[dict[str, Any]]:
 
 def _object(values: st.SearchStrategy) -> st.SearchStrategy[dict[str, Any]]:
     def build(props: dict[str, Any], data: st.DataObject) -> dict[str, Any]:
-        required = data.draw(st.lists(st.sampled_from(sorted(props)), unique=True)) \
-            if props else []
+        # Mostly all required, so that outputs are not just `{}`.
+        optional = data.draw(st.lists(st.sampled_from(sorted(props)), unique=True, max_size=1))
+        required = [p for p in props if p not in optional]
         return {"type": "object", "properties": props, "required": sorted(required),
                 "additionalProperties": False}
 
