@@ -30,9 +30,6 @@ FORBIDDEN = {
 # empties this list once those branches are merged.
 LONG_FILES_BEING_SPLIT = {
     "jaxllm/models/llama.py",  # models/ and layers/ belong to the tensor-parallel rework
-    # Over the limit after the core_mp split: MPClient's process start-up and
-    # handshake (its largest part) move to their own module beside it.
-    "jaxllm/engine/core_client.py",
 }
 
 # Circles in files another branch owns; each names the change that removes it.
@@ -40,12 +37,6 @@ KNOWN_CYCLES: list[set[str]] = [
     # The attention backends: the tensor-parallel rework moves the Pallas
     # backend's shared pieces below both modules.
     {"jaxllm.layers.attention", "jaxllm.layers.attention_pallas"},
-    # core_client reads jaxllm.IMPORT_TIME from the package root, whose lazy
-    # `LLM` imports entrypoints.llm, which imports core_client through
-    # llm_engine. Fixed by keeping the import clock in a leaf module that both
-    # the root and the client import.
-    {"jaxllm", "jaxllm.entrypoints.llm", "jaxllm.engine.llm_engine",
-     "jaxllm.engine.core_client"},
 ]
 
 

@@ -32,6 +32,7 @@ from jaxllm.engine.messages import (
     EngineCoreRequest,
     FinishReason,
 )
+from jaxllm.sampling_params import INT64_MAX, TOKEN_ID_MAX
 from jaxllm.structured_output.grammar import make_tokenizer
 from jaxllm.structured_output.manager import StructuredOutputManager
 
@@ -89,6 +90,11 @@ class EngineCore:
 
     def add_request(self, request: EngineCoreRequest) -> EngineCoreOutput | None:
         """Queues a request; returns an error output instead if it can never run."""
+        bad = self._out_of_range(request)
+        if bad is not None:
+            logger.warning("rejecting %s: %s", request.request_id, bad)
+            return EngineCoreOutput(request.request_id, [], finish_reason=FinishReason.ERROR,
+                                    stop_reason=bad)
         need = len(request.prompt_token_ids)
         if need >= self.max_request_tokens:
             logger.warning("rejecting %s: %d prompt tokens, at most %d fit", request.request_id,
@@ -158,6 +164,31 @@ class EngineCore:
             outputs.outputs.extend(self._rejected)
             self._rejected = []
         return outputs
+
+    def _out_of_range(self, request: EngineCoreRequest) -> str | None:
+        """What in the request the core's arrays cannot hold, if anything: the frontend
+        checks all of it; this keeps one request that bypassed it from killing the core."""
+        vocab = self.config.model_config.vocab_size
+        ids = request.prompt_token_ids
+        if not ids or min(ids) < 0 or max(ids) >= vocab:
+            return f"prompt_token_ids: empty or outside [0, {vocab})"
+        if not -INT64_MAX <= request.priority <= INT64_MAX:
+            return f"priority: outside [-{INT64_MAX}, {INT64_MAX}]"
+        eos = request.eos_token_id
+        if eos is not None and not 0 <= eos <= TOKEN_ID_MAX:
+            return f"eos_token_id: outside [0, {TOKEN_ID_MAX}]"
+        params = request.sampling_params
+        if params is not None:
+            try:
+                params.verify()
+            except ValueError as e:
+                return str(e)
+            # The InputProcessor caps max_tokens to the context; so every count fits int32.
+            limit = self.config.model_config.max_model_len
+            if params.max_tokens is None or len(ids) + params.max_tokens > limit:
+                return f"max_tokens: {params.max_tokens} with {len(ids)} prompt tokens " \
+                       f"passes max_model_len {limit}"
+        return None
 
     def abort_requests(self, request_ids: list[str]) -> None:
         if request_ids and self._awaiting_grammar:

@@ -1,8 +1,8 @@
 """How the frontend talks to the engine core.
 
 `EngineCoreClient` is the interface. `InprocClient` runs the core in this
-process (tests, simple offline use). `MPClient` spawns the core's process
-(`core_proc.py`), owns the ZeroMQ sockets and watches for the core's death;
+process (tests, simple offline use). `MPClient` starts the core's process
+(`core_launch.py`), talks to it over ZeroMQ and watches for its death;
 `SyncMPClient` (LLMEngine) and `AsyncMPClient` (AsyncLLM) read its outputs.
 """
 
@@ -15,29 +15,23 @@ import multiprocessing
 import multiprocessing.connection
 import os
 import queue
-import shutil
-import tempfile
 import threading
-import time
 from abc import ABC, abstractmethod
 from collections import deque
 from concurrent.futures import Future
 from typing import Any
 
 import zmq
-import zmq.asyncio
 
-import jaxllm
-from jaxllm.config import EngineConfig, portable_config
-from jaxllm.engine.codec import UTILITY_RESULT, Codec, Handshake, UtilityCall
-from jaxllm.engine.core_proc import run_engine_core
+from jaxllm.config import EngineConfig
+from jaxllm.engine.codec import UTILITY_RESULT, Codec, UtilityCall
+from jaxllm.engine.core_launch import launch_core
 from jaxllm.engine.messages import EngineCoreOutputs, EngineCoreRequest, EngineCoreRequestType
 from jaxllm.errors import EngineDeadError
 
 logger = logging.getLogger(__name__)
 
 _ATTACH_TIMEOUT_MS = 5000  # how long a send waits for a live core's socket to attach
-_SHUTDOWN_TIMEOUT_S = 5.0
 
 
 def multiprocess_default() -> bool:
@@ -113,85 +107,23 @@ class MPClient(EngineCoreClient):
 
     def __init__(self, config: EngineConfig | Future, use_asyncio: bool,
                  startup_timeout_s: float | None = None):
-        """`config` may still be in the making (a Future): the core then starts JAX
-        meanwhile and receives the config once it is built."""
+        """`config` may still be in the making (a Future): see `launch_core`."""
         self.codec = Codec()
         self.engine_dead = False
         self.engine_error: str | None = None
         self._closing = False
         self._call_ids = itertools.count()
-        self._ipc_dir = tempfile.mkdtemp(prefix="jaxllm-ipc-")
-        addresses = {name: f"ipc://{os.path.join(self._ipc_dir, name)}"
-                     for name in ("handshake", "input", "output")}
-        self.ctx = zmq.Context()
-        self.input_socket = self.ctx.socket(zmq.PUSH)
-        self.input_socket.setsockopt(zmq.SNDHWM, 0)
-        self.input_socket.setsockopt(zmq.LINGER, 0)
-        self.input_socket.bind(addresses["input"])
-        if use_asyncio:
-            self.actx: zmq.asyncio.Context | None = zmq.asyncio.Context.shadow(self.ctx)
-            self.output_socket: Any = self.actx.socket(zmq.PULL)
-        else:
-            self.actx = None
-            self.output_socket = self.ctx.socket(zmq.PULL)
-        self.output_socket.setsockopt(zmq.LINGER, 0)
-        self.output_socket.bind(addresses["output"])
-        handshake = self.ctx.socket(zmq.PULL)
-        handshake.setsockopt(zmq.LINGER, 0)
-        handshake.bind(addresses["handshake"])
-
-        mp = multiprocessing.get_context("spawn")
-        spawned_at = time.time()
-        pending = isinstance(config, Future)
-        conn_r, conn_w = mp.Pipe(duplex=False) if pending else (None, None)
-        self.proc = mp.Process(target=run_engine_core, name="EngineCore", daemon=True,
-                               args=(None if pending else portable_config(config), addresses,
-                                     os.getpid(),
-                                     logging.getLogger("jaxllm").getEffectiveLevel(),
-                                     spawned_at, conn_r))
-        try:
-            self.proc.start()
-            if pending:
-                conn_r.close()
-                try:
-                    built = config.result()
-                except BaseException:
-                    conn_w.close()  # the core sees EOF and exits quietly
-                    raise
-                try:
-                    conn_w.send(portable_config(built))
-                except OSError:
-                    pass  # the core died while starting JAX: _wait_ready reports its exit
-                conn_w.close()
-            info = self._wait_ready(handshake, startup_timeout_s)
-            logger.info("engine core ready %.1fs after its spawn, %.1fs after this process "
-                        "imported jaxllm", time.time() - spawned_at,
-                        time.time() - jaxllm.IMPORT_TIME)
-        except BaseException:
-            handshake.close()
-            self._close_process_and_sockets()
-            raise
-        handshake.close()
-        self.max_request_tokens = info.max_request_tokens
-        self.num_blocks = info.num_blocks
+        self._core = launch_core(config, use_asyncio, startup_timeout_s)
+        self.proc, self.ctx = self._core.proc, self._core.ctx
+        self.input_socket = self._core.input_socket
+        self.output_socket: Any = self._core.output_socket
+        assert self._core.info is not None
+        self.max_request_tokens = self._core.info.max_request_tokens
+        self.num_blocks = self._core.info.num_blocks
         self._wake_r, self._wake_w = multiprocessing.Pipe(duplex=False)
         self._monitor = threading.Thread(target=self._monitor_engine, name="core-monitor",
                                          daemon=True)
         self._monitor.start()
-
-    def _wait_ready(self, handshake: zmq.Socket, timeout_s: float | None) -> Handshake:
-        deadline = None if timeout_s is None else time.monotonic() + timeout_s
-        while not handshake.poll(100):
-            if self.proc.exitcode is not None:
-                raise RuntimeError(f"the engine core process exited with code "
-                                   f"{self.proc.exitcode} during start-up")
-            if deadline is not None and time.monotonic() > deadline:
-                raise TimeoutError(f"the engine core was not ready within {timeout_s}s")
-        info = self.codec.handshake_decoder.decode(handshake.recv())
-        if info.status != "READY":
-            self.proc.join(timeout=_SHUTDOWN_TIMEOUT_S)
-            raise RuntimeError(f"the engine core failed to start: {info.error}")
-        return info
 
     def _monitor_engine(self) -> None:
         multiprocessing.connection.wait([self.proc.sentinel, self._wake_r])
@@ -289,31 +221,7 @@ class MPClient(EngineCoreClient):
                                                  flags=zmq.NOBLOCK)
             except zmq.ZMQError:
                 pass
-        self._close_process_and_sockets()
-
-    def _close_process_and_sockets(self) -> None:
-        self._closing = True
-        if self.proc.pid is None:  # never started
-            self._close_sockets()
-            shutil.rmtree(self._ipc_dir, ignore_errors=True)
-            return
-        self.proc.join(timeout=_SHUTDOWN_TIMEOUT_S)
-        if self.proc.is_alive():
-            logger.warning("the engine core did not stop in %.0fs; terminating it",
-                           _SHUTDOWN_TIMEOUT_S)
-            self.proc.terminate()
-            self.proc.join(timeout=_SHUTDOWN_TIMEOUT_S)
-        if self.proc.is_alive():
-            self.proc.kill()
-            self.proc.join()
-        self._close_sockets()
-        shutil.rmtree(self._ipc_dir, ignore_errors=True)
-
-    def _close_sockets(self) -> None:
-        self.input_socket.close(linger=0)
-        self.output_socket.close(linger=0)
-        self.ctx.term()
-
+        self._core.close()
 
 class SyncMPClient(MPClient):
     """Blocking client: `get_output()` waits for the next EngineCoreOutputs (LLMEngine, LLM)."""

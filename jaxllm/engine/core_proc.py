@@ -105,8 +105,29 @@ class EngineCoreProc:
                 kind, payload = frames
                 self.input_queue.put(self.codec.decode_input(bytes(kind.buffer),
                                                              payload.buffer))
-            except (msgspec.DecodeError, msgspec.ValidationError, ValueError) as e:
-                logger.error("dropping an undecodable input message: %s", e)
+            except Exception as e:  # one bad message must not stop the input thread
+                self._answer_undecodable(frames, e)
+
+    def _answer_undecodable(self, frames: list, error: Exception) -> None:
+        """Fails the request (or utility call) of a message that does not decode, so that
+        its client gets an answer instead of waiting for ever."""
+        reason = f"the engine core could not decode the request: {type(error).__name__}: {error}"
+        try:
+            kind = EngineCoreRequestType(bytes(frames[0].buffer))
+            raw = msgspec.msgpack.decode(frames[1].buffer)
+        except Exception:
+            kind, raw = None, None
+        if kind == EngineCoreRequestType.ADD and isinstance(raw, dict) \
+                and isinstance(raw.get("request_id"), str):
+            logger.error("rejecting request %s: %s", raw["request_id"], reason)
+            out = EngineCoreOutput(raw["request_id"], [], finish_reason=FinishReason.ERROR,
+                                   stop_reason=reason)
+            self.output_queue.put((OUTPUTS, EngineCoreOutputs(outputs=[out])))
+        elif kind == EngineCoreRequestType.UTILITY and isinstance(raw, list) and raw \
+                and isinstance(raw[0], int):
+            self.output_queue.put((UTILITY_RESULT, UtilityResult(raw[0], False, reason)))
+        else:
+            logger.error("an input message names no request to answer; ignored: %s", reason)
 
     def _output_thread(self) -> None:
         try:

@@ -113,7 +113,8 @@ class ModelRunner:
         self.buckets = b = Buckets.make(sc.max_num_batched_tokens, sc.max_num_seqs,
                                         mc.max_model_len, cc.block_size, config.token_buckets,
                                         config.request_buckets)
-        self.num_layers, self.num_kv_heads, self.head_dim = kv_cache_spec(mc.hf_config)
+        self.num_layers, self.num_kv_heads, self.head_dim = kv_cache_spec(
+            mc.hf_config, self.mesh.shape["model"])
         kv = PagedKVCache(self.attn_backend, self.mesh, self.num_layers, self.num_kv_heads,
                           self.head_dim, cc.block_size, self.dtype)
         # The caller hands this count to the scheduler (EngineCore).
