@@ -117,14 +117,23 @@ class StructuredOutputManager:
                 if samples[j] and r in matchers]
         if not rows:
             return None
-        mask = np.full((len(req_ids), self.num_words), -1, np.int32)
+        words = -(-self.tokenizer().vocab_size // 32)
+        mask = np.full((len(req_ids), words), -1, np.int32)
         if len(rows) == 1:
             llnp.fill_next_token_bitmask(rows[0][0], mask, rows[0][1])
         else:
             if self._executor is None:
                 self._executor = llguidance.LLExecutor()
             llnp.fill_next_token_bitmask_par(self._executor, rows, mask)
-        return mask
+        if words == self.num_words:
+            return mask
+        # The tokenizer and the model disagree on the vocabulary's size: ids the
+        # tokenizer lacks are never allowed in a constrained row.
+        out = np.full((len(req_ids), self.num_words), -1, np.int32)
+        w = min(words, self.num_words)
+        out[:, :w] = mask[:, :w]
+        out[[j for _, j in rows], w:] = 0
+        return out
 
     def accept(self, req_id: str, token_ids: list[int]) -> None:
         """Advances the request's matcher with its newly sampled tokens."""
