@@ -14,6 +14,7 @@ from typing import Any, Literal
 from pydantic import BaseModel, ConfigDict, Field
 
 from jaxllm.entrypoints.openai.strings import check_strings
+from jaxllm.entrypoints.openai.structured import ResponseFormat, structured_params
 from jaxllm.errors import ParameterError
 from jaxllm.sampling_params import (
     INT64_MAX,
@@ -21,7 +22,6 @@ from jaxllm.sampling_params import (
     MAX_LOGPROBS,
     RequestOutputKind,
     SamplingParams,
-    StructuredOutputsParams,
     check_int,
 )
 
@@ -54,51 +54,6 @@ class UsageInfo(OpenAIBaseModel):
     prompt_tokens: int = 0
     completion_tokens: int = 0
     total_tokens: int = 0
-
-
-class JsonSchemaFormat(OpenAIBaseModel):
-    name: str | None = None
-    description: str | None = None
-    # OpenAI's name is `schema`, which pydantic's BaseModel reserves.
-    json_schema: dict[str, Any] | None = Field(default=None, alias="schema")
-    strict: bool | None = None
-
-
-class ResponseFormat(OpenAIBaseModel):
-    type: str
-    json_schema: JsonSchemaFormat | None = None
-
-
-def _structured_params(response_format: ResponseFormat | None,
-                       structured: dict[str, Any] | None) -> StructuredOutputsParams | None:
-    """The request's constraint: vLLM's `structured_outputs`, else OpenAI's `response_format`."""
-    if structured is not None:
-        if not isinstance(structured, dict):
-            raise ParameterError("structured_outputs", "must be an object")
-        known = set(StructuredOutputsParams.__struct_fields__)
-        unknown = sorted(set(structured) - known)
-        if unknown:
-            raise ParameterError("structured_outputs", f"unknown fields {unknown}")
-        if response_format is not None and response_format.type != "text":
-            raise ParameterError("response_format", "give either response_format or "
-                                 "structured_outputs, not both")
-        values = {k: v for k, v in structured.items() if v is not None}
-        try:
-            return StructuredOutputsParams(**values)
-        except TypeError as e:
-            raise ParameterError("structured_outputs", str(e)) from e
-    if response_format is None or response_format.type == "text":
-        return None
-    if response_format.type == "json_object":
-        return StructuredOutputsParams(json_object=True)
-    if response_format.type == "json_schema":
-        fmt = response_format.json_schema
-        if fmt is None or fmt.json_schema is None:
-            raise ParameterError("response_format.json_schema",
-                                 "needs a 'schema' for type 'json_schema'")
-        return StructuredOutputsParams(json=fmt.json_schema)
-    raise ParameterError("response_format", f"type {response_format.type!r} is not supported "
-                         "(text, json_object or json_schema)")
 
 
 class SamplingFields(OpenAIBaseModel):
@@ -180,7 +135,7 @@ class SamplingFields(OpenAIBaseModel):
             include_stop_str_in_output=self.include_stop_str_in_output,
             logit_bias=logit_bias, allowed_token_ids=self.allowed_token_ids,
             bad_words=self.bad_words,
-            structured_outputs=_structured_params(self.response_format, self.structured_outputs),
+            structured_outputs=structured_params(self.response_format, self.structured_outputs),
             output_kind=RequestOutputKind.DELTA if self.stream else RequestOutputKind.FINAL_ONLY)
 
 
