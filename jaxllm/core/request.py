@@ -205,11 +205,9 @@ class Request:
     @property
     def reads_output_history(self) -> bool:
         """Whether its sampling reads its own previous outputs (penalties, bad
-        words, min_tokens: built on the host from the tokens so far; a grammar's
-        bitmask: its matcher advances with every token)."""
+        words, min_tokens: built on the host from the tokens so far)."""
         p = self.sampling_params
-        return p is not None and bool(p.needs_penalties or p.bad_words_token_ids or p.min_tokens
-                                      or p.structured_outputs is not None)
+        return p is not None and bool(p.needs_penalties or p.bad_words_token_ids or p.min_tokens)
 
     def check_stop(self, max_request_tokens: int) -> bool:
         """Applies the stop conditions after one appended token; sets status and stop_reason."""

@@ -8,10 +8,13 @@ dispatches step N+1, then waits for step N's tokens and processes them while
 N+1 runs on the device. Tokens sampled by N feed N+1 on the device; the
 scheduler holds one output placeholder per token in flight. When a running
 request's sampling reads its own output history (penalties, bad words,
-min_tokens) or a grammar (structured outputs: the next step's token bitmask
-needs the matcher advanced by this step's token), the core finishes the step
-in flight before scheduling the next. Requests with structured outputs wait
-here, outside the scheduler, until their grammar is compiled.
+min_tokens), the core finishes the step in flight before scheduling the next.
+
+Structured outputs keep the step ahead: requests wait here, outside the
+scheduler, until their grammar is compiled; a step with constrained requests
+launches its forward, then finishes the step in flight (whose tokens advance
+the grammars), fills the token bitmask on the host while the forward runs,
+and launches the sampler with it.
 """
 
 from __future__ import annotations
@@ -219,8 +222,18 @@ class EngineCore:
             outputs = self._finish_inflight()
         dispatched = None
         if self.scheduler.has_unfinished_requests():
-            so = self._with_bitmask(self.scheduler.schedule())
-            dispatched = (so, self.model_runner.dispatch(so))
+            so = self.scheduler.schedule()
+            if self.structured is not None and self.structured.matchers:
+                # The forward runs while the step in flight returns its tokens; the
+                # grammars advance with them and fill this step's bitmask, and only
+                # then is the sampler launched (unconstrained rows are not held back).
+                handle = self.model_runner.dispatch(so, sample=False)
+                if self._inflight is not None:
+                    outputs = self._finish_inflight()
+                self.model_runner.dispatch_sample(handle, self._with_bitmask(so).grammar_bitmask)
+            else:
+                handle = self.model_runner.dispatch(so)
+            dispatched = (so, handle)
         if self._inflight is not None:
             outputs = self._finish_inflight()
         self._inflight = dispatched

@@ -151,3 +151,38 @@ def test_nothing_compiles_after_warmup_with_constrained_requests_mixed_in(llm, p
         jax.monitoring.clear_event_listeners()
     assert re.fullmatch("[a-z]{4}", outs[0].text) and outs[1].text in ("alpha", "beta")
     assert compiles == []
+
+
+def test_constrained_steps_run_ahead_with_the_forward_launched_before_the_tokens_return(
+        llm, prompts):
+    core = llm.llm_engine.engine_core.engine_core
+    assert core.async_scheduling
+    runner = core.model_runner
+    ahead = []
+    dispatch = runner.dispatch
+
+    def spy(so, sample=True):
+        if not sample:  # a constrained step: was the previous one still in flight?
+            ahead.append(core._inflight is not None)
+        return dispatch(so, sample)
+
+    runner.dispatch = spy
+    try:
+        outs = _run(llm, prompts, [_params(0, regex="[a-z]{6}"),
+                                   SamplingParams(temperature=0.0, max_tokens=6),
+                                   _params(1, choice=["abcdef", "xyz"])])
+    finally:
+        del runner.dispatch
+    assert re.fullmatch("[a-z]{6}", outs[0].text) and outs[2].text in ("abcdef", "xyz")
+    assert sum(ahead) >= 4, ahead  # decode steps overlapped the step before them
+
+
+def test_synchronous_scheduling_gives_the_same_constrained_outputs(model_dir, llm, prompts):
+    params = [_params(i, json={"type": "array", "items": {"type": "integer", "minimum": 0,
+                                                         "maximum": 9},
+                               "minItems": 2, "maxItems": 4}) for i in range(4)]
+    ahead = [o.token_ids for o in _run(llm, prompts, params)]
+    sync = LLM(model_dir, **SETTINGS, async_scheduling=False)
+    assert [o.token_ids for o in _run(sync, prompts, params)] == ahead
+    for out in _run(sync, prompts, params):
+        validate(params[0].structured_outputs.json, json.loads(out.text))
