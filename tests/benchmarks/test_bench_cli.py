@@ -21,7 +21,7 @@ def test_bench_host_overhead_runs_and_writes_json(tmp_path, monkeypatch, capsys)
     from jaxllm.sample import staged
     from jaxllm.worker import programs
 
-    real_sampler = staged.run_sampler
+    real_sampler = staged.STAGED
     monkeypatch.setenv("OUT", str(tmp_path))
     assert main(["bench", "host-overhead", "--num-requests", "16", "--input-len", "32",
                  "--steps", "5"]) == 0
@@ -36,7 +36,7 @@ def test_bench_host_overhead_runs_and_writes_json(tmp_path, monkeypatch, capsys)
         result["engine_core_ms_per_step_median"] / result["host_calibration_ms_median"])
     assert "engine core step" in capsys.readouterr().out
     # The stubbed sampler must not outlive the benchmark (later engines sample for real).
-    assert staged.run_sampler is real_sampler and programs.run_sampler is real_sampler
+    assert staged.STAGED is real_sampler and programs.STAGED is real_sampler
 
 
 def test_bench_prefix_reports_cache_hits_only_for_the_shared_prefix(tmp_path, monkeypatch):
