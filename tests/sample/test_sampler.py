@@ -517,8 +517,9 @@ def test_the_staged_sampler_compiles_each_stage_once_per_variant_it_meets():
     fresh.precompile(logits, list(variant_metadata(4, vocab)), size)
     compiled = {name: getattr(fresh, name)._cache_size()
                 for name in ("_adjust", "_draw", "_logprobs")}
-    # Adjust: penalties, logit_adjust, both; draw: the three modes; logprobs: one.
-    assert compiled == {"_adjust": 3, "_draw": 3, "_logprobs": 1}
+    # Adjust: every non-empty subset of penalties, logit_adjust and the token bitmask;
+    # draw: the three modes; logprobs: one.
+    assert compiled == {"_adjust": 7, "_draw": 3, "_logprobs": 1}
     rows, _ = _mixed_rows(vocab)
     # Penalties, a logit bias, logprobs and top-k/top-p: every stage runs.
     md = rows.make_metadata(np.array([4, 5, 9, 2]), 4, engine_seed=0)
