@@ -186,3 +186,15 @@ def test_synchronous_scheduling_gives_the_same_constrained_outputs(model_dir, ll
     assert [o.token_ids for o in _run(sync, prompts, params)] == ahead
     for out in _run(sync, prompts, params):
         validate(params[0].structured_outputs.json, json.loads(out.text))
+
+
+def test_a_request_aborted_while_its_grammar_compiles_leaves_nothing_behind(llm):
+    engine = llm.llm_engine
+    core = engine.engine_core.engine_core
+    schema = {"type": "object", "properties": {f"k{i}": {"type": "integer"} for i in range(40)}}
+    engine.add_request("waiting", "hi", SamplingParams(
+        max_tokens=4, structured_outputs=StructuredOutputsParams(json=schema)))
+    assert "waiting" in core._awaiting_grammar and engine.has_unfinished_requests()
+    engine.abort_request("waiting")
+    assert not core._awaiting_grammar and "waiting" not in core.structured.matchers
+    assert not core.has_unfinished_requests() and not engine.has_unfinished_requests()
