@@ -64,3 +64,23 @@ def test_ids_past_the_tokenizer_are_never_allowed_when_the_model_vocabulary_is_l
     mask = m.fill_bitmask(["r", "free"], np.array([True, True]))
     assert mask.shape == (2, 10)
     assert max(_allowed(mask[0])) < 256 and _allowed(mask[1]) == set(range(320))
+
+
+def test_a_structural_tag_constrains_the_text_after_its_trigger_to_the_schema():
+    import json
+
+    m, hf = _manager()
+    tag = {"type": "structural_tag", "triggers": ["<f"], "structures": [
+        {"begin": "<f>", "schema": {"type": "object", "properties": {"a": {"enum": [7]}},
+                                    "required": ["a"], "additionalProperties": False},
+         "end": "</f>"}]}
+    m.submit("r", StructuredOutputsParams(structural_tag=json.dumps(tag)))
+    assert _ready(m)[0] == ["r"]
+    free = _allowed(m.fill_bitmask(["r"], np.array([True]))[0])
+    assert hf.convert_tokens_to_ids("x") in free  # free text before the trigger
+    m.accept("r", hf.encode("hi <f>", add_special_tokens=False))
+    assert _allowed(m.fill_bitmask(["r"], np.array([True]))[0]) == {
+        hf.convert_tokens_to_ids("{")}
+    m.accept("r", hf.encode('{"a":7}', add_special_tokens=False))
+    assert _allowed(m.fill_bitmask(["r"], np.array([True]))[0]) == {
+        hf.convert_tokens_to_ids("<")}
