@@ -97,7 +97,10 @@ class OpenAIServingCompletion(OpenAIServing):
             params.prompt_logprobs = max(req.logprobs, req.prompt_logprobs or 0)
         prompts = [self._tokenized(p, req.add_special_tokens) for p in _prompts(req.prompt)]
         request_id = random_id("cmpl")
-        requests = self.add_requests(request_id, prompts, params, req.priority)
+        try:
+            requests = self.add_requests(request_id, prompts, params, req.priority)
+        except ParameterError as e:
+            raise req.structured_error(e) from e
         if req.stream:
             return self._stream(req, request_id, model, requests)
         finals = await self.collect(requests)
