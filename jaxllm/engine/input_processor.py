@@ -82,10 +82,9 @@ class InputProcessor:
         eos = self.model_config.eos_token_ids
         if params.max_tokens is None:
             params.max_tokens = max(self.max_model_len - len(ids), 1)
-        stop_ids = set(params.stop_token_ids or ())
-        if not params.ignore_eos:
-            stop_ids.update(eos)
-        params.all_stop_token_ids = sorted(stop_ids)
+        # The set min_tokens masks: EOS stays in it under ignore_eos too (vLLM's
+        # all_stop_token_ids; transformers' min_new_tokens), which only keeps EOS from stopping.
+        params.all_stop_token_ids = sorted(set(params.stop_token_ids or ()) | set(eos))
         if params.bad_words:
             params.bad_words_token_ids = self._bad_words_ids(params.bad_words)
         if self.tokenizer is None or not params.detokenize:

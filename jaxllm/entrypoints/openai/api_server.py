@@ -41,6 +41,7 @@ from jaxllm.entrypoints.openai.protocol import (
 from jaxllm.entrypoints.openai.serving_chat import OpenAIServingChat
 from jaxllm.entrypoints.openai.serving_completion import OpenAIServingCompletion
 from jaxllm.entrypoints.openai.serving_engine import HTTPError, error_body
+from jaxllm.entrypoints.openai.serving_info import add_info_routes
 from jaxllm.errors import EngineDeadError, ParameterError
 from jaxllm.metrics.loggers import LoggingStatLogger, PrometheusStatLogger
 
@@ -61,6 +62,7 @@ class ServerOptions:
     shutdown_timeout: float = 30.0
     uvicorn_log_level: str = "info"
     access_log: bool = True
+    enable_tokenizer_info_endpoint: bool = False
 
 
 def error_response(status: int, message: str, param: str | None = None) -> JSONResponse:
@@ -201,6 +203,9 @@ def build_app(engine: AsyncLLM, options: ServerOptions,
         return ModelList(data=[ModelCard(id=n, root=mc.model, max_model_len=mc.max_model_len)
                                for n in names])
 
+    add_info_routes(app, engine, completion.check_model, options.chat_template,
+                    options.enable_tokenizer_info_endpoint)
+
     def respond(result: Any) -> Response:
         if isinstance(result, AsyncIterator):
             return StreamingResponse(result, media_type="text/event-stream")
@@ -324,7 +329,8 @@ def run_server(args: argparse.Namespace) -> int:
         max_request_bytes=args.max_request_bytes, log_stats_interval=args.log_stats_interval,
         log_stats=not args.disable_log_stats, shutdown_timeout=args.shutdown_timeout,
         uvicorn_log_level=args.uvicorn_log_level,
-        access_log=not args.disable_uvicorn_access_log)
+        access_log=not args.disable_uvicorn_access_log,
+        enable_tokenizer_info_endpoint=args.enable_tokenizer_info_endpoint)
     logger.info("jaxllm %s serving %s", jaxllm.__version__,
                 json.dumps({k: v for k, v in vars(engine_args).items() if v is not None},
                            default=str))

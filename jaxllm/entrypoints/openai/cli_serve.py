@@ -47,6 +47,9 @@ def add_serve_parser(subparsers: Any) -> argparse.ArgumentParser:
     p.add_argument("--uvicorn-log-level", default="info",
                    choices=["critical", "error", "warning", "info", "debug", "trace"])
     p.add_argument("--disable-uvicorn-access-log", action="store_true", default=False)
+    p.add_argument("--enable-tokenizer-info-endpoint", action="store_true", default=False,
+                   help="serve GET /tokenizer_info (the tokenizer's configuration, chat "
+                        "template included), as vLLM")
     add_engine_args(p)
     # The server logs its stats by default (the offline API does not).
     p.set_defaults(disable_log_stats=False)

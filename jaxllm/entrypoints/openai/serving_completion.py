@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import time
 from collections.abc import AsyncIterator, Callable
 
@@ -22,7 +23,7 @@ from jaxllm.entrypoints.openai.serving_engine import (
     usage,
 )
 from jaxllm.errors import EngineDeadError, ParameterError
-from jaxllm.outputs import Logprob, RequestOutput
+from jaxllm.outputs import CompletionOutput, Logprob, RequestOutput
 
 
 def _prompts(prompt: str | list[str] | list[int] | list[list[int]]) -> list[PromptType]:
@@ -91,7 +92,13 @@ class OpenAIServingCompletion(OpenAIServing):
                                 ) -> CompletionResponse | AsyncIterator[str]:
         model = self.check_model(req.model)
         req.check()
-        params = req.to_sampling_params(req.max_tokens, req.logprobs, self.default_sampling())
+        # echo with max_tokens=0 scores the prompt alone (loglikelihood harnesses): the engine
+        # runs one step, whose token the answer leaves out, as vLLM does.
+        echo_only = req.echo and req.max_tokens == 0
+        if echo_only and req.min_tokens:
+            raise ParameterError("min_tokens", "must be 0 when echo is true and max_tokens is 0")
+        params = req.to_sampling_params(1 if echo_only else req.max_tokens, req.logprobs,
+                                        self.default_sampling())
         if req.echo and req.logprobs is not None:
             # Echoed logprobs come from the prompt's; an explicit prompt_logprobs may want more.
             params.prompt_logprobs = max(req.logprobs, req.prompt_logprobs or 0)
@@ -99,18 +106,20 @@ class OpenAIServingCompletion(OpenAIServing):
         request_id = random_id("cmpl")
         requests = self.add_requests(request_id, prompts, params, req.priority)
         if req.stream:
-            return self._stream(req, request_id, model, requests)
+            return self._stream(req, request_id, model, requests, echo_only)
         finals = await self.collect(requests)
-        return self._response(req, request_id, model, finals)
+        return self._response(req, request_id, model, finals, echo_only)
 
     def _response(self, req: CompletionRequest, request_id: str, model: str,
-                  finals: list[RequestOutput]) -> CompletionResponse:
+                  finals: list[RequestOutput], echo_only: bool = False) -> CompletionResponse:
         choices: list[CompletionChoice] = []
         prompt_tokens = completion_tokens = 0
         for i, out in enumerate(finals):
             raise_if_failed(out)
             prompt_tokens += len(out.prompt_token_ids)
             for comp in out.outputs:
+                if echo_only:
+                    comp = _without_generation(comp)
                 completion_tokens += len(comp.token_ids)
                 text, logprobs = comp.text, None
                 prefix = (out.prompt or "") if req.echo else ""
@@ -133,7 +142,7 @@ class OpenAIServingCompletion(OpenAIServing):
                                   usage=usage(prompt_tokens, completion_tokens))
 
     async def _stream(self, req: CompletionRequest, request_id: str, model: str,
-                      requests: list) -> AsyncIterator[str]:
+                      requests: list, echo_only: bool = False) -> AsyncIterator[str]:
         created = int(time.time())
         opts = req.stream_options
         include_usage = bool(opts and opts.include_usage)
@@ -145,6 +154,8 @@ class OpenAIServingCompletion(OpenAIServing):
             async for i, out in self.iterate(requests):
                 prompt_tokens[i] = len(out.prompt_token_ids)
                 for comp in out.outputs:
+                    if echo_only:
+                        comp = _without_generation(comp)
                     idx = i * req.n + comp.index
                     first = idx not in offsets
                     text = comp.text
@@ -188,6 +199,17 @@ class OpenAIServingCompletion(OpenAIServing):
         except EngineDeadError as e:
             yield sse(error_body(503, str(e)).model_dump_json())
         yield sse("[DONE]")
+
+
+def _without_generation(comp: CompletionOutput) -> CompletionOutput:
+    """The choice of an echo-only request: its one engine token dropped; whatever ended it,
+    the answer ends by length (zero tokens of max_tokens=0), unless it failed or was aborted."""
+    finish = comp.finish_reason
+    if finish == "stop":
+        finish = "length"
+    return dataclasses.replace(comp, text="", token_ids=[],
+                               logprobs=[] if comp.logprobs is not None else None,
+                               finish_reason=finish, stop_reason=None)
 
 
 def _concat(a: CompletionLogprobs, b: CompletionLogprobs) -> CompletionLogprobs:
