@@ -30,8 +30,9 @@ pytestmark = pytest.mark.slow  # a server start compiles the demo model's bucket
 
 @pytest.fixture(scope="module")
 def server():
-    srv = RemoteServer(["--config", CONFIG, *TINY_ENGINE_FLAGS, "--max-num-seqs", "4", "--request-buckets", "4",
-                        "--enable-tokenizer-info-endpoint", "--log-stats-interval", "60"])
+    srv = RemoteServer(["--config", CONFIG, *TINY_ENGINE_FLAGS, "--max-num-seqs", "4",
+                        "--request-buckets", "4", "--enable-tokenizer-info-endpoint",
+                        "--log-stats-interval", "60"])
     yield srv
     srv.stop()
 
@@ -87,6 +88,11 @@ def test_echo_with_max_tokens_0_over_raw_http_batched_and_streamed(server, token
         assert len(c["logprobs"]["token_logprobs"]) == len(tokenizer(p).input_ids)
         assert c["logprobs"]["token_logprobs"][0] is None
     assert out["usage"]["completion_tokens"] == 0
+    # Token ids, as lm-eval sends them: the echo is the decoded prompt, the logprobs the same.
+    ids = tokenizer(PROMPT).input_ids
+    by_ids = post(server, "/v1/completions", {**body, "prompt": ids}).json()["choices"][0]
+    assert by_ids["text"] == PROMPT
+    assert by_ids["logprobs"] == out["choices"][0]["logprobs"]
     with httpx.stream("POST", server.url + "/v1/completions", timeout=120,
                       json={**body, "prompt": PROMPT, "stream": True}) as s:
         data = [line[6:] for line in s.iter_lines() if line.startswith("data: ")]

@@ -88,6 +88,12 @@ class OpenAIServingCompletion(OpenAIServing):
             return f"token_id:{token_id}"
         return self.tokenizer.decode([token_id], skip_special_tokens=True)
 
+    def _prompt_text(self, out: RequestOutput) -> str:
+        """The echoed prompt: as sent, or decoded when it came as token ids (as vLLM)."""
+        if out.prompt is not None or self.tokenizer is None:
+            return out.prompt or ""
+        return self.tokenizer.decode(out.prompt_token_ids, skip_special_tokens=True)
+
     async def create_completion(self, req: CompletionRequest
                                 ) -> CompletionResponse | AsyncIterator[str]:
         model = self.check_model(req.model)
@@ -122,7 +128,7 @@ class OpenAIServingCompletion(OpenAIServing):
                     comp = _without_generation(comp)
                 completion_tokens += len(comp.token_ids)
                 text, logprobs = comp.text, None
-                prefix = (out.prompt or "") if req.echo else ""
+                prefix = self._prompt_text(out) if req.echo else ""
                 if req.logprobs is not None and comp.logprobs is not None:
                     logprobs = completion_logprobs(comp.token_ids, comp.logprobs,
                                                    req.logprobs, len(prefix))
@@ -161,12 +167,12 @@ class OpenAIServingCompletion(OpenAIServing):
                     text = comp.text
                     logprobs = None
                     if first and req.echo:
-                        text = (out.prompt or "") + text
+                        text = self._prompt_text(out) + text
                     offset = offsets.get(idx, 0)
                     if req.logprobs is not None and comp.logprobs is not None:
                         logprobs = completion_logprobs(
                             comp.token_ids, comp.logprobs, req.logprobs,
-                            offset + (len(out.prompt or "") if first and req.echo else 0))
+                            offset + (len(self._prompt_text(out)) if first and req.echo else 0))
                         if first and req.echo and out.prompt_logprobs is not None:
                             logprobs = _concat(completion_logprobs(
                                 out.prompt_token_ids, out.prompt_logprobs, req.logprobs, 0,
