@@ -491,7 +491,7 @@ def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--out", default=DEFAULT_OUT)
     ap.add_argument("--seed", type=int, default=0)
-    ap.add_argument("--steps", type=int, default=1300)
+    ap.add_argument("--steps", type=int, default=2000)
     ap.add_argument("--rows", type=int, default=12, help=f"packed rows of {ROW_LEN} tokens")
     ap.add_argument("--lr", type=float, default=3e-3)
     ap.add_argument("--warmup", type=int, default=200)
