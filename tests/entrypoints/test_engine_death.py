@@ -18,6 +18,8 @@ import yaml
 from tests.entrypoints.server import RemoteServer, pid_alive
 from tests.models.tiny_checkpoints import make_tiny_checkpoint
 
+pytestmark = pytest.mark.slow  # servers started and killed
+
 
 @pytest.fixture(scope="module")
 def server(tmp_path_factory):

@@ -93,6 +93,7 @@ def test_each_finished_request_is_counted_once_by_reason_and_in_the_histograms()
     assert m["jaxllm:time_per_output_token_seconds_sum"] == pytest.approx(0.1 + 0.5)
 
 
+@pytest.mark.slow
 def test_exported_preemptions_and_prefix_counts_equal_the_engines_under_a_tiny_kv_budget(
         tmp_path):
     model = make_tiny_checkpoint(tmp_path, arch="llama")
