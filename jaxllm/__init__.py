@@ -1,15 +1,13 @@
 """jaxllm: vLLM's v1 inference engine rebuilt on JAX/XLA."""
 
 import os as _os
-import time as _time
+
+from jaxllm.import_clock import IMPORT_TIME
 
 # The KV cache takes hbm_utilization of the device's whole memory, as vLLM's
 # gpu_memory_utilization does; JAX's GPU allocator would otherwise cap this
 # process at 75% of it. Set before JAX starts its backend (a value already set wins).
 _os.environ.setdefault("XLA_PYTHON_CLIENT_MEM_FRACTION", "0.95")
-
-# When this process first imported jaxllm: start-up logs measure from here.
-IMPORT_TIME = _time.time()
 
 from jaxllm.config import EngineArgs  # noqa: E402 - after the clock above
 from jaxllm.outputs import CompletionOutput, PoolingRequestOutput, RequestOutput  # noqa: E402
@@ -17,7 +15,7 @@ from jaxllm.sampling_params import PoolingParams, RequestOutputKind, SamplingPar
 
 __version__ = "0.1.0"
 
-__all__ = ["LLM", "EngineArgs", "SamplingParams", "PoolingParams", "RequestOutput",
+__all__ = ["IMPORT_TIME", "LLM", "EngineArgs", "SamplingParams", "PoolingParams", "RequestOutput",
            "CompletionOutput", "PoolingRequestOutput", "RequestOutputKind", "__version__"]
 
 

@@ -1,9 +1,9 @@
 """The engine config of an earlier start with the same inputs, kept on disk.
 
 Building the engine config imports transformers (for the checkpoint's config),
-and transformers imports PyTorch wherever PyTorch is installed. On the lent
-H100 host that took ~17.5 s of a 27.8 s warm restart of `jaxllm serve`, and the
-engine core, which needs the config to load the model, waited for all of it.
+and transformers imports PyTorch wherever PyTorch is installed, which took most
+of a warm restart of `jaxllm serve` (BENCHMARKS.md, startup) while the engine
+core, which needs the config to load the model, waited for all of it.
 So the frontend keeps the config it built (`portable_config`, plain data) on
 disk, and a later start with the same inputs hands it to the core at once: the
 core loads the model and its programs while the frontend is still importing.

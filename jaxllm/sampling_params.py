@@ -3,6 +3,10 @@
 from __future__ import annotations
 
 import enum
+import math
+import numbers
+import os
+from collections.abc import Iterable
 from typing import Any
 
 import msgspec
@@ -11,6 +15,47 @@ from jaxllm.errors import ParameterError
 
 _GREEDY_EPS = 1e-5
 MAX_LOGPROBS = 20
+# The ranges the engine core's arrays hold: counts are int64, token ids and top_k
+# int32 on the device, seeds uint64 (the children of an n > 1 request add their index).
+INT64_MAX = 2**63 - 1
+TOKEN_ID_MAX = 2**31 - 1
+SEED_LIMIT = 2**63
+# vLLM's VLLM_MAX_N_SEQUENCES: the most outputs one request may ask for.
+DEFAULT_MAX_N_SEQUENCES = 16384
+_FLOAT32_MAX = 3.4028234663852886e38
+LOGIT_BIAS_LIMIT = 100.0
+
+
+def max_n_sequences() -> int:
+    """The bound on `n` (and `best_of`): $JAXLLM_MAX_N_SEQUENCES, else vLLM's default."""
+    value = os.environ.get("JAXLLM_MAX_N_SEQUENCES")
+    return int(value) if value else DEFAULT_MAX_N_SEQUENCES
+
+
+def check_int(field: str, value: Any, low: int, high: int) -> None:
+    """`value` is an integer in [low, high], else a ParameterError naming `field`."""
+    if not isinstance(value, numbers.Integral) or isinstance(value, bool):
+        raise ParameterError(field, f"must be an integer, got {value!r}")
+    if value < low:
+        raise ParameterError(field, f"must be at least {low}, got {value}")
+    if value > high:
+        raise ParameterError(field, f"must be at most {high}, got {value}")
+
+
+def check_text(field: str, value: str) -> None:
+    """`value` encodes as UTF-8 (a lone UTF-16 surrogate, from JSON's "\\ud800", does not)."""
+    try:
+        value.encode("utf-8")
+    except UnicodeEncodeError as e:
+        raise ParameterError(field, f"is not valid Unicode ({e.reason} at index {e.start})") \
+            from None
+
+
+def _check_texts(field: str, values: Iterable[Any]) -> None:
+    for v in values:
+        if not isinstance(v, str):
+            raise ParameterError(field, f"must hold strings, got {v!r}")
+        check_text(field, v)
 
 
 class RequestOutputKind(enum.IntEnum):
@@ -60,10 +105,13 @@ class SamplingParams(
         if self.stop_token_ids is None:
             self.stop_token_ids = []
         if self.logit_bias is not None:
-            self.logit_bias = {int(k): float(v) for k, v in self.logit_bias.items()}
-        if self.top_k is None or self.top_k < 0:
+            try:
+                self.logit_bias = {int(k): float(v) for k, v in self.logit_bias.items()}
+            except (TypeError, ValueError, OverflowError) as e:
+                raise ParameterError("logit_bias", "must map token ids to numbers") from e
+        if self.top_k is None or (isinstance(self.top_k, int) and self.top_k < 0):
             self.top_k = 0  # vLLM accepts -1 for "disabled"
-        self._verify()
+        self.verify()
         if self.temperature < _GREEDY_EPS:
             # Greedy: other filters cannot change the arg-max.
             self.top_p, self.top_k, self.min_p = 1.0, 0, 0.0
@@ -72,12 +120,20 @@ class SamplingParams(
     def from_optional(cls, **kwargs: Any) -> SamplingParams:
         return cls(**{k: v for k, v in kwargs.items() if v is not None})
 
-    def _verify(self) -> None:
+    def verify(self) -> None:
+        """Every field within the range the engine holds; a ParameterError names the first
+        that is not."""
         def bad(field: str, msg: str) -> None:
             raise ParameterError(field, msg)
 
-        if not isinstance(self.n, int) or self.n < 1:
-            bad("n", f"must be at least 1, got {self.n}")
+        max_n = max_n_sequences()
+        check_int("n", self.n, 1, max_n)
+        for name in ("presence_penalty", "frequency_penalty", "repetition_penalty",
+                     "temperature", "top_p", "min_p"):
+            value = getattr(self, name)
+            if not isinstance(value, numbers.Real) or not math.isfinite(value) \
+                    or abs(value) > _FLOAT32_MAX:
+                bad(name, f"must be a finite number, got {value!r}")
         if not -2.0 <= self.presence_penalty <= 2.0:
             bad("presence_penalty", f"must be in [-2, 2], got {self.presence_penalty}")
         if not -2.0 <= self.frequency_penalty <= 2.0:
@@ -90,27 +146,36 @@ class SamplingParams(
             bad("top_p", f"must be in (0, 1], got {self.top_p}")
         if not 0.0 <= self.min_p <= 1.0:
             bad("min_p", f"must be in [0, 1], got {self.min_p}")
-        if self.max_tokens is not None and self.max_tokens < 1:
-            bad("max_tokens", f"must be at least 1, got {self.max_tokens}")
-        if self.min_tokens < 0:
-            bad("min_tokens", f"must be non-negative, got {self.min_tokens}")
+        check_int("top_k", self.top_k, 0, TOKEN_ID_MAX)
+        if self.max_tokens is not None:
+            check_int("max_tokens", self.max_tokens, 1, INT64_MAX)
+        check_int("min_tokens", self.min_tokens, 0, INT64_MAX)
         if self.max_tokens is not None and self.min_tokens > self.max_tokens:
             bad("min_tokens",
                 f"must be at most max_tokens={self.max_tokens}, got {self.min_tokens}")
-        if self.logprobs is not None and not 0 <= self.logprobs <= MAX_LOGPROBS:
-            bad("logprobs", f"must be in [0, {MAX_LOGPROBS}], got {self.logprobs}")
-        if self.prompt_logprobs is not None and not 0 <= self.prompt_logprobs <= MAX_LOGPROBS:
-            bad("prompt_logprobs", f"must be in [0, {MAX_LOGPROBS}], got {self.prompt_logprobs}")
-        if self.seed is not None and not 0 <= self.seed < 2**63:
-            bad("seed", f"must be a non-negative 64-bit integer, got {self.seed}")
+        if self.logprobs is not None:
+            check_int("logprobs", self.logprobs, 0, MAX_LOGPROBS)
+        if self.prompt_logprobs is not None:
+            check_int("prompt_logprobs", self.prompt_logprobs, 0, MAX_LOGPROBS)
+        if self.seed is not None:
+            check_int("seed", self.seed, 0, SEED_LIMIT - 1)
+        _check_texts("stop", self.stop)
         if any(not s for s in self.stop):
             bad("stop", "must not contain empty strings")
+        if self.bad_words is not None:
+            _check_texts("bad_words", self.bad_words)
         if self.allowed_token_ids is not None and not self.allowed_token_ids:
             bad("allowed_token_ids", "must not be empty")
-        for tid in [*self.stop_token_ids, *(self.allowed_token_ids or ())]:
-            if tid < 0:
-                bad("stop_token_ids" if tid in self.stop_token_ids else "allowed_token_ids",
-                    f"token ids must be non-negative, got {tid}")
+        for name in ("stop_token_ids", "allowed_token_ids", "all_stop_token_ids"):
+            for tid in getattr(self, name) or ():
+                check_int(name, tid, 0, TOKEN_ID_MAX)
+        for ids in self.bad_words_token_ids or ():
+            for tid in ids:
+                check_int("bad_words", tid, 0, TOKEN_ID_MAX)
+        for tid, bias in (self.logit_bias or {}).items():
+            check_int("logit_bias", tid, 0, TOKEN_ID_MAX)
+            if not math.isfinite(bias) or abs(bias) > _FLOAT32_MAX:
+                bad("logit_bias", f"the bias of token {tid} must be finite, got {bias}")
 
     def verify_vocab(self, vocab_size: int) -> None:
         """Checks token ids against the model's vocabulary (known only to the engine)."""

@@ -45,7 +45,8 @@ def _stub_msgspec_if_missing() -> None:
 
 _stub_msgspec_if_missing()
 from jaxllm.sample import sampler  # noqa: E402
-from jaxllm.sample.metadata import SamplingMetadata, key_base_data  # noqa: E402
+from jaxllm.sample.metadata import SamplingMetadata  # noqa: E402
+from jaxllm.sample.rng import key_base_data  # noqa: E402
 from jaxllm.sampling_params import MAX_LOGPROBS  # noqa: E402
 from pallas_kernels.sampling import reference, topk_topp  # noqa: E402
 

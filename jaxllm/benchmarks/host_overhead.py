@@ -43,7 +43,7 @@ def make_model_dir(path: str) -> str:
 
 def calibration_workload(table: dict[str, int], keys: list[str], ids: np.ndarray) -> int:
     """Fixed host work of the kind a step does (dict lookups, list appends, small numpy
-    operations), ~0.15 ms on the dev VM. Timed beside the steps, it tells how fast the
+    operations), a fraction of a step. Timed beside the steps, it tells how fast the
     host's core runs at that moment: a shared VM's core can slow down for seconds at a
     time, and this work then slows with the step."""
     out = []
@@ -65,10 +65,10 @@ def main(argv: list[str] | None = None) -> dict:
     import jax
     import jax.numpy as jnp
 
-    import jaxllm.worker.model_runner as mr
     from jaxllm import EngineArgs, RequestOutputKind, SamplingParams
     from jaxllm.engine.core import freeze_gc
     from jaxllm.engine.llm_engine import LLMEngine
+    from jaxllm.worker.step_inputs import unpack_step_inputs
 
     n = args.num_requests
     model_dir = make_model_dir(tempfile.mkdtemp())
@@ -92,7 +92,7 @@ def main(argv: list[str] | None = None) -> dict:
     @functools.partial(jax.jit, donate_argnums=1)
     def forward(state, kv, packed, prev_tokens):
         del state
-        input_ids, *_, out_index = mr.unpack_step_inputs(packed, num_reqs, width)
+        input_ids, *_, out_index = unpack_step_inputs(packed, num_reqs, width)
         return (kv, jnp.zeros((input_ids.shape[0], 64), jnp.float32),
                 jnp.zeros((num_reqs, 64), jnp.float32), out_index)
 
@@ -107,9 +107,10 @@ def main(argv: list[str] | None = None) -> dict:
 
     # Instance attributes: they go with this engine, and later engines in the
     # process (a test's) sample for real.
-    runner._forward = forward
-    runner._exec = {}
-    runner._sample_fn = sample
+    programs = runner.programs
+    programs.forward = forward
+    programs.executables = {}
+    programs.sample_fn = sample
     # A small stand-in for the (one, all-layer) cache: the stub passes it through.
     runner.kv_cache = jnp.zeros(8, jnp.float32)
 

@@ -11,14 +11,23 @@ from __future__ import annotations
 import hashlib
 import struct
 from collections.abc import Callable, Iterable, Sequence
-from typing import TYPE_CHECKING, Any
+from typing import Any, Protocol
 
 import msgspec
 
-if TYPE_CHECKING:
-    from jaxllm.core.request import Request
-
 BlockHash = bytes
+
+
+class HashedRequest(Protocol):
+    """What a block hasher reads and writes of a request (core.request.Request is one;
+    named as a protocol because request.py imports this module)."""
+
+    all_token_ids: list[int]
+    block_hashes: list[BlockHash]
+
+    def hashed_by(self, block_hasher: BlockHasher) -> bool: ...
+
+    def hash_new_blocks(self) -> None: ...
 
 # The parent of a request's first block. A constant (not a random seed) keeps
 # hashes reproducible across restarts and hosts.
@@ -47,7 +56,7 @@ def hash_request_tokens(block_size: int, token_ids: Sequence[int],
     return hashes
 
 
-BlockHasher = Callable[["Request"], list[BlockHash]]
+BlockHasher = Callable[[HashedRequest], list[BlockHash]]
 
 
 def make_block_hasher(block_size: int) -> BlockHasher:
@@ -59,7 +68,7 @@ def make_block_hasher(block_size: int) -> BlockHasher:
     if block_size < 1:
         raise ValueError(f"block_size must be at least 1, got {block_size}")
 
-    def new_block_hashes(request: Request) -> list[BlockHash]:
+    def new_block_hashes(request: HashedRequest) -> list[BlockHash]:
         tokens = request.all_token_ids
         done = len(request.block_hashes)
         parent = request.block_hashes[-1] if done else None
@@ -69,7 +78,7 @@ def make_block_hasher(block_size: int) -> BlockHasher:
             new.append(parent)
         return new
 
-    def hash_next_block(requests: Iterable[Request]) -> None:
+    def hash_next_block(requests: Iterable[HashedRequest]) -> None:
         """Appends to each request's `block_hashes` the hash of the block its last
         token filled: the decode path, where ~1 request in block_size fills one per
         step. Any other request (hashes lagging further, another hasher) hashes

@@ -7,14 +7,11 @@ import itertools
 import sys
 import time
 from collections.abc import Iterator, Sequence
-from typing import TYPE_CHECKING
+from typing import Any
 
 from jaxllm.core.block_hash import BlockHash, BlockHasher
-from jaxllm.engine.messages import EngineCoreRequest, FinishReason
+from jaxllm.core.messages import EngineCoreRequest, FinishReason
 from jaxllm.sampling_params import PoolingParams, SamplingParams
-
-if TYPE_CHECKING:
-    from jaxllm.core.running_batch import RunningBatch
 
 
 class RequestStatus(enum.IntEnum):
@@ -139,7 +136,8 @@ class Request:
         # While the request runs, these two counters live in the scheduler's
         # RunningBatch arrays (see the properties below).
         self.batch_index = -1  # position in that batch, -1 when not running
-        self._batch: RunningBatch | None = None
+        # The RunningBatch holding them (untyped: running_batch.py imports this module).
+        self._batch: Any = None
         self._num_computed_tokens = 0
         self._num_output_placeholders = 0
         # Prefix-cache hit (tokens) at the first schedule; -1 until then, as in vLLM.
@@ -203,6 +201,34 @@ class Request:
         else:
             self.all_token_ids.extend(token_ids)
         self.hash_new_blocks()
+
+    @property
+    def reads_output_history(self) -> bool:
+        """Whether its sampling reads its own previous outputs (penalties, bad
+        words, min_tokens: built on the host from the tokens so far)."""
+        p = self.sampling_params
+        return p is not None and bool(p.needs_penalties or p.bad_words_token_ids or p.min_tokens)
+
+    def check_stop(self, max_request_tokens: int) -> bool:
+        """Applies the stop conditions after one appended token; sets status and stop_reason."""
+        params = self.sampling_params
+        if params is None:
+            return False
+        tokens = self.all_token_ids  # (output_token_ids is a view of it)
+        last = tokens[-1]
+        num_output = self.num_output_tokens
+        if num_output >= params.min_tokens:
+            if not params.ignore_eos and last == self.eos_token_id:
+                self.status = RequestStatus.FINISHED_STOPPED
+                return True
+            if params.stop_token_ids and last in params.stop_token_ids:
+                self.status = RequestStatus.FINISHED_STOPPED
+                self.stop_reason = last
+                return True
+        if num_output >= self.max_tokens or len(tokens) >= max_request_tokens:
+            self.status = RequestStatus.FINISHED_LENGTH_CAPPED
+            return True
+        return False
 
     def hashed_by(self, block_hasher: BlockHasher) -> bool:
         return self._block_hasher is block_hasher

@@ -10,14 +10,14 @@ tokens, applies stop conditions and turns the step into EngineCoreOutputs.
 
 The running requests form a RunningBatch whose per-step counters are arrays:
 the usual step (decodes and chunks that find their blocks) is planned and
-applied in numpy passes over all of them; the per-request code handles what
-is left (preemption, pooling, logprobs) and is the reference the tests run
-the array path against (`vectorized=False`).
+applied by its array passes (`schedule_running`, `apply_sampled`); the code
+here handles what is left (preemption, admission, pooling, logprobs) one
+request at a time and, with `vectorized = False`, every step: the reference
+that tests/core/test_scheduler_paths.py compares the array path with.
 """
 
 from __future__ import annotations
 
-import itertools
 import os
 import time
 from collections.abc import Iterable
@@ -27,12 +27,12 @@ import numpy as np
 from jaxllm.config import EngineConfig
 from jaxllm.core.block_hash import make_block_hasher
 from jaxllm.core.kv_cache_manager import KVCacheManager
+from jaxllm.core.messages import EngineCoreOutput, EngineCoreOutputs, SchedulerStats
 from jaxllm.core.request import Request, RequestStatus
 from jaxllm.core.request_queue import SchedulingPolicy, create_request_queue
-from jaxllm.core.running_batch import RunningBatch
+from jaxllm.core.runner_output import ModelRunnerOutput
+from jaxllm.core.running_batch import RunningBatch, StepLimits
 from jaxllm.core.sched_output import CachedRequestData, NewRequestData, SchedulerOutput
-from jaxllm.engine.messages import EngineCoreOutput, EngineCoreOutputs, SchedulerStats
-from jaxllm.worker.runner_output import ModelRunnerOutput
 
 
 class Scheduler:
@@ -58,7 +58,13 @@ class Scheduler:
 
         self.requests: dict[str, Request] = {}
         self.waiting = create_request_queue(self.policy)
-        self.running = RunningBatch(self.max_num_seqs)
+        # The most tokens one request can ever hold in the cache. The engine
+        # rejects at entry a prompt longer than this; a running request is
+        # length-capped on reaching it, so it can always progress.
+        self.max_request_tokens = min(self.max_model_len, (self.num_blocks - 1) * self.block_size)
+        self.limits = StepLimits(self.block_size, self.max_model_len, self.max_request_tokens,
+                                 self.long_prefill_token_threshold, self.enable_prefix_caching)
+        self.running = RunningBatch(self.max_num_seqs, self.limits)
         # Plan steps and apply their results with array passes over the running
         # batch (off: one request at a time, the reference the tests compare with).
         self.vectorized = True
@@ -73,10 +79,6 @@ class Scheduler:
         self._last_num_prompt_tokens = 0
         self._last_num_generation_tokens = 0
 
-        # The most tokens one request can ever hold in the cache. The engine
-        # rejects at entry a prompt longer than this; a running request is
-        # length-capped on reaching it, so it can always progress.
-        self.max_request_tokens = min(self.max_model_len, (self.num_blocks - 1) * self.block_size)
         # Whether `running` may be out of priority order (set when a request
         # that sorts before the last one joins it).
         self._running_unsorted = False
@@ -95,7 +97,7 @@ class Scheduler:
             request.attach_block_hasher(self._block_hasher)
         self.requests[request.request_id] = request
         self.waiting.add(request)
-        if _reads_output_history(request):
+        if request.reads_output_history:
             self._num_history_reqs += 1
 
     def needs_output_history(self) -> bool:
@@ -124,7 +126,7 @@ class Scheduler:
 
     def _free_request(self, request: Request) -> None:
         self.kv_cache_manager.free(request)
-        if _reads_output_history(request):
+        if request.reads_output_history:
             self._num_history_reqs -= 1
         self.finished_req_ids.add(request.request_id)
         del self.requests[request.request_id]
@@ -144,26 +146,6 @@ class Scheduler:
         if self.policy is SchedulingPolicy.PRIORITY:
             return (request.priority, request.arrival_time)
         return (request.arrival_time,)
-
-    def _wanted_tokens(self, request: Request, num_computed: int) -> int:
-        """Tokens the request would compute this step, before the budget cuts them.
-
-        A token still in flight (async scheduling) counts as known: its id is
-        fed to the next step on the device. A request whose in-flight token is
-        its last allowed one is not scheduled again.
-        """
-        pending = request.num_output_placeholders
-        if pending and (request.num_output_tokens + pending >= request.max_tokens
-                        or request.num_tokens + pending >= self.max_request_tokens):
-            return 0
-        num_new = request.num_tokens + pending - num_computed
-        if 0 < self.long_prefill_token_threshold < num_new:
-            num_new = self.long_prefill_token_threshold
-        return num_new
-
-    def _fit_tokens(self, num_new: int, num_computed: int, token_budget: int) -> int:
-        # Never place a token at a position >= max_model_len.
-        return max(0, min(num_new, token_budget, self.max_model_len - num_computed))
 
     def _preempt(self, request: Request) -> None:
         self.kv_cache_manager.free(request)
@@ -213,14 +195,14 @@ class Scheduler:
         i, num_prompt_tokens = 0, 0
         if self.vectorized and running:
             (i, token_budget, num_prompt_tokens, ids, counts, samples,
-             computed_before) = self._schedule_running_arrays(token_budget, cached)
+             computed_before) = running.schedule_running(token_budget, kv, cached)
         # One request at a time from `i` on: everything when not vectorized,
         # else from the first request whose blocks the pool could not supply,
         # since finding room means preempting.
         while i < len(running) and token_budget > 0:
             request = running[i]
-            num_new = self._wanted_tokens(request, request.num_computed_tokens)
-            num_new = self._fit_tokens(num_new, request.num_computed_tokens, token_budget)
+            num_new = self.limits.wanted_tokens(request, request.num_computed_tokens)
+            num_new = self.limits.fit_tokens(num_new, request.num_computed_tokens, token_budget)
             if num_new <= 0:
                 i += 1
                 continue
@@ -254,14 +236,14 @@ class Scheduler:
                 break
             request = self.waiting.peek()
             hit_blocks, num_computed = kv.get_computed_blocks(request)
-            num_new = self._wanted_tokens(request, num_computed)
+            num_new = self.limits.wanted_tokens(request, num_computed)
             # Without chunked prefill a prompt waits for a step with room for
             # all of it, unless no step ever has room: then chunking is the
             # only way it can run (the engine would otherwise spin forever).
             if (not self.enable_chunked_prefill and token_budget < num_new
                     <= self.max_num_batched_tokens):
                 break
-            num_new = self._fit_tokens(num_new, num_computed, token_budget)
+            num_new = self.limits.fit_tokens(num_new, num_computed, token_budget)
             if num_new == 0:
                 break
             new_blocks = kv.allocate_slots(request, num_new, hit_blocks)
@@ -300,66 +282,6 @@ class Scheduler:
             running.check(kv.block_state)
         return output
 
-    def _schedule_running_arrays(self, token_budget: int, cached: CachedRequestData) -> tuple:
-        """Schedules the running requests with array passes over the RunningBatch.
-
-        The same decisions as the per-request loop in `schedule`, in priority
-        order. Only requests that need a new block (or a newly full block
-        registered in the prefix cache) call the KV cache manager. Stops at
-        the first one the pool cannot serve, since making room means
-        preempting: returns that index (the loop goes on from there), the
-        budget left, the prompt tokens scheduled, and the scheduled requests'
-        ids, token counts, sampling flags and computed tokens before the step.
-        """
-        b, m, bs = self.running, len(self.running), self.block_size
-        computed, num_tokens, pending = b.computed[:m], b.num_tokens[:m], b.pending[:m]
-        want = num_tokens + pending - computed
-        if self.long_prefill_token_threshold > 0:
-            np.minimum(want, self.long_prefill_token_threshold, out=want)
-        # Never place a token at a position >= max_model_len.
-        np.minimum(want, self.max_model_len - computed, out=want)
-        # A request whose token in flight is its last allowed one is not scheduled again.
-        want[(pending > 0) & ((b.num_output[:m] + pending >= b.max_tokens[:m])
-                              | (num_tokens + pending >= self.max_request_tokens))] = 0
-        np.maximum(want, 0, out=want)
-        # In priority order until the budget runs out.
-        take = np.minimum(want, np.maximum(token_budget - (np.cumsum(want) - want), 0))
-        end = computed + take
-        need = end > b.num_blocks[:m] * bs
-        if self.enable_prefix_caching:
-            # A block to register: full and hashed (the hashes cover the known tokens).
-            need |= np.minimum(end, num_tokens) // bs > b.num_cached_blocks[:m]
-        need &= take > 0
-
-        need_idx, reqs = np.flatnonzero(need), b.requests
-        new_ids, held, registered = self.kv_cache_manager.extend_running_many(
-            [reqs[i] for i in need_idx.tolist()], end[need_idx].tolist())
-        served = need_idx[:len(held)]
-        stop = m if len(held) == need_idx.size else int(need_idx[len(held)])
-        b.num_blocks[served] = held
-        b.num_cached_blocks[served] = registered
-
-        sel = np.flatnonzero(take[:stop])
-        if sel.size == stop:  # every request up to `stop`: the usual decode step
-            ids, idx = b.ids[:stop], range(stop)
-        else:
-            idx = sel.tolist()
-            ids = [b.ids[i] for i in idx]
-        # The requests' num_computed_tokens and placeholders are these arrays.
-        new_end, old = end[sel], computed[sel]
-        samples = new_end >= num_tokens[sel] + pending[sel]
-        b.computed[sel] = new_end
-        b.pending[sel[samples]] += 1
-        cached.req_ids.extend(ids)
-        cached.new_block_ids.extend(itertools.repeat((), len(ids)))
-        for i, blocks in zip(served.tolist(), new_ids, strict=True):
-            if blocks:
-                cached.new_block_ids[i if len(ids) == stop else idx.index(i)] = blocks
-        num_prompt = b.num_prompt[sel]
-        num_prompt_tokens = int(np.maximum(np.minimum(new_end, num_prompt) - old, 0).sum())
-        return (stop, token_budget - int(take[:stop].sum()), num_prompt_tokens, ids,
-                take[sel].astype(np.int32), samples, old.astype(np.int32))
-
     def _new_request_data(self, request: Request) -> NewRequestData:
         return NewRequestData(
             req_id=request.request_id, prompt_token_ids=request.prompt_token_ids,
@@ -383,8 +305,8 @@ class Scheduler:
         if (self.vectorized and req_ids and runner.req_ids == req_ids
                 and runner.logprobs is None and not runner.prompt_logprobs
                 and not runner.pooler_output):
-            rest, num_generated, compact = self._update_arrays(scheduler_output, runner,
-                                                               req_ids, outputs, finished)
+            rest, num_generated, compact = self.running.apply_sampled(
+                scheduler_output, runner, self.requests, self._block_hasher, outputs, finished)
         for j in rest:
             num_generated += self._update_request(j, req_ids[j], scheduler_output, runner,
                                                   outputs, finished)
@@ -406,96 +328,6 @@ class Scheduler:
                                  scheduler_stats=self.make_stats(), timestamp=time.time(),
                                  token_req_ids=compact[0] or None, token_ids=compact[1] or None)
 
-    def _update_arrays(self, so: SchedulerOutput, runner: ModelRunnerOutput, req_ids: list[str],
-                       outputs: list[EngineCoreOutput | None],
-                       finished: list[tuple[int, Request]]) -> tuple[list[int], int, tuple]:
-        """`update_from_output` for the step's plain requests, with array passes.
-
-        Plain: in the running batch, generating (not pooling), at most one new
-        token, and a step without logprobs. Stop conditions are evaluated for
-        all of them at once; Python only appends each token to its request's
-        history and makes its output. Returns the positions left to the
-        per-request path, the number of tokens generated and the compact
-        tokens (request ids, token ids; see EngineCoreOutputs).
-        """
-        b, n = self.running, len(req_ids)
-        if req_ids == b.ids:  # the usual decode step: the whole batch, in its order
-            reqs, batch_index = list(b.requests), np.arange(n)
-        else:
-            reqs = list(map(self.requests.get, req_ids))
-            batch_index = np.array([-1 if r is None else r.batch_index for r in reqs],
-                                   np.int64)
-        tokens = runner.sampled_array
-        if tokens is None:  # -1: no token, -2: more than one (per-request path)
-            tokens = np.array([(s[0] if len(s) == 1 else -2) if s else -1
-                               for s in runner.sampled_token_ids], np.int64)
-        plain = (batch_index >= 0) & (tokens >= -1)
-        plain[plain] = b.simple[batch_index[plain]]
-        if plain.all():
-            pos, ids, rows, tok = list(range(n)), req_ids, batch_index, tokens
-        else:
-            pos = np.flatnonzero(plain).tolist()
-            ids, reqs = [req_ids[j] for j in pos], [reqs[j] for j in pos]
-            rows, tok = batch_index[pos], tokens[pos]
-        has = tok >= 0
-        samples = so.samples if len(ids) == len(req_ids) else so.samples[pos]
-        num_output = b.num_output[rows] + has
-        num_tokens = b.num_tokens[rows] + has
-        reached_min = has & (num_output >= b.min_tokens[rows])
-        eos = reached_min & (tok == b.eos[rows])
-        status = np.where(eos, int(RequestStatus.FINISHED_STOPPED), 0)
-        length = has & ((num_output >= b.max_tokens[rows])
-                        | (num_tokens >= self.max_request_tokens))
-        status[length & ~eos] = RequestStatus.FINISHED_LENGTH_CAPPED
-        stop_ids = {}
-        for k in np.flatnonzero(reached_min & ~eos & b.has_stop_ids[rows]).tolist():
-            token = int(tok[k])
-            if token in reqs[k].sampling_params.stop_token_ids:
-                status[k] = RequestStatus.FINISHED_STOPPED
-                stop_ids[k] = token
-        b.num_output[rows] = num_output
-        b.num_tokens[rows] = num_tokens
-        b.pending[rows[samples]] -= 1  # the requests' placeholders
-
-        # Python only where each request must change: its token history.
-        tok_list = tok.tolist()
-        if has.all():
-            got, got_tok = reqs, tok_list
-        else:
-            keep = has.tolist()
-            got, got_tok = (list(itertools.compress(x, keep)) for x in (reqs, tok_list))
-        for request, token in zip(got, got_tok, strict=True):
-            request.all_token_ids.append(token)  # output_token_ids is a view of it
-        # Outputs: a token that is neither its request's first (which reports
-        # the prefix-cache hits) nor its last goes out in the compact lists.
-        compact = has & (status == 0) & (num_output > 1)
-        if compact.all():
-            compact_ids, compact_tok = ids, tok_list
-        else:
-            keep = compact.tolist()
-            compact_ids = list(itertools.compress(ids, keep))
-            compact_tok = list(itertools.compress(tok_list, keep))
-            for k in np.flatnonzero(has & ~compact & (status == 0)).tolist():
-                request = reqs[k]  # positional: msgspec takes those fastest
-                outputs[pos[k]] = EngineCoreOutput(request.request_id, [tok_list[k]], None,
-                                                   None, None, None, None,
-                                                   request.num_cached_tokens)
-        if self._block_hasher is not None:  # the blocks these tokens filled
-            self._block_hasher.hash_next_block(
-                [reqs[k] for k in np.flatnonzero(has & (num_tokens % self.block_size == 0))
-                 .tolist()])
-        for k in np.flatnonzero(status).tolist():
-            request = reqs[k]
-            request.status = RequestStatus(int(status[k]))
-            if k in stop_ids:
-                request.stop_reason = stop_ids[k]
-            outputs[pos[k]] = EngineCoreOutput(
-                request.request_id, [tok_list[k]], finish_reason=request.status.finish_reason(),
-                stop_reason=request.stop_reason,
-                num_cached_tokens=max(0, request.num_cached_tokens))
-            finished.append((pos[k], request))
-        return np.flatnonzero(~plain).tolist(), int(has.sum()), (compact_ids, compact_tok)
-
     def _update_request(self, j: int, req_id: str, so: SchedulerOutput,
                         runner: ModelRunnerOutput, outputs: list[EngineCoreOutput | None],
                         finished: list[tuple[int, Request]]) -> int:
@@ -513,7 +345,7 @@ class Scheduler:
         for token_id in sampled:
             request.append_output_token_ids(token_id)
             new_token_ids.append(token_id)
-            if self._check_stop(request):
+            if request.check_stop(self.max_request_tokens):
                 break
         if row >= 0 and new_token_ids:
             self.running.num_output[row] += len(new_token_ids)
@@ -549,27 +381,6 @@ class Scheduler:
             finished.append((j, request))
         return len(new_token_ids)
 
-    def _check_stop(self, request: Request) -> bool:
-        """Applies stop conditions after one appended token; sets status and stop_reason."""
-        params = request.sampling_params
-        if params is None:
-            return False
-        tokens = request.all_token_ids  # (output_token_ids is a view of it)
-        last = tokens[-1]
-        num_output = request.num_output_tokens
-        if num_output >= params.min_tokens:
-            if not params.ignore_eos and last == request.eos_token_id:
-                request.status = RequestStatus.FINISHED_STOPPED
-                return True
-            if params.stop_token_ids and last in params.stop_token_ids:
-                request.status = RequestStatus.FINISHED_STOPPED
-                request.stop_reason = last
-                return True
-        if num_output >= request.max_tokens or len(tokens) >= self.max_request_tokens:
-            request.status = RequestStatus.FINISHED_LENGTH_CAPPED
-            return True
-        return False
-
     # ------------------------------------------------------------------- stats
 
     def make_stats(self) -> SchedulerStats:
@@ -586,7 +397,3 @@ class Scheduler:
 def _first(pair: tuple[int, Request]) -> int:
     return pair[0]
 
-
-def _reads_output_history(request: Request) -> bool:
-    p = request.sampling_params
-    return p is not None and bool(p.needs_penalties or p.bad_words_token_ids or p.min_tokens)

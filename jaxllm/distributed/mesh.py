@@ -8,7 +8,8 @@ dimension whose size the mesh axis does not divide is replicated instead of
 sharded (always correct, just not split), so odd vocab sizes still load.
 
 Weights are never sharded over 'data': data-parallel replicas hold full copies
-of the tensor-parallel shards. The KV cache is sharded over kv heads on 'model'.
+of the tensor-parallel shards. The KV cache is sharded over kv heads on 'model'
+(replicated kv heads where there are fewer than shards).
 """
 
 from __future__ import annotations
@@ -28,15 +29,33 @@ AXES = ("data", "model")
 
 
 def validate_tensor_parallel(hf_config: Any, tensor_parallel_size: int) -> None:
-    """Heads must split evenly: each 'model' shard holds whole q heads and whole kv heads."""
+    """Heads must split evenly: each 'model' shard holds whole q heads and whole kv heads.
+
+    The q heads divide over the shards. The kv heads either divide too, or (fewer
+    kv heads than shards) divide the shard count, and each is replicated on the
+    shards whose q heads read it (vLLM's rule).
+    """
+    tp = tensor_parallel_size
     heads = int(hf_config.num_attention_heads)
     kv_heads = int(getattr(hf_config, "num_key_value_heads", None) or heads)
-    for name, n in (("num_attention_heads", heads), ("num_key_value_heads", kv_heads)):
-        if n % tensor_parallel_size:
-            raise ParameterError(
-                "tensor_parallel_size",
-                f"{name}={n} is not divisible by tensor_parallel_size={tensor_parallel_size}; "
-                f"use a tensor_parallel_size that divides {n}")
+    if heads % tp:
+        raise ParameterError(
+            "tensor_parallel_size",
+            f"num_attention_heads={heads} is not divisible by tensor_parallel_size={tp}; "
+            f"use a tensor_parallel_size that divides {heads}")
+    if kv_heads % tp and tp % kv_heads:
+        raise ParameterError(
+            "tensor_parallel_size",
+            f"num_key_value_heads={kv_heads} and tensor_parallel_size={tp}: neither divides "
+            "the other, so the kv heads can neither be split nor replicated evenly")
+
+
+def kv_head_replicas(hf_config: Any, tensor_parallel_size: int) -> int:
+    """How many copies of each kv head the shards hold: 1 where the kv heads split
+    over the shards, `tp / kv_heads` where there are fewer kv heads than shards."""
+    heads = int(hf_config.num_attention_heads)
+    kv_heads = int(getattr(hf_config, "num_key_value_heads", None) or heads)
+    return max(1, tensor_parallel_size // kv_heads)
 
 
 def make_mesh(tensor_parallel_size: int, data_parallel_size: int = 1,
@@ -97,17 +116,6 @@ def param_shardings(state: nnx.State, mesh: Mesh) -> dict:
 
 
 def kv_cache_sharding(mesh: Mesh, attn_backend: Any) -> NamedSharding:
-    """Sharding of one layer's KV cache: its head axis over 'model', all else replicated.
-
-    The backend owns the layout, so the head axis is found by asking it for a
-    probe shape whose head count is unique among the dimensions.
-    """
-    probe = dict(num_blocks=3, block_size=5, num_kv_heads=7, head_dim=11)
-    shape = attn_backend.kv_cache_shape(**probe)
-    head_axes = [i for i, d in enumerate(shape) if d in (7, 14)]
-    if len(head_axes) != 1:
-        raise ValueError(f"cannot find the kv-head axis of {attn_backend.name}'s KV cache "
-                         f"layout {shape}")
-    spec = [None] * len(shape)
-    spec[head_axes[0]] = "model"
-    return NamedSharding(mesh, P(*spec))
+    """Sharding of the KV cache: split over 'model' as the backend declares
+    (`kv_cache_spec`: by kv head, whatever its layout)."""
+    return NamedSharding(mesh, attn_backend.kv_cache_spec("model"))

@@ -10,6 +10,7 @@ engine does not queue up one object per token: pending deltas are merged.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
 import time
 from collections.abc import AsyncGenerator
@@ -34,7 +35,7 @@ from jaxllm.outputs import RequestOutput
 from jaxllm.sampling_params import RequestOutputKind, SamplingParams
 
 if TYPE_CHECKING:
-    from jaxllm.engine.core_mp import AsyncMPClient
+    from jaxllm.engine.core_client import AsyncMPClient
 
 logger = logging.getLogger(__name__)
 
@@ -105,7 +106,7 @@ class AsyncLLM:
     def __init__(self, config: EngineConfig, stat_loggers: list[StatLogger] | None = None,
                  startup_timeout_s: float | None = None,
                  engine_core: AsyncMPClient | None = None, tokenizer: Any = _LOAD):
-        from jaxllm.engine.core_mp import AsyncMPClient
+        from jaxllm.engine.core_client import AsyncMPClient
 
         self.config = config
         self.model_config = config.model_config
@@ -134,7 +135,7 @@ class AsyncLLM:
         with it.
         """
         from jaxllm import config_cache
-        from jaxllm.engine.core_mp import AsyncMPClient
+        from jaxllm.engine.core_client import AsyncMPClient
 
         stored = config_cache.load(args)
         with ThreadPoolExecutor(1, thread_name_prefix="frontend-config") as pool:
@@ -322,6 +323,32 @@ class AsyncLLM:
         self.output_processor.abort_requests(list(self.output_processor.parents))
 
     # ------------------------------------------------------------------ lifecycle
+
+    async def restart_engine_core(self, startup_timeout_s: float | None = None) -> None:
+        """Replaces a dead engine core by a new process with the same config.
+
+        Requests in flight were failed when the core died; the new core starts
+        from the on-disk program cache. The event loop keeps serving meanwhile
+        (health answers 503 until the new core is ready). Raises what the new
+        core's start raised; the engine then stays dead.
+        """
+        from jaxllm.engine.core_client import AsyncMPClient
+
+        if self.output_handler is not None and not self.output_handler.done():
+            self.output_handler.cancel()
+            with contextlib.suppress(asyncio.CancelledError, Exception):
+                await self.output_handler
+        self.output_handler = None
+        if self.output_processor.parents:
+            self._fail_all(self.dead_error)
+        self.engine_core.shutdown()  # reaps the dead process, closes its sockets
+        loop = asyncio.get_running_loop()
+        client = await loop.run_in_executor(
+            None, lambda: AsyncMPClient(self.config, startup_timeout_s=startup_timeout_s))
+        self.engine_core = client
+        self.input_processor.max_request_tokens = client.max_request_tokens
+        self._dead = None
+        self.start()
 
     def shutdown(self) -> None:
         if self.output_handler is not None and not self.output_handler.done():

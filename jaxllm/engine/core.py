@@ -28,6 +28,7 @@ from jaxllm.engine.messages import (
     EngineCoreRequest,
     FinishReason,
 )
+from jaxllm.sampling_params import INT64_MAX, TOKEN_ID_MAX
 
 if TYPE_CHECKING:
     from jaxllm.worker.model_runner import StepHandle
@@ -43,7 +44,7 @@ def freeze_gc() -> None:
     collector never scans it again. A step makes and drops hundreds of small
     objects (outputs, token lists); nearly all die by reference counting, so
     the young generation is collected after 50,000 allocations, not 700: with
-    the default, collections took ~1 ms of a 256-request step on a 2-core VM.
+    the default, collections took a large share of a 256-request step's host time.
     Only for a process the engine owns (freezing keeps a discarded engine's
     cycles alive for good).
     """
@@ -62,6 +63,9 @@ class EngineCore:
         self.model_runner = ModelRunner(config)
         if config.precompile:
             self.model_runner.precompile()
+        # The KV cache's size is known once the runner has measured the device:
+        # the scheduler's block pool takes it from here.
+        config.cache_config.num_blocks = self.model_runner.num_kv_blocks
         self.scheduler = Scheduler(config)
         self.async_scheduling = config.async_scheduling
         self._inflight: tuple[SchedulerOutput, StepHandle | None] | None = None
@@ -76,6 +80,11 @@ class EngineCore:
 
     def add_request(self, request: EngineCoreRequest) -> EngineCoreOutput | None:
         """Queues a request; returns an error output instead if it can never run."""
+        bad = self._out_of_range(request)
+        if bad is not None:
+            logger.warning("rejecting %s: %s", request.request_id, bad)
+            return EngineCoreOutput(request.request_id, [], finish_reason=FinishReason.ERROR,
+                                    stop_reason=bad)
         need = len(request.prompt_token_ids)
         if need >= self.max_request_tokens:
             logger.warning("rejecting %s: %d prompt tokens, at most %d fit", request.request_id,
@@ -83,6 +92,31 @@ class EngineCore:
             return EngineCoreOutput(request.request_id, [], finish_reason=FinishReason.ERROR,
                                     stop_reason="prompt does not fit in the KV cache")
         self.scheduler.add_request(Request.from_engine_core_request(request))
+        return None
+
+    def _out_of_range(self, request: EngineCoreRequest) -> str | None:
+        """What in the request the core's arrays cannot hold, if anything: the frontend
+        checks all of it; this keeps one request that bypassed it from killing the core."""
+        vocab = self.config.model_config.vocab_size
+        ids = request.prompt_token_ids
+        if not ids or min(ids) < 0 or max(ids) >= vocab:
+            return f"prompt_token_ids: empty or outside [0, {vocab})"
+        if not -INT64_MAX <= request.priority <= INT64_MAX:
+            return f"priority: outside [-{INT64_MAX}, {INT64_MAX}]"
+        eos = request.eos_token_id
+        if eos is not None and not 0 <= eos <= TOKEN_ID_MAX:
+            return f"eos_token_id: outside [0, {TOKEN_ID_MAX}]"
+        params = request.sampling_params
+        if params is not None:
+            try:
+                params.verify()
+            except ValueError as e:
+                return str(e)
+            # The InputProcessor caps max_tokens to the context; so every count fits int32.
+            limit = self.config.model_config.max_model_len
+            if params.max_tokens is None or len(ids) + params.max_tokens > limit:
+                return f"max_tokens: {params.max_tokens} with {len(ids)} prompt tokens " \
+                       f"passes max_model_len {limit}"
         return None
 
     def abort_requests(self, request_ids: list[str]) -> None:

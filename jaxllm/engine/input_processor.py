@@ -8,7 +8,7 @@ from typing import Any
 from jaxllm.config import ModelConfig
 from jaxllm.engine.messages import EngineCoreRequest
 from jaxllm.errors import ParameterError
-from jaxllm.sampling_params import PoolingParams, SamplingParams
+from jaxllm.sampling_params import INT64_MAX, PoolingParams, SamplingParams, check_int, check_text
 
 # vLLM's prompt forms: a string, {"prompt": str}, {"prompt_token_ids": [...]}.
 PromptType = str | dict[str, Any] | list[int]
@@ -39,18 +39,29 @@ class InputProcessor:
     def tokenize(self, prompt: PromptType) -> tuple[str | None, list[int]]:
         if isinstance(prompt, dict):
             if "prompt_token_ids" in prompt:
-                return prompt.get("prompt"), list(prompt["prompt_token_ids"])
+                text = prompt.get("prompt")
+                if isinstance(text, str):
+                    check_text("prompt", text)
+                return text, self._token_ids(prompt["prompt_token_ids"])
             if "prompt" not in prompt:
                 raise ParameterError("prompt", "a dict prompt needs 'prompt' or 'prompt_token_ids'")
             prompt = prompt["prompt"]
         if isinstance(prompt, list):
-            return None, [int(t) for t in prompt]
+            return None, self._token_ids(prompt)
         if not isinstance(prompt, str):
             raise ParameterError("prompt", f"must be a string or token ids, got {type(prompt)}")
+        check_text("prompt", prompt)
         if self.tokenizer is None:
             raise ParameterError("prompt", "text prompts need a tokenizer; with "
                                  "skip_tokenizer_init=True pass {'prompt_token_ids': [...]}")
         return prompt, self.tokenizer(prompt).input_ids
+
+    @staticmethod
+    def _token_ids(ids: Any) -> list[int]:
+        try:
+            return [int(t) for t in ids]
+        except (TypeError, ValueError) as e:
+            raise ParameterError("prompt_token_ids", f"must be a list of integers ({e})") from e
 
     def apply_chat_template(self, messages: list[dict[str, Any]],
                             chat_template: str | None = None,
@@ -61,11 +72,13 @@ class InputProcessor:
             raise ParameterError("chat_template", "the tokenizer has no chat template; "
                                  "pass chat_template=")
         try:
-            return self.tokenizer.apply_chat_template(
+            text = self.tokenizer.apply_chat_template(
                 messages, chat_template=chat_template, tokenize=False,
                 add_generation_prompt=add_generation_prompt, **kwargs)
         except Exception as e:
             raise ParameterError("messages", f"chat template failed: {e}") from e
+        check_text("messages", text)
+        return text
 
     def process(self, request_id: str, prompt: PromptType,
                 params: SamplingParams | PoolingParams, arrival_time: float | None = None,
@@ -77,11 +90,19 @@ class InputProcessor:
                                      pooling_params=params,
                                      arrival_time=arrival_time or time.time(),
                                      priority=priority), text
+        check_int("priority", priority, -INT64_MAX, INT64_MAX)
         params = params.clone()
         params.verify_vocab(self.model_config.vocab_size)
         eos = self.model_config.eos_token_ids
+        # The derived max_tokens comes first, so that min_tokens and the other checks
+        # see the value the engine will use. A larger one stops at the context's end
+        # anyway: capped here, so that the core's arrays only ever hold lengths that fit.
+        room = self.max_model_len - len(ids)
         if params.max_tokens is None:
-            params.max_tokens = max(self.max_model_len - len(ids), 1)
+            params.max_tokens = room
+        elif params.max_tokens > room:
+            params.max_tokens = room
+            params.min_tokens = min(params.min_tokens, room)
         # The set min_tokens masks: EOS stays in it under ignore_eos too (vLLM's
         # all_stop_token_ids; transformers' min_new_tokens), which only keeps EOS from stopping.
         params.all_stop_token_ids = sorted(set(params.stop_token_ids or ()) | set(eos))
@@ -91,6 +112,7 @@ class InputProcessor:
             if params.stop:
                 raise ParameterError("stop", "stop strings need detokenization "
                                      "(a tokenizer and detokenize=True)")
+        params.verify()  # again, with the values filled in here
         return EngineCoreRequest(request_id=request_id, prompt_token_ids=ids,
                                  sampling_params=params, eos_token_id=eos[0] if eos else None,
                                  arrival_time=arrival_time or time.time(),

@@ -14,18 +14,24 @@ from jaxllm.engine.messages import SchedulerStats
 from jaxllm.engine.output_processor import OutputProcessor, ParentRequest, child_request_id
 from jaxllm.errors import ParameterError
 from jaxllm.outputs import PoolingRequestOutput, RequestOutput
-from jaxllm.sampling_params import PoolingParams, RequestOutputKind, SamplingParams
+from jaxllm.sampling_params import (
+    SEED_LIMIT,
+    PoolingParams,
+    RequestOutputKind,
+    SamplingParams,
+)
 
 logger = logging.getLogger(__name__)
 
 
 def fan_out(params: SamplingParams) -> list[SamplingParams]:
-    """Per-child params of an n > 1 request: n = 1 each, seeds offset by the index."""
+    """Per-child params of an n > 1 request: n = 1 each, seeds offset by the index
+    (modulo the seed range, so that every child's seed stays valid)."""
     if params.n == 1:
         return [params]
     out = []
     for i in range(params.n):
-        seed = None if params.seed is None else params.seed + i
+        seed = None if params.seed is None else (params.seed + i) % SEED_LIMIT
         out.append(msgspec.structs.replace(params, n=1, seed=seed))
     return out
 

@@ -25,7 +25,7 @@ class LLM:
         unknown = set(kwargs) - EngineArgs.field_names()
         if unknown:
             raise TypeError(f"LLM() got unexpected engine arguments: {sorted(unknown)}")
-        from jaxllm.engine.core_mp import multiprocess_default
+        from jaxllm.engine.core_client import multiprocess_default
 
         self.llm_engine = LLMEngine.from_engine_args(EngineArgs(model=model, **kwargs),
                                                      multiprocess=multiprocess_default())

@@ -21,6 +21,7 @@ from dataclasses import dataclass
 
 import jax
 import jax.numpy as jnp
+from jax.sharding import PartitionSpec as P
 
 from jaxllm.errors import ParameterError
 from pallas_kernels.ragged_paged_attention import reference
@@ -57,6 +58,11 @@ class AttentionBackend:
     def kv_cache_shape(self, num_blocks: int, block_size: int, num_kv_heads: int,
                        head_dim: int) -> tuple[int, ...]:
         return reference.kv_cache_shape(num_blocks, block_size, num_kv_heads, head_dim)
+
+    def kv_cache_spec(self, axis: str) -> P:
+        """How the cache splits over a mesh axis of tensor parallelism: by kv head
+        (`[pages, page_size, 2 * kv_heads, D]`: K and V of a head stay together)."""
+        return P(None, None, axis, None)
 
     def write_kv(self, kv_cache: jax.Array, k: jax.Array, v: jax.Array,
                  md: AttentionMetadata, page_offset: int = 0) -> jax.Array:

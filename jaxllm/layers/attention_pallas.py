@@ -8,18 +8,16 @@ this step's K/V into that layout; with the cache donated to the jitted step XLA
 updates it in place (tests/kernels/test_attention_backends.py checks the alias and
 the buffer).
 
-Tensor parallelism: `attend` and `write_kv` take one shard's plain arrays. A
-Pallas call is not partitioned by XLA, so under a mesh the caller runs them
-inside `shard_map` over the kv-head axis: `q`, `k`, `v` split on their head
-axis (1), the cache split on axis 1 (each shard then holds whole K/V pairs of
-its heads; `num_kv_heads` must be a multiple of the axis size) and the metadata
-replicated. `shard_map_attend` below does exactly that.
+Tensor parallelism: `attend` and `write_kv` take one shard's plain arrays; under
+a mesh they run inside `shard_map` (layers/attention_sharded.py), the cache
+split on axis 1 (`kv_cache_spec`: each shard holds whole K/V pairs of its heads).
 """
 
 from __future__ import annotations
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 from jax.sharding import PartitionSpec as P
 
 from jaxllm.layers.attention import AttentionBackend, AttentionMetadata
@@ -33,6 +31,9 @@ class _PallasBackend(AttentionBackend):
                        head_dim: int) -> tuple[int, ...]:
         return paged_layout.kv_cache_shape(num_blocks, block_size, num_kv_heads, head_dim)
 
+    def kv_cache_spec(self, axis: str) -> P:
+        return P(None, axis, None, None)  # [pages, 2 * kv_heads, page_size, D]
+
     def write_kv(self, kv_cache: jax.Array, k: jax.Array, v: jax.Array,
                  md: AttentionMetadata, page_offset: int = 0) -> jax.Array:
         return paged_layout.write_kv(kv_cache, k, v, md.slot_mapping, page_offset)
@@ -42,6 +43,11 @@ class PallasTPUBackend(_PallasBackend):
     """Mosaic TPU kernel; `interpret=True` runs it in TPU interpret mode on any host."""
 
     name = "pallas_tpu"
+
+    def __init__(self, interpret: bool = False):
+        super().__init__(interpret)
+        if interpret:
+            _interpret_callbacks_on_the_host()
 
     def attend(self, q: jax.Array, kv_cache: jax.Array, md: AttentionMetadata, *,
                sm_scale: float, sliding_window: int | None = None,
@@ -122,24 +128,35 @@ class PallasGPUMosaicBackend(PallasGPUBackend):
         return gpu_mgpu.ragged_paged_attention
 
 
-def shard_map_attend(backend: AttentionBackend, mesh: jax.sharding.Mesh, axis: str):
-    """`attend(q, kv_cache, md, **kw)` over a mesh, kv heads split along `axis`.
+def _interpret_callbacks_on_the_host() -> None:
+    """Lets TPU interpret mode run under `shard_map` on several CPU devices.
 
-    Works for every backend: the reference layout keeps heads on axis 2, the
-    Pallas layout on axis 1; either way whole (K, V) pairs land on one shard.
+    The interpreter simulates a kernel through `io_callback`s, and every device's
+    kernel waits for the others at a barrier. jax hands each callback its
+    arguments after a `device_put` to CPU device 0; a callback of device 1 then
+    waits for a transfer queued on device 0, which sits in the barrier waiting for
+    device 1, and the step never returns (jax 0.10.2, fake CPU devices). The
+    interpreter's callbacks only read their arguments as numpy arrays, so for
+    them alone (by module) the arguments are handed over as host arrays directly;
+    every other `io_callback` keeps jax's path.
     """
-    cache_spec = P(None, None, axis, None) if type(backend) is AttentionBackend else P(
-        None, axis, None, None)
-    shard_map = getattr(jax, "shard_map", None)
-    if shard_map is None:  # jax < 0.7
-        from jax.experimental.shard_map import shard_map
+    from jax._src import callback as jax_callback
 
-    def run(q, kv_cache, md, **kw):
-        def body(q, kv_cache, md):
-            return backend.attend(q, kv_cache, md, **kw)
+    original = jax_callback.io_callback_impl
+    if getattr(original, "_jaxllm_interpret_patch", False):
+        return
 
-        md_spec = jax.tree.map(lambda _: P(), md)
-        return shard_map(body, mesh=mesh, in_specs=(P(None, axis, None), cache_spec, md_spec),
-                         out_specs=P(None, axis, None), check_vma=False)(q, kv_cache, md)
+    def interpreter_of(cb) -> bool:
+        fn = getattr(cb, "callback_func", None)
+        fn = getattr(fn, "func", fn)  # functools.partial
+        return getattr(fn, "__module__", "").startswith("jax._src.pallas.mosaic.interpret")
 
-    return run
+    def io_callback_impl(*args, result_avals, callback, sharding, ordered):
+        if not interpreter_of(callback):
+            return original(*args, result_avals=result_avals, callback=callback,
+                            sharding=sharding, ordered=ordered)
+        host = jax.tree.map(np.asarray, args)
+        return jax.tree.map(np.asarray, callback(*host))
+
+    io_callback_impl._jaxllm_interpret_patch = True
+    jax_callback.io_callback_impl = io_callback_impl

@@ -3,8 +3,9 @@
 Two sources: `SchedulerStats` (one per engine step: queue lengths, KV usage,
 cumulative prefix-cache and preemption counts, tokens of the step) and
 per-request timings (time to first token when it arrives, the time between its
-later outputs as they come, the rest when the request finishes). `LoggingStatLogger` prints vLLM's one-line summary every few
-seconds; `PrometheusStatLogger` backs `/metrics`.
+later outputs as they come, the rest when the request finishes).
+`LoggingStatLogger` prints vLLM's one-line summary every few seconds;
+`PrometheusStatLogger` backs `/metrics`.
 """
 
 from __future__ import annotations

@@ -21,6 +21,9 @@ Every weight declares its sharding over the mesh axes ('data', 'model'):
 G = heads // kv_heads. The fused qkv weight groups, per kv head, its G query
 heads then its k head then its v head, so sharding the kv-head axis gives every
 'model' shard whole q, k and v heads that attend to each other (GQA stays local).
+With fewer kv heads than 'model' shards (tensor_parallel_size), each kv head is
+replicated tp / kv_heads times and its query heads dealt among the copies, so
+`kv_heads` above is then tp and every shard holds one kv head (as vLLM does).
 Tied embeddings reuse `embed_tokens` for the logits (both vocab-sharded).
 """
 
@@ -65,9 +68,12 @@ class LlamaArch:
     mlp_bias: bool
     qk_norm: bool
     sliding_windows: tuple[int | None, ...]  # per layer
+    kv_replicas: int = 1  # copies of each checkpoint kv head (fewer kv heads than shards)
 
     @classmethod
-    def from_hf_config(cls, cfg: Any) -> LlamaArch:
+    def from_hf_config(cls, cfg: Any, tensor_parallel_size: int = 1) -> LlamaArch:
+        """`tensor_parallel_size`: with fewer kv heads than that, each kv head is
+        replicated so that every shard holds one (`num_kv_heads` counts the copies)."""
         model_type = getattr(cfg, "model_type", "llama")
         if model_type not in MODEL_TYPES:
             raise ParameterError("model", f"model_type {model_type!r} is not a Llama-family "
@@ -82,6 +88,7 @@ class LlamaArch:
             raise ParameterError("config.json:hidden_act", f"{act!r} is not supported; "
                                  "supported: 'silu'")
         attention_bias = bool(getattr(cfg, "attention_bias", False))
+        replicas = max(1, tensor_parallel_size // kv_heads)
         return cls(
             model_type=model_type,
             vocab_size=int(cfg.vocab_size),
@@ -89,7 +96,7 @@ class LlamaArch:
             intermediate_size=int(cfg.intermediate_size),
             num_layers=int(cfg.num_hidden_layers),
             num_heads=heads,
-            num_kv_heads=kv_heads,
+            num_kv_heads=kv_heads * replicas,
             head_dim=int(getattr(cfg, "head_dim", None) or cfg.hidden_size // heads),
             rms_norm_eps=float(cfg.rms_norm_eps),
             tie_word_embeddings=bool(getattr(cfg, "tie_word_embeddings", False)),
@@ -98,6 +105,7 @@ class LlamaArch:
             mlp_bias=bool(getattr(cfg, "mlp_bias", False)),
             qk_norm=model_type == "qwen3",
             sliding_windows=_sliding_windows(cfg),
+            kv_replicas=replicas,
         )
 
     @property
@@ -223,8 +231,9 @@ class LlamaForCausalLM(nnx.Module):
     """Llama / Mistral / Qwen2 / Qwen3 causal LM over a ragged, paged batch."""
 
     def __init__(self, hf_config: Any, *, dtype: str | jnp.dtype, rngs: nnx.Rngs,
-                 attn_backend: AttentionBackend, swiglu: SwiGLU | None = None):
-        arch = LlamaArch.from_hf_config(hf_config)
+                 attn_backend: AttentionBackend, swiglu: SwiGLU | None = None,
+                 tensor_parallel_size: int = 1):
+        arch = LlamaArch.from_hf_config(hf_config, tensor_parallel_size)
         swiglu = swiglu or SwiGLU()
         dtype = jnp.dtype(dtype)
         self.arch = arch
@@ -320,9 +329,9 @@ class LlamaForCausalLM(nnx.Module):
         return self.head_logits(self.logits_head[...], hidden)
 
     @staticmethod
-    def hf_weight_map(hf_config: Any) -> list[WeightSource]:
+    def hf_weight_map(hf_config: Any, tensor_parallel_size: int = 1) -> list[WeightSource]:
         """Where each parameter comes from in a Hugging Face checkpoint (used by the loader)."""
-        return hf_weight_map(LlamaArch.from_hf_config(hf_config))
+        return hf_weight_map(LlamaArch.from_hf_config(hf_config, tensor_parallel_size))
 
     @staticmethod
     def hf_ignored_tensor(hf_config: Any, name: str) -> bool:
@@ -350,13 +359,20 @@ def _only(ts: list[np.ndarray]) -> np.ndarray:
 def hf_weight_map(arch: LlamaArch) -> list[WeightSource]:
     """Every parameter of the module with the HF tensors it comes from."""
     kv, g, d, h = arch.num_kv_heads, arch.group, arch.head_dim, arch.hidden_size
+    copies = arch.kv_replicas
 
     def fuse_qkv(ts: list[np.ndarray]) -> np.ndarray:
-        # q rows are head-major (head = kv * G + g), so grouping by kv head is a reshape.
+        # q rows are head-major (head = kv * G + g), so grouping by kv head is a reshape;
+        # copy c of checkpoint kv head j is kv head j * copies + c, and reads the c-th
+        # run of j's query heads.
         q, k, v = ts
         tail = q.shape[1:]  # (hidden,) for weights, () for biases
-        return np.concatenate([q.reshape(kv, g, d, *tail), k.reshape(kv, 1, d, *tail),
-                               v.reshape(kv, 1, d, *tail)], axis=1)
+
+        def kv_heads(t: np.ndarray) -> np.ndarray:
+            t = t.reshape(kv // copies, 1, d, *tail)
+            return t if copies == 1 else np.repeat(t, copies, axis=0)
+
+        return np.concatenate([q.reshape(kv, g, d, *tail), kv_heads(k), kv_heads(v)], axis=1)
 
     def o_heads(ts: list[np.ndarray]) -> np.ndarray:
         return ts[0].reshape(h, arch.num_heads, d)

@@ -31,8 +31,9 @@ from jax.sharding import Mesh, NamedSharding
 from tqdm.auto import tqdm
 
 from jaxllm.config import ModelConfig
-from jaxllm.distributed.mesh import param_shardings, validate_tensor_parallel
+from jaxllm.distributed.mesh import kv_head_replicas, param_shardings, validate_tensor_parallel
 from jaxllm.errors import ParameterError
+from jaxllm.layers.attention_sharded import shard_attention
 from jaxllm.models.registry import get_model_class
 
 _ST_DTYPES = {
@@ -44,7 +45,8 @@ _ST_DTYPES = {
 
 
 class KVCacheSpec(NamedTuple):
-    """What the runner needs to size and shape the KV cache (whole model, before TP)."""
+    """What the runner needs to size and shape the KV cache (whole model, over every
+    'model' shard; `num_kv_heads` counts replicated kv heads, see models/llama.py)."""
 
     num_layers: int
     num_kv_heads: int
@@ -55,11 +57,14 @@ class KVCacheSpec(NamedTuple):
         return 2 * self.num_layers * self.num_kv_heads * self.head_dim * jnp.dtype(dtype).itemsize
 
 
-def kv_cache_spec(hf_config: Any) -> KVCacheSpec:
+def kv_cache_spec(hf_config: Any, tensor_parallel_size: int = 1) -> KVCacheSpec:
+    """The cache's shape parameters; with fewer kv heads than `tensor_parallel_size`
+    the kv heads are replicated so that each shard holds one."""
     heads = int(hf_config.num_attention_heads)
+    kv_heads = int(getattr(hf_config, "num_key_value_heads", None) or heads)
     return KVCacheSpec(
         num_layers=int(hf_config.num_hidden_layers),
-        num_kv_heads=int(getattr(hf_config, "num_key_value_heads", None) or heads),
+        num_kv_heads=kv_heads * kv_head_replicas(hf_config, tensor_parallel_size),
         head_dim=int(getattr(hf_config, "head_dim", None) or hf_config.hidden_size // heads))
 
 
@@ -71,15 +76,19 @@ def load_model(model_config: ModelConfig, mesh: Mesh, attn_backend: Any,
                swiglu: Any = None) -> nnx.Module:
     """The model of `model_config`, every weight sharded on `mesh` in `model_config.dtype`.
 
-    `swiglu`: how the MLP computes its up-projection (jaxllm/layers/mlp.py; XLA if None)."""
+    `swiglu`: how the MLP computes its up-projection (jaxllm/layers/mlp.py; XLA if None).
+    Over several 'model' devices the attention runs per shard (`shard_attention`)."""
     hf_config = model_config.hf_config
     cls = get_model_class(model_config.architecture)
-    validate_tensor_parallel(hf_config, mesh.shape["model"])
+    tp = mesh.shape["model"]
+    validate_tensor_parallel(hf_config, tp)
     dtype = jnp.dtype(model_config.dtype)
+    attn_backend = shard_attention(attn_backend, mesh)
+    layout = {} if tp == 1 else {"tensor_parallel_size": tp}
 
     def create() -> nnx.Module:
         return cls(hf_config, dtype=dtype, rngs=nnx.Rngs(model_config.seed),
-                   attn_backend=attn_backend, swiglu=swiglu)
+                   attn_backend=attn_backend, swiglu=swiglu, **layout)
 
     graphdef, state = nnx.split(nnx.eval_shape(create))
     shardings = param_shardings(state, mesh)
@@ -87,7 +96,7 @@ def load_model(model_config: ModelConfig, mesh: Mesh, attn_backend: Any,
         values = jax.jit(lambda: nnx.to_pure_dict(nnx.state(create())),
                          out_shardings=shardings)()
     else:
-        values = _load_safetensors(cls, hf_config, model_config.model, state, shardings)
+        values = _load_safetensors(cls, hf_config, model_config.model, state, shardings, tp)
     nnx.replace_by_pure_dict(state, values)
     return nnx.merge(graphdef, state)
 
@@ -148,9 +157,9 @@ def _safetensors_files(model_dir: str) -> list[str]:
 
 
 def _load_safetensors(cls: type, hf_config: Any, model_dir: str, state: nnx.State,
-                      shardings: dict) -> dict:
+                      shardings: dict, tp: int) -> dict:
     ckpt = SafetensorsCheckpoint(model_dir)
-    sources = cls.hf_weight_map(hf_config)
+    sources = cls.hf_weight_map(hf_config, *([tp] if tp > 1 else []))
     variables = dict(nnx.to_flat_state(state))
     available = ckpt.names()
     needed = {name for src in sources for name in src.tensors}

@@ -24,7 +24,8 @@ from dataclasses import dataclass
 import jax
 import jax.numpy as jnp
 
-from jaxllm.sample.metadata import Penalties, SamplingMetadata, rng_keys
+from jaxllm.sample.metadata import Penalties, SamplingMetadata
+from jaxllm.sample.rng import rng_keys
 from pallas_kernels.sampling import reference as sort_topk
 from pallas_kernels.sampling import topk_topp
 

@@ -11,8 +11,8 @@ from __future__ import annotations
 import numpy as np
 
 from jaxllm.core.sched_output import NewRequestData
-from jaxllm.sample.metadata import SamplingRows
 from jaxllm.sampling_params import PoolingParams, SamplingParams
+from jaxllm.worker.sampling_rows import SamplingRows
 
 
 class InputBatch:

@@ -20,9 +20,8 @@ visible blocks (no mask arithmetic), causal-diagonal / `kv_len`-tail blocks
 
 Decodes beside prompt chunks. In a prefill-shaped call (prefill tiles of
 `block_q` = 128 / G tokens), a request with a single query token would still
-take a whole program with a 128-row tile and a shallow pipeline; measured on the
-H100, 480 such requests took 650 us per layer inside an 8192-token step against
-380 us alone with decode tiles. So a prefill-shaped call runs in two: the
+take a whole program with a 128-row tile and a shallow pipeline, much slower
+than the decode tiles for the same rows. So a prefill-shaped call runs in two: the
 one-token requests first, one item each with the decode tiles
 (`BlockSizes.decode`), then everything else with the prefill tiles, writing
 into the first call's output (aliased), so every row is written exactly once.
@@ -108,7 +107,7 @@ def default_block_sizes(num_tokens: int, num_seqs_max: int, group: int, head_dim
                         itemsize: int = 2) -> BlockSizes:
     """Static choice from the bucket's shapes (the kernel never sees q_lens at trace time).
 
-    Measured on the H100 (BENCHMARKS.md, "Kernels"). float32 tiles hold twice
+    Chosen by measurement on the H100 (BENCHMARKS.md, kernels). float32 tiles hold twice
     the bytes, so they get shallower pipelines / smaller tiles to fit in shared
     memory (227 KiB per block).
     """
@@ -127,13 +126,12 @@ def default_block_sizes(num_tokens: int, num_seqs_max: int, group: int, head_dim
     if f32:
         if head_dim <= 128:
             return BlockSizes(max(1, 64 // group), 64, 1, 4, 2, decode=dec)
-        # 64 query rows of 256 floats did not launch on the H100 (139,520 B of
-        # shared memory, 2026-11-24); 32 rows do.
+        # 64 query rows of 256 floats need more shared memory than the H100
+        # gives a block; 32 rows fit.
         return BlockSizes(max(1, 32 // group), 32, 1, 4, 2, decode=dec)
     if head_dim == 128:
-        # 128 query rows x 64 keys, 4 warps: on the H100 (2026-11-24, prefill call only,
-        # decodes split off) 233 us for 16 x 512-token prompts against 276 with 128
-        # keys and 8 warps, 334 against 361 for 8 x 1024, level (557 / 559) for 4 x 2048.
+        # 128 query rows x 64 keys, 4 warps: faster on the H100 than 128 keys and
+        # 8 warps for short prompts, level for 2048-token ones.
         return BlockSizes(max(1, 128 // group), 64, 1, num_warps=4, num_stages=3, decode=dec)
     if head_dim < 128:
         return BlockSizes(max(1, 128 // group), 128, 1, num_warps=4, num_stages=3, decode=dec)
@@ -163,7 +161,7 @@ def work_items(cu_q_lens: jax.Array, num_seqs: jax.Array, num_tokens: int,
     num_items = pl.cdiv(num_tokens, block_q) + min(num_req, num_tokens) + 1
     i = jnp.arange(num_items, dtype=jnp.int32)
     # compare_all: one fused comparison. The default scan method is a loop of tiny
-    # kernels on GPU and cost ~70 us per call in the decode benchmark.
+    # kernels on GPU, a large part of a decode call.
     req = jnp.searchsorted(cum, i, side="right", method="compare_all").astype(jnp.int32)
     req = jnp.minimum(req, num_req - 1)
     j = i - (cum[req] - nblk[req])

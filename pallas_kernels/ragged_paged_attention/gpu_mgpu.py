@@ -28,10 +28,9 @@ owns. A CTA handles one (item, kv head): its 128 query rows are the G query
 heads of the kv head times BQ tokens, head-major (row = g * BQ + token), so
 every K/V tile feeds all G heads (GQA packing). Items are ordered longest
 first; with `persistent` one CTA per SM walks a strided list of them, up to
-the used items' count. The list is sized for the worst case (at 16384 tokens
-and 512 request slots two thirds of it is empty); walking the empty slots
-cost 29-41 us a call at the 8B workload's shapes on the H100 (BENCHMARKS.md,
-throughput, stop 27).
+the used items' count: the list is sized for the worst case (at 16384 tokens
+and 512 request slots two thirds of it is empty), and walking the empty slots
+cost a visible part of each call.
 
 CTA structure (FA3-style, three warpgroups):
 
@@ -61,11 +60,8 @@ item here. As a window of 128 / G tokens it would stream its whole context
 for one row; `gpu.attend_decodes_into` writes those rows afterwards with the
 decode tiles, in place, so every row of the output is still written once.
 
-Measured (H100 SXM, jax 0.11.2, kernel-prefill workload: 4 x 2048-token causal
-prompts, 32 q / 8 kv heads, head_dim 128, bf16, page size 16, shuffled pages; at
-0316e30, BENCHMARKS.md): 314.0 us = 59.7% of the measured bf16 matmul peak
-(770 TFLOP/s), against 579 us (32.4%) for `gpu.py` and 304 us (61.7%) for cuDNN's
-dense attention of the same shape; relative L2 error vs the reference 2.2e-3.
+On the kernel-prefill workload it runs at about cuDNN's dense attention of the
+same shape and near twice `gpu.py`'s speed (BENCHMARKS.md, kernels).
 """
 
 from __future__ import annotations
@@ -99,15 +95,13 @@ class BlockSizes:
     num_stages: int = 2
     schedule_barrier: bool = True
     # One CTA per SM looping over work items (the next item's K/V stream in while
-    # the current one finishes) instead of one CTA per item. H100, 2026-11-25: 297
-    # against 387 us for 32 x 512-token prompts, 380 against 422 for 4 x 2048, 83
-    # against 136 for a 1024-token step; level (190 / 237) with 96 decodes beside 3
-    # prompts in 2048 tokens (it was slower, 347 vs 331 us at 4 x 2048, at 0316e30).
-    # Since the walk stops at the used items: 260, 352, 69 and 148 us.
+    # the current one finishes) instead of one CTA per item: faster on the H100 at
+    # every prefill shape of the throughput workload, level with decodes beside
+    # a few prompts.
     persistent: bool = True
     # Mosaic GPU lowering semantics: "lane" (explicit register layouts; what this
     # body is written for; jax 0.10's default) or "warpgroup" (layout inference;
-    # jax 0.11's default; measured 333 vs 331 us), or None for jax's default.
+    # jax 0.11's default; no faster here), or None for jax's default.
     semantics: str | None = "lane"
 
 

@@ -37,10 +37,9 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 
-# scripts/bench_sampling.py, H100 80GB, jax 0.11.2, 256 x 128256 f32, median of 50:
-# sort reference 4.67 ms; 1 bit/round 4.97 ms; 2 bits 5.55 ms; 4 bits 3.10 ms
-# (58 reads of the logits' worth of time: the rounds are compute-bound, not
-# bandwidth-bound, so a Pallas body that keeps a row on chip is the next step).
+# The fastest setting in scripts/bench_sampling.py on the H100, and the only one
+# that beats the sort (BENCHMARKS.md, kernels). The rounds are compute-bound,
+# not bandwidth-bound, so a Pallas body that keeps a row on chip is the next step.
 DEFAULT_BITS_PER_ROUND = 4
 TOP_K_BLOCK = 128
 

@@ -13,12 +13,12 @@ its "silu_mul" epilogue: each consumer's one `block_m x 2 * block_n` wgmma per K
 step takes the gate rows and the up rows of the same output columns (copied into
 the two halves of one weight buffer, so the model's weight is read as it is).
 
-Measured on an H100 at 16384 x 4096 x 14336 (BENCHMARKS.md, throughput, stop 25):
-within 2-3% of cuBLAS's GEMM alone, which writes `[T, 2I]` and leaves the
-SiLU·mul pass to do. An earlier version on `plgpu.emit_pipeline_warp_specialized`
-needed two 64-wide wgmmas per step (its 3-D weight block cannot be viewed as
-2-D: Mosaic GPU does not fold an untiled axis into tiled rows) and ran ~3%
-slower, clusters with x multicast included.
+It runs close to cuBLAS's GEMM alone, which writes `[T, 2I]` and leaves the
+SiLU·mul pass to do (BENCHMARKS.md, kernels). The pipeline is written by hand
+rather than with `plgpu.emit_pipeline_warp_specialized`, which gives each input
+its own buffer: the 3-D gate/up weight block cannot be viewed as 2-D (Mosaic GPU
+does not fold an untiled axis into tiled rows), so it needed two 64-wide wgmmas
+per step, and ran slower, clusters with x multicast included.
 
 Fast path (`supported()`): a Hopper GPU (or `interpret=True`, Mosaic GPU
 interpret mode on the CPU, for tests), x and w both bfloat16 or both float16

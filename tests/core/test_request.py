@@ -2,9 +2,9 @@
 
 import pytest
 
+from jaxllm.core.messages import EngineCoreRequest, FinishReason
 from jaxllm.core.request import Request, RequestStatus
 from jaxllm.core.request_queue import FCFSRequestQueue, PriorityRequestQueue, create_request_queue
-from jaxllm.engine.messages import EngineCoreRequest, FinishReason
 from jaxllm.sampling_params import PoolingParams, SamplingParams
 
 

@@ -10,12 +10,12 @@ from hypothesis import HealthCheck, event, given, settings
 from hypothesis import strategies as st
 
 from jaxllm.config import CacheConfig, EngineConfig, ModelConfig, ParallelConfig, SchedulerConfig
+from jaxllm.core.messages import FinishReason, LogprobsLists
 from jaxllm.core.request import Request, RequestStatus
+from jaxllm.core.runner_output import ModelRunnerOutput
 from jaxllm.core.sched_output import SchedulerOutput
 from jaxllm.core.scheduler import Scheduler
-from jaxllm.engine.messages import FinishReason, LogprobsLists
 from jaxllm.sampling_params import PoolingParams, SamplingParams
-from jaxllm.worker.runner_output import ModelRunnerOutput
 
 # ------------------------------------------------------------------ helpers
 
@@ -626,7 +626,7 @@ def test_decode_tokens_go_out_compact_after_each_requests_first():
     side, marking the prefix-cache count as already reported (-1)."""
     import msgspec
 
-    from jaxllm.engine.messages import EngineCoreOutputs
+    from jaxllm.core.messages import EngineCoreOutputs
 
     sched = make_scheduler()
     for rid in "ab":

@@ -44,9 +44,11 @@ def test_a_restart_loads_the_forward_programs_and_generates_the_same(model_dir, 
     # The loaded program still updates the KV cache in place (donation kept).
     kv0 = second.kv_cache
     ptr = kv0.unsafe_buffer_pointer()
-    args = (second.state, second.kv_cache, second._dummy_inputs(16), second._no_prev)
-    assert second._exec.get(("forward", args[2].shape[0])) is not None  # the loaded program runs
-    second.kv_cache, *_ = second._run_forward(*args)
+    programs = second.programs
+    args = (second.state, second.kv_cache, programs.dummy_inputs(16), second._no_prev)
+    # the loaded program runs
+    assert programs.executables.get(("forward", args[2].shape[0])) is not None
+    second.kv_cache, *_ = programs.run_forward(*args)
     assert kv0.is_deleted()
     assert second.kv_cache.unsafe_buffer_pointer() == ptr
 

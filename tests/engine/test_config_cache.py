@@ -12,7 +12,7 @@ import pytest
 
 from jaxllm import config_cache
 from jaxllm.config import EngineArgs, portable_config
-from jaxllm.engine import core_mp
+from jaxllm.engine import core_client
 from jaxllm.engine.async_llm import AsyncLLM
 
 
@@ -62,23 +62,23 @@ def test_stored_config_round_trips_and_is_keyed_by_its_inputs(args, monkeypatch)
 
 @pytest.mark.slow
 def test_a_restart_hands_the_stored_config_to_the_core(args, monkeypatch):
-    monkeypatch.setattr(core_mp, "AsyncMPClient", FakeClient)
+    monkeypatch.setattr(core_client, "AsyncMPClient", FakeClient)
     FakeClient.started = []
     AsyncLLM.from_engine_args(args)
     (first,) = FakeClient.started
-    assert not isinstance(first.config, core_mp.EngineConfig)  # the build, still pending
+    assert not isinstance(first.config, core_client.EngineConfig)  # the build, still pending
     assert config_cache.load(args) is not None
 
     FakeClient.started = []
     llm = AsyncLLM.from_engine_args(args)
     (second,) = FakeClient.started
-    assert isinstance(second.config, core_mp.EngineConfig) and not second.stopped
+    assert isinstance(second.config, core_client.EngineConfig) and not second.stopped
     assert config_cache.same_config(second.config, portable_config(llm.config))
 
 
 @pytest.mark.slow
 def test_a_stale_stored_config_starts_the_core_again_with_the_new_one(args, monkeypatch):
-    monkeypatch.setattr(core_mp, "AsyncMPClient", FakeClient)
+    monkeypatch.setattr(core_client, "AsyncMPClient", FakeClient)
     built = args.create_engine_config()
     stale = dataclasses.replace(built, scheduler_config=dataclasses.replace(
         built.scheduler_config, max_num_seqs=99))

@@ -15,7 +15,8 @@ import pytest
 
 from jaxllm import LLM, SamplingParams
 from jaxllm.config import EngineArgs
-from jaxllm.engine.core_mp import Codec, SyncMPClient
+from jaxllm.engine.codec import Codec
+from jaxllm.engine.core_client import SyncMPClient
 from jaxllm.engine.llm_engine import LLMEngine
 from jaxllm.engine.messages import (
     EngineCoreOutput,
@@ -140,12 +141,69 @@ def test_startup_failure_is_reported_with_the_cause(model_dir, tmp_path):
 
 
 def test_multiprocessing_for_llm_is_opt_in_through_the_environment(monkeypatch):
-    from jaxllm.engine.core_mp import multiprocess_default
+    from jaxllm.engine.core_client import multiprocess_default
 
     monkeypatch.delenv("JAXLLM_ENABLE_MULTIPROCESSING", raising=False)
     assert multiprocess_default() is False
     monkeypatch.setenv("JAXLLM_ENABLE_MULTIPROCESSING", "1")
     assert multiprocess_default() is True
+
+
+def _output_for(client: SyncMPClient, rid: str, timeout: float = 30.0) -> EngineCoreOutput:
+    """The first output of `rid`, finished or not."""
+    deadline = time.monotonic() + timeout
+    while True:
+        for out in client.get_output().all_outputs():
+            if out.request_id == rid:
+                return out
+        assert time.monotonic() < deadline, f"no answer for {rid}: dropped?"
+
+
+def _finish(client: SyncMPClient, rid: str, ids: list[int]) -> list[int]:
+    client.add_request(_request(rid, ids, max_tokens=4))
+    tokens: list[int] = []
+    while True:
+        out = _output_for(client, rid)
+        tokens += out.new_token_ids
+        if out.finished:
+            assert out.finish_reason == FinishReason.LENGTH
+            return tokens
+
+
+@pytest.mark.slow
+def test_requests_the_core_cannot_decode_or_hold_are_answered_with_an_error(mp_engine,
+                                                                            model_dir):
+    """Values that bypassed the frontend's checks: each request gets an error answer of
+    its own (none is dropped), and the core goes on serving the others."""
+    client: SyncMPClient = mp_engine.engine_core
+    codec = Codec()
+    before = _finish(client, "before", [10, 11, 12])
+
+    min_over_max = _request("min-over-max", [10, 11], max_tokens=4)
+    min_over_max.sampling_params.min_tokens = 50  # set after the checks ran
+    huge_stop = _request("huge-stop", [10, 11])
+    huge_stop.sampling_params.stop_token_ids = [2**63]
+    outside_vocab = _request("outside-vocab", [10, checkpoint_vocab_size(model_dir)])
+    for req in (min_over_max, huge_stop, outside_vocab):
+        client._send(EngineCoreRequestType.ADD, codec.encode(req))
+        out = _output_for(client, req.request_id)
+        assert out.finish_reason == FinishReason.ERROR, req.request_id
+        assert out.stop_reason, req.request_id
+    client._send(EngineCoreRequestType.ADD, msgspec.msgpack.encode(
+        {"request_id": "wrong-types", "prompt_token_ids": "not a list"}))
+    out = _output_for(client, "wrong-types")
+    assert out.finish_reason == FinishReason.ERROR and "decode" in out.stop_reason
+
+    from concurrent.futures import Future
+
+    fut: Future = Future()
+    client._pending[10**6] = fut
+    client._send(EngineCoreRequestType.UTILITY, msgspec.msgpack.encode([10**6, 5]))
+    with pytest.raises(RuntimeError, match="could not decode"):
+        fut.result(timeout=30)
+
+    assert client.is_alive()
+    assert _finish(client, "after", [10, 11, 12]) == before
 
 
 @pytest.mark.slow

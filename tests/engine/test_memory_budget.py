@@ -8,7 +8,7 @@ import sys
 
 import pytest
 
-from jaxllm.worker.model_runner import device_memory_total
+from jaxllm.worker.kv_cache import device_memory_total
 
 
 def _env_after_import(**env: str) -> str:

@@ -6,19 +6,18 @@ batch's K/V and attending must give the reference backend's answer.
 
 from __future__ import annotations
 
+import functools
+
 import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from jax.sharding import Mesh
+from jax.sharding import Mesh, NamedSharding
 
 from jaxllm.errors import ParameterError
 from jaxllm.layers.attention import AttentionBackend, AttentionMetadata, get_attention_backend
-from jaxllm.layers.attention_pallas import (
-    PallasGPUBackend,
-    PallasTPUBackend,
-    shard_map_attend,
-)
+from jaxllm.layers.attention_pallas import PallasGPUBackend, PallasTPUBackend
+from jaxllm.layers.attention_sharded import ShardedAttention
 
 BLOCK, NUM_BLOCKS, HKV, GROUP, D = 8, 12, 2, 2, 32
 
@@ -120,17 +119,26 @@ def test_write_kv_updates_the_donated_cache_in_place(backend):
     assert cache.unsafe_buffer_pointer() == before
 
 
-@pytest.mark.parametrize("backend", [AttentionBackend(), PallasGPUBackend(True)])
-def test_shard_map_attend_over_kv_heads_matches_unsharded(backend):
+@pytest.mark.parametrize("backend", [AttentionBackend(), PallasTPUBackend(True),
+                                     PallasGPUBackend(True)])
+def test_sharded_write_and_attend_over_kv_heads_match_unsharded(backend):
+    """Each device writes and reads its own kv heads (shard_map over 'model'); the
+    cache comes back split as the backend declares, and the answers are the
+    one-device ones."""
     md, q, k, v, slots = _step([(6, 6), (1, 17)], seed=1)
+    wmd = AttentionMetadata(slots, md.kv_lens, md.page_indices, md.cu_q_lens, md.num_seqs)
     kw = dict(sm_scale=D**-0.5)
-    cache = jnp.zeros(backend.kv_cache_shape(NUM_BLOCKS, BLOCK, HKV, D), jnp.float32)
-    cache = backend.write_kv(cache, k, v, AttentionMetadata(
-        slots, md.kv_lens, md.page_indices, md.cu_q_lens, md.num_seqs))
+    mesh = Mesh(np.asarray(jax.devices()[:HKV]), ("model",))
+    sharded = ShardedAttention(backend, mesh)
+    empty = jnp.zeros(backend.kv_cache_shape(NUM_BLOCKS, BLOCK, HKV, D), jnp.float32)
     with jax.default_matmul_precision("highest"):
-        want = backend.attend(q, cache, md, **kw)
-        mesh = Mesh(np.asarray(jax.devices()[:HKV]), ("model",))
-        got = shard_map_attend(backend, mesh, "model")(q, cache, md, **kw)
+        want_cache = backend.write_kv(empty, k, v, wmd)
+        want = backend.attend(q, want_cache, md, **kw)
+        cache = jax.jit(sharded.write_kv)(empty, k, v, wmd)
+        got = jax.jit(functools.partial(sharded.attend, **kw))(q, cache, md)
+    assert cache.sharding.is_equivalent_to(
+        NamedSharding(mesh, backend.kv_cache_spec("model")), cache.ndim)
+    np.testing.assert_array_equal(np.asarray(cache), np.asarray(want_cache))
     np.testing.assert_allclose(np.asarray(got), np.asarray(want), atol=1e-5, rtol=1e-5)
 
 

@@ -1,4 +1,11 @@
-"""Tensor parallelism over the fake CPU devices changes placement, never logits."""
+"""Tensor parallelism over the fake CPU devices changes placement, never logits.
+
+Model level: the forward on a mesh against the forward on one device, for the
+reference body and both Pallas bodies (interpret mode), including fewer kv heads
+than devices (kv heads replicated). The engine-level tests (chunked prefill,
+prefix hits, preemption, compilations, collectives) are in
+tests/engine/test_tensor_parallel_engine.py.
+"""
 
 from __future__ import annotations
 
@@ -12,8 +19,14 @@ from jaxllm.distributed.mesh import kv_cache_sharding, make_mesh, param_sharding
 from jaxllm.errors import ParameterError
 from jaxllm.layers.attention import get_attention_backend
 from jaxllm.models.llama import LlamaForCausalLM
-from jaxllm.models.loader import load_model
-from tests.models.test_model_parity import load, model_config, prompts_for, run_prefill_and_decode
+from jaxllm.models.loader import kv_cache_spec, load_model
+from tests.models.test_model_parity import (
+    hf_logits,
+    load,
+    model_config,
+    prompts_for,
+    run_prefill_and_decode,
+)
 from tests.models.tiny_checkpoints import make_tiny_checkpoint
 
 CASES = {
@@ -22,6 +35,12 @@ CASES = {
     "tp2-qwen2-bias": (2, dict(arch="qwen2", num_attention_heads=4, num_key_value_heads=2)),
     "tp4-qwen3": (4, dict(arch="qwen3", num_attention_heads=8, num_key_value_heads=4,
                           head_dim=16)),
+    # Fewer kv heads than devices: each of the 2 kv heads is replicated on 2 devices,
+    # each device holding one copy and one of its 2 q heads.
+    "tp4-gqa-replicated-kv": (4, dict(arch="llama", num_attention_heads=4,
+                                      num_key_value_heads=2)),
+    "tp8-mqa-replicated-kv": (8, dict(arch="qwen2", num_attention_heads=8,
+                                      num_key_value_heads=1, head_dim=16)),
 }
 
 
@@ -42,7 +61,10 @@ def test_tensor_parallel_logits_equal_single_device(case, tmp_path):
     kv_heads = overrides["num_key_value_heads"]
     qkv = sharded.layers[0].self_attn.qkv_proj[...]
     assert qkv.sharding.spec == P("model", None, None, None)
-    assert {s.data.shape[0] for s in qkv.addressable_shards} == {kv_heads // tp}
+    # Each device: max(1, kv_heads / tp) kv heads, with the q heads that read them.
+    heads = overrides["num_attention_heads"]
+    assert {s.data.shape[:2] for s in qkv.addressable_shards} == {
+        (max(1, kv_heads // tp), heads // max(kv_heads, tp) + 2)}
     assert len({s.device for s in qkv.addressable_shards}) == tp
     down = sharded.layers[0].mlp.down_proj[...]
     assert down.addressable_shards[0].data.shape == (64, 128 // tp)
@@ -57,14 +79,53 @@ def test_dummy_weights_do_not_depend_on_the_mesh(tmp_path):
                  one, two)
 
 
-def test_heads_not_divisible_by_tp_is_a_parameter_error(tmp_path):
-    mc = model_config(make_tiny_checkpoint(tmp_path, num_attention_heads=4,
-                                           num_key_value_heads=2))
-    with pytest.raises(ParameterError, match="num_key_value_heads=2 is not divisible by "
-                                             "tensor_parallel_size=4"):
+def test_q_heads_not_divisible_by_tp_is_a_parameter_error_naming_the_flag(tmp_path):
+    mc = model_config(make_tiny_checkpoint(tmp_path, num_attention_heads=6,
+                                           num_key_value_heads=2, head_dim=16,
+                                           hidden_size=96))
+    with pytest.raises(ParameterError, match="tensor_parallel_size.*num_attention_heads=6 "
+                                             "is not divisible by tensor_parallel_size=4"):
         make_mesh(4, hf_config=mc.hf_config)
-    with pytest.raises(ParameterError, match="num_key_value_heads=2"):
+    with pytest.raises(ParameterError, match="num_attention_heads=6"):
         load_model(mc, make_mesh(4), get_attention_backend("reference"))
+
+
+def test_kv_heads_neither_dividing_nor_divided_by_tp_is_a_parameter_error(tmp_path):
+    mc = model_config(make_tiny_checkpoint(tmp_path, num_attention_heads=6,
+                                           num_key_value_heads=3, head_dim=16,
+                                           hidden_size=96))
+    with pytest.raises(ParameterError, match="num_key_value_heads=3 and "
+                                             "tensor_parallel_size=2: neither divides"):
+        make_mesh(2, hf_config=mc.hf_config)
+
+
+def test_fewer_kv_heads_than_devices_replicates_them_in_the_cache_spec(tmp_path):
+    cfg = model_config(make_tiny_checkpoint(tmp_path, num_attention_heads=8,
+                                            num_key_value_heads=2, head_dim=8)).hf_config
+    assert kv_cache_spec(cfg) == (2, 2, 8)
+    assert kv_cache_spec(cfg, 2) == (2, 2, 8)
+    assert kv_cache_spec(cfg, 8) == (2, 8, 8)  # 4 copies of each, one per device
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("backend", ["pallas_gpu", "pallas_tpu"])
+@pytest.mark.parametrize("tp", [2, 4])
+def test_pallas_bodies_under_tensor_parallelism_match_transformers_logits(backend, tp,
+                                                                          tmp_path):
+    """The Pallas bodies (interpret mode) run per device under shard_map; at tp 4 the
+    checkpoint's 2 kv heads are replicated. Logits equal transformers' (float32)."""
+    model_dir = make_tiny_checkpoint(tmp_path, arch="llama", num_attention_heads=4,
+                                     num_key_value_heads=2)
+    prompts, next_tokens = prompts_for(256, seed=4)[:2], [7, 90]
+    mc = model_config(model_dir)
+    mesh = make_mesh(tp, hf_config=mc.hf_config)
+    body = get_attention_backend(backend, interpret=True)
+    model = load_model(mc, mesh, body)
+    got = run_prefill_and_decode(model, prompts, next_tokens,
+                                 kv_sharding=kv_cache_sharding(mesh, body))
+    want = hf_logits(model_dir, prompts, next_tokens)
+    for g, w in zip(got, want, strict=True):
+        np.testing.assert_allclose(g, w, rtol=0, atol=1e-4)
 
 
 def test_too_few_devices_is_a_parameter_error():

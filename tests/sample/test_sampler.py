@@ -8,15 +8,10 @@ import numpy as np
 import pytest
 
 from jaxllm.sample import sampler
-from jaxllm.sample.metadata import (
-    SamplingMetadata,
-    SamplingRows,
-    key_base_data,
-    rng_key_data,
-    rng_keys,
-    variant_metadata,
-)
+from jaxllm.sample.metadata import SamplingMetadata, variant_metadata
+from jaxllm.sample.rng import key_base_data, rng_key_data, rng_keys
 from jaxllm.sampling_params import MAX_LOGPROBS, SamplingParams
+from jaxllm.worker.sampling_rows import SamplingRows
 from pallas_kernels.sampling import topk_topp
 
 sample = jax.jit(sampler.sample)

@@ -3,9 +3,10 @@
 Reliability rules (DESIGN.md section 4): every error answers OpenAI's error
 body with the right status; a client that goes away aborts its request (a
 stream is cancelled by Starlette, a plain request by `_until_disconnect`); a
-dead engine core turns /health to 503 and fails requests at once; SIGTERM
-stops accepting connections, lets in-flight requests finish for up to
-`--shutdown-timeout` seconds, then stops the engine core.
+dead engine core turns /health to 503 and fails requests at once, and the
+supervisor (`supervisor.py`) starts a new one; SIGTERM stops accepting
+connections, lets in-flight requests finish for up to `--shutdown-timeout`
+seconds, then stops the engine core.
 """
 
 from __future__ import annotations
@@ -13,8 +14,10 @@ from __future__ import annotations
 import argparse
 import asyncio
 import contextlib
+import hmac
 import json
 import logging
+import os
 import signal
 from collections.abc import AsyncIterator, Awaitable
 from dataclasses import dataclass, field
@@ -22,12 +25,12 @@ from typing import Any
 
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
-from fastapi.responses import JSONResponse, Response, StreamingResponse
+from fastapi.responses import Response, StreamingResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 import jaxllm
 from jaxllm.engine.async_llm import AsyncLLM
-from jaxllm.entrypoints.openai.cli_serve import DEFAULT_MAX_REQUEST_BYTES
+from jaxllm.entrypoints.arg_utils import DEFAULT_MAX_REQUEST_BYTES, engine_args_from
 from jaxllm.entrypoints.openai.protocol import (
     ChatCompletionRequest,
     CompletionRequest,
@@ -42,6 +45,7 @@ from jaxllm.entrypoints.openai.serving_chat import OpenAIServingChat
 from jaxllm.entrypoints.openai.serving_completion import OpenAIServingCompletion
 from jaxllm.entrypoints.openai.serving_engine import HTTPError, error_body
 from jaxllm.entrypoints.openai.serving_info import add_info_routes
+from jaxllm.entrypoints.openai.supervisor import DEFAULT_ENGINE_RESTARTS, EngineSupervisor
 from jaxllm.errors import EngineDeadError, ParameterError
 from jaxllm.metrics.loggers import LoggingStatLogger, PrometheusStatLogger
 
@@ -63,10 +67,13 @@ class ServerOptions:
     uvicorn_log_level: str = "info"
     access_log: bool = True
     enable_tokenizer_info_endpoint: bool = False
+    engine_restarts: int = DEFAULT_ENGINE_RESTARTS  # 0: exit when the engine core dies
 
 
-def error_response(status: int, message: str, param: str | None = None) -> JSONResponse:
-    return JSONResponse(error_body(status, message, param).model_dump(), status_code=status)
+def error_response(status: int, message: str, param: str | None = None) -> Response:
+    # ASCII-escaped: an error that quotes the client's text can always be sent.
+    body = json.dumps(error_body(status, message, param).model_dump(), ensure_ascii=True)
+    return Response(body, status_code=status, media_type="application/json")
 
 
 class _BodyTooLarge(StarletteHTTPException):
@@ -78,7 +85,7 @@ class GuardMiddleware:
 
     def __init__(self, app: Any, api_key: str | None, max_bytes: int):
         self.app = app
-        self.expected = f"Bearer {api_key}".encode() if api_key else None
+        self.expected = api_key.encode() if api_key else None
         self.max_bytes = max_bytes
 
     async def __call__(self, scope: dict, receive: Any, send: Any) -> None:
@@ -87,7 +94,7 @@ class GuardMiddleware:
         headers = dict(scope.get("headers") or [])
         if self.expected is not None and scope["path"].startswith("/v1") \
                 and scope.get("method") != "OPTIONS" \
-                and headers.get(b"authorization") != self.expected:
+                and not self._authorized(headers.get(b"authorization", b"")):
             resp = error_response(401, "Invalid or missing API key "
                                   "(send 'Authorization: Bearer <key>').")
             return await resp(scope, receive, send)
@@ -106,6 +113,12 @@ class GuardMiddleware:
             return message
 
         await self.app(scope, limited_receive, send)
+
+    def _authorized(self, header: bytes) -> bool:
+        """'Bearer KEY', the scheme in any case; the key compared in constant time."""
+        scheme, _, key = header.strip().partition(b" ")
+        assert self.expected is not None
+        return scheme.lower() == b"bearer" and hmac.compare_digest(key.strip(), self.expected)
 
     async def _too_large(self, scope: dict, receive: Any, send: Any) -> None:
         resp = error_response(413, f"the request body is larger than {self.max_bytes} bytes")
@@ -152,7 +165,7 @@ def build_app(engine: AsyncLLM, options: ServerOptions,
     app.state.engine = engine
 
     @app.exception_handler(RequestValidationError)
-    async def on_validation_error(_: Request, exc: RequestValidationError) -> JSONResponse:
+    async def on_validation_error(_: Request, exc: RequestValidationError) -> Response:
         errors = exc.errors()
         first = errors[0] if errors else {}
         param = _validation_param(first)
@@ -160,26 +173,26 @@ def build_app(engine: AsyncLLM, options: ServerOptions,
         return error_response(400, f"{param}: {msg}" if param else msg, param)
 
     @app.exception_handler(ParameterError)
-    async def on_parameter_error(_: Request, exc: ParameterError) -> JSONResponse:
+    async def on_parameter_error(_: Request, exc: ParameterError) -> Response:
         return error_response(400, str(exc), exc.field)
 
     @app.exception_handler(HTTPError)
-    async def on_http_error(_: Request, exc: HTTPError) -> JSONResponse:
+    async def on_http_error(_: Request, exc: HTTPError) -> Response:
         return error_response(exc.status, exc.message, exc.param)
 
     @app.exception_handler(EngineDeadError)
-    async def on_engine_dead(_: Request, exc: EngineDeadError) -> JSONResponse:
+    async def on_engine_dead(_: Request, exc: EngineDeadError) -> Response:
         return error_response(503, f"the engine is not running: {exc}")
 
     @app.exception_handler(StarletteHTTPException)
-    async def on_starlette_error(_: Request, exc: StarletteHTTPException) -> JSONResponse:
+    async def on_starlette_error(_: Request, exc: StarletteHTTPException) -> Response:
         if exc.status_code == 413:
             return error_response(413, f"the request body is larger than "
                                   f"{options.max_request_bytes} bytes")
         return error_response(exc.status_code, str(exc.detail))
 
     @app.exception_handler(Exception)
-    async def on_unexpected(_: Request, exc: Exception) -> JSONResponse:
+    async def on_unexpected(_: Request, exc: Exception) -> Response:
         logger.exception("unhandled error")
         return error_response(500, f"internal error: {type(exc).__name__}: {exc}")
 
@@ -227,6 +240,7 @@ def build_app(engine: AsyncLLM, options: ServerOptions,
 
     @app.post("/tokenize")
     async def tokenize(body: TokenizeRequest) -> TokenizeResponse:
+        body.check_strings()
         completion.check_model(body.model)
         tok = completion.tokenizer
         if tok is None:
@@ -277,8 +291,10 @@ def load_chat_template(value: str | None) -> str | None:
                              "template") from None
 
 
-async def serve(engine: AsyncLLM, options: ServerOptions, ready: Any = None) -> None:
-    """Runs uvicorn until SIGINT/SIGTERM; then drains and stops the engine core."""
+async def serve(engine: AsyncLLM, options: ServerOptions, ready: Any = None) -> int:
+    """Runs uvicorn until SIGINT/SIGTERM; then drains and stops the engine core.
+
+    Returns the exit status: 1 when the engine core died for good, else 0."""
     import uvicorn
 
     prometheus = PrometheusStatLogger(options.served_model_names[0]
@@ -301,16 +317,27 @@ async def serve(engine: AsyncLLM, options: ServerOptions, ready: Any = None) -> 
                             timeout_keep_alive=5)
     server = uvicorn.Server(config)
     stat_task = asyncio.ensure_future(log_periodically()) if options.log_stats else None
+    status = 0
+
+    def give_up() -> None:
+        nonlocal status
+        status = 1
+        server.should_exit = True
+
+    supervisor = asyncio.ensure_future(
+        EngineSupervisor(engine, options.engine_restarts, give_up).run())
     engine.start()
     try:
         await server.serve()
     finally:
+        supervisor.cancel()
         if stat_task is not None:
             stat_task.cancel()
         if engine.num_unfinished_requests:
             logger.info("failing %d unfinished requests", engine.num_unfinished_requests)
         engine.shutdown()
         logger.info("server stopped")
+    return status
 
 
 def _exit_on_sigterm(*_: Any) -> None:
@@ -319,8 +346,6 @@ def _exit_on_sigterm(*_: Any) -> None:
 
 def run_server(args: argparse.Namespace) -> int:
     """`jaxllm serve`: build the engine (in its own process) and serve until a signal."""
-    from jaxllm.entrypoints.cli import engine_args_from
-
     engine_args = engine_args_from(args)
     options = ServerOptions(
         host=args.host, port=args.port, api_key=args.api_key,
@@ -330,19 +355,22 @@ def run_server(args: argparse.Namespace) -> int:
         log_stats=not args.disable_log_stats, shutdown_timeout=args.shutdown_timeout,
         uvicorn_log_level=args.uvicorn_log_level,
         access_log=not args.disable_uvicorn_access_log,
-        enable_tokenizer_info_endpoint=args.enable_tokenizer_info_endpoint)
+        enable_tokenizer_info_endpoint=args.enable_tokenizer_info_endpoint,
+        engine_restarts=0 if args.exit_on_engine_death else args.engine_restarts)
+    # SamplingParams reads the bound on n (and best_of) here, as vLLM reads
+    # VLLM_MAX_N_SEQUENCES; the engine core's process inherits it.
+    os.environ["JAXLLM_MAX_N_SEQUENCES"] = str(args.max_n_sequences)
     logger.info("jaxllm %s serving %s", jaxllm.__version__,
                 json.dumps({k: v for k, v in vars(engine_args).items() if v is not None},
                            default=str))
     # uvicorn re-raises the SIGTERM it caught once its graceful stop is done: exit cleanly.
     signal.signal(signal.SIGTERM, _exit_on_sigterm)
 
-    async def main() -> None:
+    async def main() -> int:
         engine = AsyncLLM.from_engine_args(engine_args)
-        await serve(engine, options)
+        return await serve(engine, options)
 
     try:
-        asyncio.run(main())
+        return asyncio.run(main())
     except KeyboardInterrupt:
-        pass
-    return 0
+        return 0

@@ -12,14 +12,15 @@ import os
 import sys
 from typing import Any
 
-from jaxllm.entrypoints.cli import add_engine_args
+from jaxllm.entrypoints.arg_utils import DEFAULT_MAX_REQUEST_BYTES, add_engine_args
+from jaxllm.entrypoints.openai.supervisor import DEFAULT_ENGINE_RESTARTS
 from jaxllm.errors import ParameterError
+from jaxllm.sampling_params import DEFAULT_MAX_N_SEQUENCES, max_n_sequences
 
 _UNSET: Any = type("Unset", (), {"__repr__": lambda self: "<unset>"})()
 # Left with its real default: cli.main() reads it before the command runs.
 _KEEP_DEFAULT = {"gpu_memory_utilization", "func", "command"}
 DEMO_MODEL_NAME = "demo"
-DEFAULT_MAX_REQUEST_BYTES = 32 * 1024 * 1024
 
 
 def add_serve_parser(subparsers: Any) -> argparse.ArgumentParser:
@@ -50,6 +51,16 @@ def add_serve_parser(subparsers: Any) -> argparse.ArgumentParser:
     p.add_argument("--enable-tokenizer-info-endpoint", action="store_true", default=False,
                    help="serve GET /tokenizer_info (the tokenizer's configuration, chat "
                         "template included), as vLLM")
+    p.add_argument("--engine-restarts", type=int, default=DEFAULT_ENGINE_RESTARTS,
+                   help="restart a dead engine core up to N times in a row (/health is 503 "
+                        "meanwhile), then exit with status 1; 0 exits at once")
+    p.add_argument("--exit-on-engine-death", action="store_true", default=False,
+                   help="exit with status 1 as soon as the engine core dies (vLLM's "
+                        "behaviour; same as --engine-restarts 0)")
+    p.add_argument("--max-n-sequences", type=int, default=None,
+                   help="the largest n (and best_of) a request may ask for (default "
+                        f"$JAXLLM_MAX_N_SEQUENCES or {DEFAULT_MAX_N_SEQUENCES}, as vLLM's "
+                        "VLLM_MAX_N_SEQUENCES)")
     add_engine_args(p)
     # The server logs its stats by default (the offline API does not).
     p.set_defaults(disable_log_stats=False)
@@ -104,6 +115,14 @@ def resolve_args(ns: argparse.Namespace) -> argparse.Namespace:
         resolved.gpu_memory_utilization = from_file["gpu_memory_utilization"]
     if resolved.gpu_memory_utilization:
         resolved.hbm_utilization = resolved.gpu_memory_utilization
+    if resolved.max_n_sequences is None:
+        resolved.max_n_sequences = max_n_sequences()
+    if resolved.max_n_sequences < 1:
+        raise ParameterError("max_n_sequences", f"must be at least 1, got "
+                             f"{resolved.max_n_sequences}")
+    if resolved.engine_restarts < 0:
+        raise ParameterError("engine_restarts", f"must be non-negative, got "
+                             f"{resolved.engine_restarts}")
     if resolved.api_key is None:
         resolved.api_key = os.environ.get("JAXLLM_API_KEY") or None
     if resolved.served_model_name is None:

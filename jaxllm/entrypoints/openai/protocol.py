@@ -1,8 +1,9 @@
 """OpenAI request and response bodies (pydantic), with vLLM's extra sampling fields.
 
-Requests check types here; value ranges are checked once, by SamplingParams,
-which names the offending field. Unknown request fields are ignored, as the
-OpenAI API does.
+Requests check types here, and that every string is valid Unicode (JSON can
+carry a lone UTF-16 surrogate, which no tokenizer or encoder takes); value
+ranges are checked once, by SamplingParams, which names the offending field.
+Unknown request fields are ignored, as the OpenAI API does.
 """
 
 from __future__ import annotations
@@ -12,12 +13,24 @@ from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field
 
+from jaxllm.entrypoints.openai.strings import check_strings
 from jaxllm.errors import ParameterError
-from jaxllm.sampling_params import MAX_LOGPROBS, RequestOutputKind, SamplingParams
+from jaxllm.sampling_params import (
+    INT64_MAX,
+    LOGIT_BIAS_LIMIT,
+    MAX_LOGPROBS,
+    RequestOutputKind,
+    SamplingParams,
+    check_int,
+)
 
 
 class OpenAIBaseModel(BaseModel):
     model_config = ConfigDict(extra="ignore")
+
+    def check_strings(self) -> None:
+        """Every string in the body, keys included, is valid Unicode (see `strings.py`)."""
+        check_strings(self)
 
 
 class ErrorInfo(OpenAIBaseModel):
@@ -88,7 +101,9 @@ class SamplingFields(OpenAIBaseModel):
         logit_bias = None
         if self.logit_bias:
             try:
-                logit_bias = {int(k): float(v) for k, v in self.logit_bias.items()}
+                # Clamped to OpenAI's range, as vLLM does; SamplingParams rejects NaN.
+                logit_bias = {int(k): max(-LOGIT_BIAS_LIMIT, min(LOGIT_BIAS_LIMIT, float(v)))
+                              if v == v else v for k, v in self.logit_bias.items()}
             except ValueError as e:
                 raise ParameterError("logit_bias", "keys must be token ids") from e
         if self.prompt_logprobs is not None and self.stream:
@@ -122,6 +137,7 @@ class CompletionRequest(SamplingFields):
     add_special_tokens: bool = True
 
     def check(self) -> None:
+        self.check_strings()
         self.check_stream_options()
         if self.suffix:
             raise ParameterError("suffix", "is not supported")
@@ -212,6 +228,7 @@ class ChatCompletionRequest(SamplingFields):
     add_special_tokens: bool = False
 
     def check(self) -> None:
+        self.check_strings()
         self.check_stream_options()
         if not self.messages:
             raise ParameterError("messages", "must not be empty")
@@ -223,8 +240,8 @@ class ChatCompletionRequest(SamplingFields):
                 raise ParameterError("top_logprobs", "needs logprobs=true")
         for name in ("max_tokens", "max_completion_tokens"):
             value = getattr(self, name)
-            if value is not None and value < 1:
-                raise ParameterError(name, f"must be at least 1, got {value}")
+            if value is not None:
+                check_int(name, value, 1, INT64_MAX)
         if self.tools:
             raise ParameterError("tools", "tool calling is not supported")
         if self.response_format is not None and self.response_format.type != "text":

@@ -30,6 +30,10 @@ from jaxllm.entrypoints.openai.serving_engine import (
 from jaxllm.errors import EngineDeadError, ParameterError
 from jaxllm.outputs import Logprob, RequestOutput
 
+# apply_chat_template's own arguments, which chat_template_kwargs cannot pass again.
+_SET_BY_REQUEST = frozenset({"messages", "conversation", "chat_template", "tokenize",
+                             "add_generation_prompt", "continue_final_message"})
+
 
 def _chat_logprob(tid: int, lp: Logprob) -> ChatLogprob:
     tok = lp.decoded_token if lp.decoded_token is not None else f"token_id:{tid}"
@@ -57,10 +61,15 @@ class OpenAIServingChat(OpenAIServing):
         if self.tokenizer is None:
             raise ParameterError("messages", "the server runs without a tokenizer "
                                  "(--skip-tokenizer-init); use /v1/completions with token ids")
+        kwargs = dict(req.chat_template_kwargs or {})
+        taken = sorted(_SET_BY_REQUEST & kwargs.keys())
+        if taken:
+            raise ParameterError("chat_template_kwargs", f"{taken[0]!r} is set by the "
+                                 "request's own field")
         text = self.engine.input_processor.apply_chat_template(
             req.messages_as_dicts(), req.chat_template or self.chat_template,
             req.add_generation_prompt, continue_final_message=req.continue_final_message,
-            **(req.chat_template_kwargs or {}))
+            **kwargs)
         return text, self.tokenizer(text, add_special_tokens=req.add_special_tokens).input_ids
 
     async def create_chat_completion(self, req: ChatCompletionRequest
@@ -71,8 +80,9 @@ class OpenAIServingChat(OpenAIServing):
         top = (req.top_logprobs or 0) if req.logprobs else None
         params = req.to_sampling_params(req.effective_max_tokens(), top, self.default_sampling())
         request_id = random_id("chatcmpl")
-        requests = self.add_requests(request_id, [{"prompt": text, "prompt_token_ids": ids}],
-                                     params, req.priority)
+        requests = self.add_requests(
+            request_id, [{"prompt": text, "prompt_token_ids": ids}], params, req.priority,
+            "max_completion_tokens" if req.max_completion_tokens is not None else "max_tokens")
         echo = self._echo_text(req)
         if req.stream:
             return self._stream(req, request_id, model, requests, echo)

@@ -23,7 +23,7 @@ from jaxllm.entrypoints.openai.protocol import (
 )
 from jaxllm.errors import EngineDeadError
 from jaxllm.outputs import RequestOutput
-from jaxllm.sampling_params import SamplingParams
+from jaxllm.sampling_params import SamplingParams, check_text
 
 _ERROR_TYPES = {400: "BadRequestError", 401: "AuthenticationError", 404: "NotFoundError",
                 405: "MethodNotAllowedError", 413: "RequestTooLargeError",
@@ -68,6 +68,7 @@ class OpenAIServing:
         """The name to echo in responses; 404 for a model this server does not serve."""
         if not name:
             return self.served_model_names[0]
+        check_text("model", name)
         if name not in self._accepted:
             raise HTTPError(404, f"The model `{name}` does not exist.", "model")
         return name
@@ -79,10 +80,29 @@ class OpenAIServing:
         if self.engine.errored:
             raise self.engine.dead_error
 
+    def check_context(self, prompts: list[PromptType], params: SamplingParams,
+                      field: str = "max_tokens") -> None:
+        """A prompt plus `max_tokens` past the context is a 400 naming the limit, as in
+        vLLM (the offline API caps it instead)."""
+        limit = self.model_config.max_model_len
+        if params.max_tokens is None:
+            return
+        for prompt in prompts:
+            ids = prompt.get("prompt_token_ids") if isinstance(prompt, dict) else None
+            if ids is None or len(ids) >= limit:
+                continue  # measured by the engine, which names the prompt
+            if len(ids) + params.max_tokens > limit:
+                raise HTTPError(400, f"'{field}' is too large: {params.max_tokens}. This "
+                                f"model's maximum context length is {limit} tokens and "
+                                f"your request has {len(ids)} input tokens "
+                                f"({params.max_tokens} > {limit} - {len(ids)})", field)
+
     def add_requests(self, request_id: str, prompts: list[PromptType], params: SamplingParams,
-                     priority: int = 0) -> list[tuple[str, RequestOutputCollector]]:
+                     priority: int = 0, max_tokens_field: str = "max_tokens"
+                     ) -> list[tuple[str, RequestOutputCollector]]:
         """Adds one engine request per prompt; on any error none of them stays running."""
         self.check_alive()
+        self.check_context(prompts, params, max_tokens_field)
         added: list[tuple[str, RequestOutputCollector]] = []
         try:
             for i, prompt in enumerate(prompts):

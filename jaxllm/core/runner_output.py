@@ -8,7 +8,7 @@ from functools import cached_property
 
 import numpy as np
 
-from jaxllm.engine.messages import LogprobsLists
+from jaxllm.sample.logprobs import LogprobsLists
 
 
 @dataclass

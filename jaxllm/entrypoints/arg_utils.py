@@ -1,0 +1,49 @@
+"""Command-line flags for EngineArgs, shared by every `jaxllm` command that builds an engine.
+
+Its own module so that the serve parser and the server read it without importing
+the CLI or each other.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import typing
+
+from jaxllm.config import EngineArgs
+
+# The HTTP server's request size limit: `jaxllm serve --max-request-bytes` and
+# ServerOptions both default to it.
+DEFAULT_MAX_REQUEST_BYTES = 32 * 1024 * 1024
+
+_SKIP = {"model", "token_buckets", "request_buckets", "gpu_memory_utilization",
+         "num_gpu_blocks_override"}
+
+
+def add_engine_args(parser: argparse.ArgumentParser) -> None:
+    """One --flag per EngineArgs field (vLLM spelling: dashes, --no-x for booleans)."""
+    parser.add_argument("--model", default=None,
+                        help="Hugging Face checkpoint directory (default: the embedded demo model)")
+    hints = typing.get_type_hints(EngineArgs)
+    for f in dataclasses.fields(EngineArgs):
+        if f.name in _SKIP:
+            continue
+        flag = "--" + f.name.replace("_", "-")
+        hint = hints[f.name]
+        if hint is bool:
+            parser.add_argument(flag, action=argparse.BooleanOptionalAction, default=f.default)
+            continue
+        base = next((t for t in typing.get_args(hint) if t is not type(None)), hint)
+        parser.add_argument(flag, type=base if base in (int, float, str) else str,
+                            default=f.default)
+    parser.add_argument("--gpu-memory-utilization", type=float, default=None,
+                        help="alias of --hbm-utilization")
+    parser.add_argument("--token-buckets", type=lambda s: [int(x) for x in s.split(",")],
+                        default=None, help="comma-separated token bucket sizes")
+    parser.add_argument("--request-buckets", type=lambda s: [int(x) for x in s.split(",")],
+                        default=None, help="comma-separated request bucket sizes")
+
+
+def engine_args_from(ns: argparse.Namespace) -> EngineArgs:
+    names = EngineArgs.field_names()
+    return EngineArgs(**{k: v for k, v in vars(ns).items() if k in names})

@@ -1,0 +1,221 @@
+"""The step's jitted programs, their precompilation, and the caches that keep them.
+
+Compiled shapes (all made at start-up, see `StepPrograms.precompile`):
+  forward[T]                       T in token buckets (attention metadata has
+                                   max_num_seqs rows, so R does not matter)
+  sample[R, mode]                  lm_head + draw for R requests (greedy,
+                                   random, random with top-k/top-p)
+  logits[R], then adjust / draw /  the staged sampler (sample/staged.py), for
+  logprobs[R, variant]             steps with penalties, logit adjustments or logprobs
+  prompt_logprobs[T]               only when a request asks for prompt logprobs (with
+                                   the last layer for every row where the forward ran
+                                   it for the last rows alone)
+
+Two caches keep them across restarts: JAX's persistent compilation cache
+(`enable_compilation_cache`) and, for the forward and prompt-logprobs
+programs, the serialized executables of aot_cache.py.
+"""
+
+from __future__ import annotations
+
+import functools
+import logging
+import os
+import time
+from collections.abc import Callable
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from flax import nnx
+from tqdm.auto import tqdm
+
+from jaxllm.config import EngineConfig, compilation_cache_dir
+from jaxllm.sample.metadata import SamplingMetadata, variant_metadata
+from jaxllm.sample.sampler import SamplerOutput, compute_prompt_logprobs_chunked
+from jaxllm.sample.staged import draw_padded, is_plain, precompile_stages, run_sampler
+from jaxllm.sampling_params import MAX_LOGPROBS
+from jaxllm.worker.aot_cache import ExecutableCache
+from jaxllm.worker.buckets import Buckets
+from jaxllm.worker.step_inputs import pack_step_inputs, unpack_step_inputs
+
+logger = logging.getLogger(__name__)
+
+# Positions the prompt-logprobs program scores at once (compute_prompt_logprobs_chunked):
+# its logits temporaries are [rows, vocab] in every token bucket, which the
+# activation reserve then covers (scored in one pass, a large bucket of a
+# 128K-vocabulary model needs gigabytes more than the reserve).
+PROMPT_LOGPROBS_ROWS = 1024
+
+
+def enable_compilation_cache(path: str | None) -> str:
+    """JAX's persistent compilation cache, so a restart skips XLA compilation."""
+    path = compilation_cache_dir(path)
+    os.makedirs(path, exist_ok=True)
+    jax.config.update("jax_compilation_cache_dir", path)
+    # Every executable, however quick to compile: a warm start then compiles nothing.
+    jax.config.update("jax_persistent_cache_min_compile_time_secs", 0.0)
+    return path
+
+
+def last_layer_on_rows(num_tokens: int, num_reqs: int) -> bool:
+    """Whether a bucket's forward runs its last layer for the requests' last rows only
+    (the model's `forward_rows`): where it has more tokens than request rows."""
+    return num_tokens > num_reqs
+
+
+@functools.cache
+def step_functions(graphdef: Any, state_def: Any, head_logits: Any, num_reqs: int,
+                   width: int) -> tuple[Any, Any, Any, Any]:
+    """The jitted forward / sample / logits / prompt-logprobs for one model graph.
+
+    Cached per graph (and step-input layout) so that engines built on the same
+    model in one process share compiled executables (the graph is closed over,
+    not hashed per call). The weights come in as the flat list of the state's
+    leaves (`state_def` is its tree structure): flattening an `nnx.State` on
+    every call costs the host far more than passing a list. The logits and
+    sampling steps take the head matrix alone (`head_logits(head, hidden)`,
+    the model's): every array argument costs a dispatch. The prompt-logprobs
+    step (rare) takes all the weights: it may run the last layer again.
+    """
+
+    def merge(weights):
+        return nnx.merge(graphdef, jax.tree.unflatten(state_def, weights))
+
+    def forward(weights, kv_cache, packed, prev_tokens):
+        input_ids, positions, md, src, out_index = unpack_step_inputs(packed, num_reqs, width)
+        # Tokens sampled by the previous step that the host has not seen yet
+        # (async scheduling) are read from its device output: src >= 0 names the row.
+        input_ids = jnp.where(src >= 0, prev_tokens[jnp.maximum(src, 0)], input_ids)
+        # Every request's last scheduled token, the row its next token is sampled
+        # from (padding requests end where the step's tokens end).
+        rows = jnp.maximum(md.cu_q_lens[1:] - 1, 0)
+        model = merge(weights)
+        if last_layer_on_rows(input_ids.shape[0], num_reqs):
+            last_hidden, kv_cache, states = model.forward_rows(input_ids, positions, kv_cache,
+                                                               md, rows)
+        else:
+            states, kv_cache = model(input_ids, positions, kv_cache, md)
+            last_hidden = states[rows]
+        # The sampler's output indices ride along, so that its keys need no host array.
+        return kv_cache, states, last_hidden, out_index
+
+    def logits(head, last_hidden, rows):
+        return head_logits(head, last_hidden[:rows])
+
+    def sample(head, last_hidden, md, size):
+        return draw_padded(logits(head, last_hidden, md.temperature.shape[0]), md, size)
+
+    def prompt_logprobs(weights, kv_cache, packed, states, targets):
+        """Scores of `targets` at every row of a step, from the forward's `states` and cache."""
+        model = merge(weights)
+        hidden = states
+        if last_layer_on_rows(states.shape[0], num_reqs):  # its last layer, for every row
+            _, positions, md, _, _ = unpack_step_inputs(packed, num_reqs, width)
+            hidden = model.finish_states(states, positions, kv_cache, md)
+        head = model.logits_head[...]
+        return compute_prompt_logprobs_chunked(lambda h: head_logits(head, h), hidden,
+                                               targets, MAX_LOGPROBS, PROMPT_LOGPROBS_ROWS)
+
+    return (jax.jit(forward, donate_argnums=(1,)), jax.jit(sample, static_argnames="size"),
+            jax.jit(logits, static_argnames="rows"), jax.jit(prompt_logprobs))
+
+
+def aot_context(config: EngineConfig, attn_backend: Any, swiglu: Any,
+                mesh: jax.sharding.Mesh) -> dict[str, Any]:
+    """What the traced forward depends on beyond its arguments' shapes (aot_cache.py)."""
+    mc = config.model_config
+    hf = mc.hf_config
+    to_dict = getattr(hf, "to_dict", None)
+    return {"model": to_dict() if to_dict else vars(hf), "dtype": mc.dtype,
+            "attention": [attn_backend.name, attn_backend.interpret],
+            "mlp": [swiglu.name, swiglu.kernel, swiglu.interpret, swiglu.min_tokens],
+            "mesh": [list(mesh.axis_names), list(mesh.devices.shape)]}
+
+
+class StepPrograms:
+    """One runner's programs: which executable runs each call, and their precompile.
+
+    `executables` holds the forward and prompt-logprobs programs by (name,
+    packed inputs' size), loaded from (or stored to) the disk cache at
+    precompile; a bucket missing there runs through the jitted function.
+    """
+
+    def __init__(self, graphdef: Any, state_def: Any, head: jax.Array,
+                 head_logits: Callable[..., jax.Array], buckets: Buckets,
+                 aot_cache: ExecutableCache | None):
+        self.buckets = buckets
+        self.head = head  # the logits head, one of the weights (by reference)
+        self.forward, self.sample_fn, self.logits, self.prompt_logprobs = step_functions(
+            graphdef, state_def, head_logits, buckets.max_num_seqs, buckets.max_blocks_per_req)
+        self.aot_cache = aot_cache
+        self.executables: dict[tuple[str, int], Any] = {}
+
+    def run_forward(self, *args: Any) -> tuple:
+        """(kv_cache, states, last_hidden, out_index) of `forward(weights, kv_cache,
+        packed, prev_tokens)`; the cache is donated."""
+        compiled = self.executables.get(("forward", args[2].shape[0]))
+        return (compiled or self.forward)(*args)
+
+    def run_prompt_logprobs(self, *args: Any) -> tuple:
+        compiled = self.executables.get(("prompt_logprobs", args[2].shape[0]))
+        return (compiled or self.prompt_logprobs)(*args)
+
+    def sample(self, last_hidden: jax.Array, md: SamplingMetadata) -> SamplerOutput:
+        """Logits of the step's requests and their next tokens, padded to max_num_seqs."""
+        s = self.buckets.max_num_seqs
+        if is_plain(md):
+            return SamplerOutput(self.sample_fn(self.head, last_hidden, md, size=s))
+        logits = self.logits(self.head, last_hidden, rows=md.temperature.shape[0])
+        return run_sampler(logits, md, s)
+
+    def _load_or_compile(self, name: str, fn: Any, args: tuple, **kw: Any) -> None:
+        compiled = self.aot_cache and self.aot_cache.load_or_compile(name, fn, args, **kw)
+        if compiled is not None:
+            self.executables[name, args[2].shape[0]] = compiled
+
+    def dummy_inputs(self, t: int) -> np.ndarray:
+        """The forward's packed integer inputs for a token bucket of `t` (no request)."""
+        b = self.buckets
+        return pack_step_inputs(t, b.max_num_seqs, b.max_blocks_per_req)[0]
+
+    def precompile(self, state: list, kv_cache: jax.Array, no_prev: jax.Array,
+                   vocab_size: int, device_put: Callable[[Any], Any] | None) -> jax.Array:
+        """Compiles every bucket now, so that serving never compiles; returns the KV
+        cache (donated to each forward run). `device_put` places the sampling rows'
+        arrays as `SamplingRows.device_put` does."""
+        b = self.buckets
+        jobs: list[tuple[str, Any]] = [("forward", t) for t in b.token_buckets]
+        jobs += [("sample", r) for r in b.request_buckets]
+        jobs += [("prompt_logprobs", t) for t in b.token_buckets]
+        t0 = time.perf_counter()
+        states, last_hidden, out_index = {}, None, None
+        s = b.max_num_seqs
+        for kind, arg in tqdm(jobs, desc="Precompiling buckets", unit="shape",
+                              disable=os.environ.get("JAXLLM_NO_PROGRESS") == "1"):
+            if kind == "forward":
+                args = (state, kv_cache, self.dummy_inputs(arg), no_prev)
+                self._load_or_compile("forward", self.forward, args, donate_argnums=(1,))
+                kv_cache, states[arg], last_hidden, out_index = self.run_forward(*args)
+            elif kind == "sample":
+                # The one-program sampler for each mode, then the staged one's parts.
+                logits = self.logits(self.head, last_hidden, rows=arg)
+                variants = list(variant_metadata(arg, vocab_size, device_put, out_index))
+                for md in variants:
+                    if is_plain(md):
+                        self.sample_fn(self.head, last_hidden, md, size=s)
+                precompile_stages(logits, variants, s)
+            else:
+                # Traced on a miss only: in buckets over max_num_seqs it runs the last
+                # layer again, attention kernel included (finish_states).
+                args = (state, kv_cache, self.dummy_inputs(arg), states[arg],
+                        np.zeros(arg, np.int32))
+                self._load_or_compile("prompt_logprobs", self.prompt_logprobs, args)
+                self.run_prompt_logprobs(*args)
+        jax.block_until_ready(kv_cache)
+        aot = self.aot_cache
+        note = (f" (forward and prompt-logprobs programs: {aot.loaded} loaded from disk, "
+                f"{aot.traced} traced)" if aot else "")
+        logger.info("precompiled %d shapes in %.1fs%s", len(jobs), time.perf_counter() - t0, note)
+        return kv_cache
