@@ -29,16 +29,13 @@ from jaxllm.sample.rng import rng_keys
 from pallas_kernels.sampling import reference as sort_topk
 from pallas_kernels.sampling import topk_topp
 
-# Both chosen by scripts/bench_sampling.py (H100 80GB, jax 0.11.2, 256 x 128256
-# f32 logits, median of 50 runs).
-# Top-k/top-p: "threshold" (sort-free radix search, 4 bits/round) 3.26 ms vs
-# "sort" (reference.py) 4.79 ms, the filter alone; the whole sampler with
-# top-k/top-p 3.33 ms vs 4.88 ms (2026-11-24).
-# On the CPU (tests, development) the sort compiles several times faster and
-# speed does not matter, so "auto" takes the sort there.
+# Top-k/top-p: "threshold" (a sort-free radix search, 4 bits a round) or "sort"
+# (reference.py). "auto" takes the search on accelerators, where it is the faster
+# (scripts/bench_sampling.py; figures in BENCHMARKS.md), and the sort on the CPU
+# (tests, development), where it compiles several times faster and speed does not matter.
 TOP_K_TOP_P_IMPL = "auto"
-# Top-20 logprobs: "blocks" (topk_topp.top_k_largest) 0.26 ms vs "lax"
-# (lax.top_k, which XLA lowers to a full sort for k = 20) 2.57 ms.
+# Top-20 logprobs: "blocks" (topk_topp.top_k_largest) or "lax" (lax.top_k, which XLA
+# lowers to a full sort for k = 20); "auto" as above.
 TOP_LOGPROBS_IMPL = "auto"
 
 
@@ -147,9 +144,10 @@ def sampled_logprobs(logits: jax.Array, token_ids: jax.Array,
 def sample(logits: jax.Array, md: SamplingMetadata) -> SamplerOutput:
     """Samples one token per row of `logits [R, V]`.
 
-    The model runner jits the three stages (`adjust_logits`, `draw`,
-    `sampled_logprobs`) separately, so that compiled variants add up instead
-    of multiplying; this composition is the same computation in one piece.
+    The model runner runs the three stages (`adjust_logits`, `draw`,
+    `sampled_logprobs`) jitted apart (staged.py), so that compiled variants
+    add up instead of multiplying; this composition is the same computation
+    in one piece, the reference the tests hold the runner's path to.
     """
     logits = logits.astype(jnp.float32)
     token_ids = draw(adjust_logits(logits, md), md)

@@ -2,8 +2,8 @@
 
 A step whose rows need no penalties, no logit adjustment and no logprobs
 (`is_plain`) samples in one program together with the logits head (the
-runner's `sample` program, built on `draw_padded`). Any other step runs
-`run_sampler`: `adjust_logits`, then `draw`, then `sampled_logprobs`, each
+runner's `sample` program, built on `draw_padded`). Any other step runs the
+`StagedSampler`: `adjust_logits`, then `draw`, then `sampled_logprobs`, each
 jitted apart so that compiled variants add up (3 adjust + 3 draw + 1 logprobs
 per request bucket) instead of multiplying. Both paths compute what
 `sampler.sample` computes in one piece.
@@ -12,6 +12,7 @@ per request bucket) instead of multiplying. Both paths compute what
 from __future__ import annotations
 
 import dataclasses
+import functools
 from collections.abc import Iterable
 
 import jax
@@ -30,11 +31,6 @@ def draw_padded(logits: jax.Array, md: SamplingMetadata, size: int) -> jax.Array
 
 def _logprobs_padded(logits: jax.Array, token_ids: jax.Array) -> tuple:
     return sampled_logprobs(logits, token_ids[:logits.shape[0]], k=MAX_LOGPROBS)
-
-
-_jit_adjust = jax.jit(adjust_logits)
-_jit_draw = jax.jit(draw_padded, static_argnames="size")
-_jit_logprobs = jax.jit(_logprobs_padded)
 
 
 def is_plain(md: SamplingMetadata) -> bool:
@@ -57,29 +53,50 @@ def _draw_part(md: SamplingMetadata) -> SamplingMetadata:
     return dataclasses.replace(md, penalties=None, logit_adjust=None, num_logprobs=0)
 
 
-def run_sampler(logits: jax.Array, md: SamplingMetadata, size: int) -> SamplerOutput:
-    """The staged sampler: one token per row of `logits`, ids padded to `size`."""
-    adj = _adjust_part(md)
-    adjusted = logits if adj is None else _jit_adjust(logits, adj)
-    token_ids = _jit_draw(adjusted, _draw_part(md), size=size)
-    if not md.num_logprobs:
-        return SamplerOutput(token_ids)
-    return SamplerOutput(token_ids, *_jit_logprobs(logits, token_ids))
+class StagedSampler:
+    """The three stages, jitted apart; the runner's programs call `STAGED`.
 
+    Each instance jits its own functions, so its compiled variants are its
+    own: a test that swaps an implementation read at trace time (the top-k /
+    top-p filter, say) takes a fresh instance and reuses no trace of another.
+    """
 
-def precompile_stages(logits: jax.Array, variants: Iterable[SamplingMetadata],
-                      size: int) -> None:
-    """Compiles each stage once per distinct variant it sees among `variants`
-    (from `variant_metadata`), for logits of `logits`' shape."""
-    seen = set()
-    token_ids = None
-    for md in variants:
-        for fn, part in ((_jit_adjust, _adjust_part(md)), (_jit_draw, _draw_part(md))):
-            key = (fn, jax.tree_util.tree_structure(part))
-            if part is not None and key not in seen:
+    def __init__(self) -> None:
+        # A partial is a new callable each time: its traces are this instance's.
+        self._adjust = jax.jit(functools.partial(adjust_logits))
+        self._draw = jax.jit(functools.partial(draw_padded), static_argnames="size")
+        self._logprobs = jax.jit(functools.partial(_logprobs_padded))
+
+    def adjust(self, logits: jax.Array, md: SamplingMetadata) -> jax.Array:
+        """Stage 1: the logit adjustment and penalties, where some row has them."""
+        adj = _adjust_part(md)
+        return logits if adj is None else self._adjust(logits, adj)
+
+    def __call__(self, logits: jax.Array, md: SamplingMetadata, size: int) -> SamplerOutput:
+        """One token per row of `logits`, ids padded to `size`; logprobs when asked."""
+        token_ids = self._draw(self.adjust(logits, md), _draw_part(md), size=size)
+        if not md.num_logprobs:
+            return SamplerOutput(token_ids)
+        return SamplerOutput(token_ids, *self._logprobs(logits, token_ids))
+
+    def precompile(self, logits: jax.Array, variants: Iterable[SamplingMetadata],
+                   size: int) -> None:
+        """Compiles each stage once per distinct variant it sees among `variants`
+        (from `variant_metadata`), for logits of `logits`' shape."""
+        seen = set()
+        token_ids = None
+        for md in variants:
+            for stage, part in (("adjust", _adjust_part(md)), ("draw", _draw_part(md))):
+                key = (stage, jax.tree_util.tree_structure(part))
+                if part is None or key in seen:
+                    continue
                 seen.add(key)
-                out = fn(logits, part) if fn is _jit_adjust else fn(logits, part, size=size)
-                if fn is _jit_draw:
-                    token_ids = out
-    if token_ids is not None:
-        _jit_logprobs(logits, token_ids)
+                if stage == "adjust":
+                    self._adjust(logits, part)
+                else:
+                    token_ids = self._draw(logits, part, size=size)
+        if token_ids is not None:
+            self._logprobs(logits, token_ids)
+
+
+STAGED = StagedSampler()

@@ -25,15 +25,16 @@ class InputBatch:
         self.token_ids = np.zeros((max_num_reqs, max_model_len), np.int32)
         self.num_tokens = np.zeros(max_num_reqs, np.int32)  # prompt + known outputs
         self.num_prompt_tokens = np.zeros(max_num_reqs, np.int32)
+        # The scheduler's count, as each SchedulerOutput sends it for the step's
+        # requests (new or cached); the runner never advances it itself.
         self.num_computed_tokens = np.zeros(max_num_reqs, np.int32)
         self.block_table = np.zeros((max_num_reqs, max_blocks_per_req), np.int32)
         self.num_blocks = np.zeros(max_num_reqs, np.int32)
-        # Async scheduling: sampled tokens dispatched but not yet on the host,
-        # and the row of the latest one in its step's device output.
-        self.num_pending = np.zeros(max_num_reqs, np.int32)
+        # Async scheduling: the row, in the dispatched step's device output, of
+        # the latest token sampled for the request and not yet on the host.
         self.inflight_index = np.full(max_num_reqs, -1, np.int32)
         # Per-row flags, so that per-step code never walks the params objects.
-        self.samples = np.zeros(max_num_reqs, bool)  # generates tokens
+        self.generates = np.zeros(max_num_reqs, bool)  # a request that samples tokens
         self.pools = np.zeros(max_num_reqs, bool)  # an embedding request
         self.wants_prompt_logprobs = np.zeros(max_num_reqs, bool)
         self.prompt_logprobs_from = np.zeros(max_num_reqs, np.int32)  # NewRequestData's
@@ -61,12 +62,11 @@ class InputBatch:
         self.num_prompt_tokens[row] = len(new.prompt_token_ids)
         self.num_computed_tokens[row] = new.num_computed_tokens
         self.num_blocks[row] = 0
-        self.num_pending[row] = 0
         self.inflight_index[row] = -1
         self.append_blocks(row, new.block_ids)
         self.params[row] = new.sampling_params
         self.pooling[row] = new.pooling_params
-        self.samples[row] = new.sampling_params is not None
+        self.generates[row] = new.sampling_params is not None
         self.pools[row] = new.pooling_params is not None
         self.wants_prompt_logprobs[row] = (new.sampling_params is not None and
                                            new.sampling_params.prompt_logprobs is not None)
@@ -95,8 +95,8 @@ class InputBatch:
             n = self.num_tokens[last]
             self.token_ids[row, :n] = self.token_ids[last, :n]
             for arr in (self.num_tokens, self.num_prompt_tokens, self.num_computed_tokens,
-                        self.num_blocks, self.num_pending, self.inflight_index, self.samples,
-                        self.pools, self.wants_prompt_logprobs, self.prompt_logprobs_from):
+                        self.num_blocks, self.inflight_index, self.generates, self.pools,
+                        self.wants_prompt_logprobs, self.prompt_logprobs_from):
                 arr[row] = arr[last]
             self.block_table[row] = self.block_table[last]
             self.params[row] = self.params[last]
@@ -106,7 +106,7 @@ class InputBatch:
         self.req_ids.pop()
         self.params[last] = None
         self.pooling[last] = None
-        self.samples[last] = self.pools[last] = self.wants_prompt_logprobs[last] = False
+        self.generates[last] = self.pools[last] = self.wants_prompt_logprobs[last] = False
 
     def append_sampled(self, rows: np.ndarray, token_ids: np.ndarray) -> None:
         """Records one sampled token for each of `rows` (vectorized)."""

@@ -191,21 +191,19 @@ class ModelRunner:
         prev_tokens = self._last_sampled if inputs.reads_prev else self._no_prev
         self.kv_cache, states, last_hidden, out_index = self.programs.run_forward(
             self.state, self.kv_cache, inputs.packed, prev_tokens)
-        # A prompt chunk that stops short of the prompt's end samples nothing.
-        done = end >= ib.num_tokens[rows] + ib.num_pending[rows]
         smd = ib.sampling.make_metadata(rows, r_pad, self.seed, out_index)
         out = self.programs.sample(last_hidden, smd)
         prompt_lp = None
         if ib.wants_prompt_logprobs[:ib.num_reqs].any():  # none for most steps
             prompt_lp = self._dispatch_prompt_logprobs(req_ids, rows, nsched, inputs, states)
-        ib.num_computed_tokens[rows] = end
-        gen = done & ib.samples[rows]
+        # The scheduler decides which requests reach their end this step (a prompt
+        # chunk that stops short of the prompt's end does not); of those, the
+        # generating ones sample a token and the pooling ones are pooled.
+        gen = so.samples & ib.generates[rows]
         if gen.all():  # every request samples: a decode step
             ib.inflight_index[rows] = self._arange[:n]
-            ib.num_pending[rows] += 1
         else:
             ib.inflight_index[rows[gen]] = np.flatnonzero(gen)
-            ib.num_pending[rows[gen]] += 1
         self._last_sampled = out.token_ids
         # Start the copies home now, so that they queue behind this step and
         # not behind the next one (dispatched before this step is collected).
@@ -219,7 +217,7 @@ class ModelRunner:
             self.step_log.append(StepRecord(inputs.num_tokens, inputs.padded_tokens, n,
                                             int(kv.sum()),
                                             int((q * kv - q * (q - 1) // 2).sum())))
-        pool = (np.flatnonzero(ib.pools[rows] & done).tolist() if ib.pools[:ib.num_reqs].any()
+        pool = (np.flatnonzero(ib.pools[rows] & so.samples).tolist() if ib.pools[:ib.num_reqs].any()
                 else [])
         return StepHandle(req_ids, rows, ib.layout_version, gen, out, last_hidden, pool,
                           [ib.pooling[rows[i]].normalize for i in pool], prompt_lp)
@@ -240,10 +238,8 @@ class ModelRunner:
         live = h.gen & (rows >= 0)
         if live.all():  # a decode step's usual case
             ib.append_sampled(rows, sampled)
-            ib.num_pending[rows] -= 1
         else:
             ib.append_sampled(rows[live], sampled[live])
-            ib.num_pending[rows[live]] -= 1
         logprobs = None
         if out.logprobs is not None:
             logprobs = LogprobsLists(np.asarray(out.logprob_token_ids)[:n].tolist(),

@@ -34,7 +34,7 @@ from tqdm.auto import tqdm
 from jaxllm.config import EngineConfig, compilation_cache_dir
 from jaxllm.sample.metadata import SamplingMetadata, variant_metadata
 from jaxllm.sample.sampler import SamplerOutput, compute_prompt_logprobs_chunked
-from jaxllm.sample.staged import draw_padded, is_plain, precompile_stages, run_sampler
+from jaxllm.sample.staged import STAGED, StagedSampler, draw_padded, is_plain
 from jaxllm.sampling_params import MAX_LOGPROBS
 from jaxllm.worker.aot_cache import ExecutableCache
 from jaxllm.worker.buckets import Buckets
@@ -151,6 +151,7 @@ class StepPrograms:
             graphdef, state_def, head_logits, buckets.max_num_seqs, buckets.max_blocks_per_req)
         self.aot_cache = aot_cache
         self.executables: dict[tuple[str, int], Any] = {}
+        self.staged: StagedSampler = STAGED  # for steps `sample_fn` cannot take
 
     def run_forward(self, *args: Any) -> tuple:
         """(kv_cache, states, last_hidden, out_index) of `forward(weights, kv_cache,
@@ -168,7 +169,7 @@ class StepPrograms:
         if is_plain(md):
             return SamplerOutput(self.sample_fn(self.head, last_hidden, md, size=s))
         logits = self.logits(self.head, last_hidden, rows=md.temperature.shape[0])
-        return run_sampler(logits, md, s)
+        return self.staged(logits, md, s)
 
     def _load_or_compile(self, name: str, fn: Any, args: tuple, **kw: Any) -> None:
         compiled = self.aot_cache and self.aot_cache.load_or_compile(name, fn, args, **kw)
@@ -205,7 +206,7 @@ class StepPrograms:
                 for md in variants:
                     if is_plain(md):
                         self.sample_fn(self.head, last_hidden, md, size=s)
-                precompile_stages(logits, variants, s)
+                self.staged.precompile(logits, variants, s)
             else:
                 # Traced on a miss only: in buckets over max_num_seqs it runs the last
                 # layer again, attention kernel included (finish_states).

@@ -22,7 +22,7 @@ def test_bench_host_overhead_runs_and_writes_json(tmp_path, monkeypatch, capsys)
     from jaxllm.sample import staged
     from jaxllm.worker import programs
 
-    real_sampler = staged.run_sampler
+    real_sampler = staged.STAGED
     monkeypatch.setenv("OUT", str(tmp_path))
     assert main(["bench", "host-overhead", "--num-requests", "16", "--input-len", "32",
                  "--steps", "5"]) == 0
@@ -37,7 +37,7 @@ def test_bench_host_overhead_runs_and_writes_json(tmp_path, monkeypatch, capsys)
         result["engine_core_ms_per_step_median"] / result["host_calibration_ms_median"])
     assert "engine core step" in capsys.readouterr().out
     # The stubbed sampler must not outlive the benchmark (later engines sample for real).
-    assert staged.run_sampler is real_sampler and programs.run_sampler is real_sampler
+    assert staged.STAGED is real_sampler and programs.STAGED is real_sampler
 
 
 @pytest.mark.slow

@@ -1,4 +1,11 @@
-"""The sampler and its host-side rows: filters, draws, RNG rule, penalties, masks, logprobs."""
+"""The sampler as the model runner calls it, and its host-side rows: filters, draws, RNG
+rule, penalties, masks, logprobs.
+
+The runner samples through `StepPrograms.sample`: one program (logits head and
+draw) for a plain step, else the staged sampler (sample/staged.py). The tests
+call that, with an identity logits head so that the logits they give are the
+logits it samples from, and check it against `sampler.sample` in one piece.
+"""
 
 import types
 
@@ -7,16 +14,56 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from jaxllm.sample import sampler
+from jaxllm.sample import sampler, staged
 from jaxllm.sample.metadata import SamplingMetadata, variant_metadata
 from jaxllm.sample.rng import key_base_data, rng_key_data, rng_keys
+from jaxllm.sample.sampler import SamplerOutput
 from jaxllm.sampling_params import MAX_LOGPROBS, SamplingParams
+from jaxllm.worker.buckets import Buckets
+from jaxllm.worker.programs import StepPrograms
 from jaxllm.worker.sampling_rows import SamplingRows
 from pallas_kernels.sampling import topk_topp
 
-sample = jax.jit(sampler.sample)
-adjust_logits = jax.jit(sampler.adjust_logits)
+# Rows the runner's programs have beyond the request bucket (max_num_seqs is larger):
+# the sampled ids come back padded to them.
+EXTRA_ROWS = 3
 
+
+def _identity_head(head, hidden):
+    return hidden
+
+
+class RunnerSampler:
+    """`StepPrograms.sample` on `logits [R, V]` given as the step's last hidden states.
+
+    `head_logits` keys the programs' cache (`step_functions`) and the staged
+    sampler owns its jitted stages: a fresh pair traces afresh.
+    """
+
+    def __init__(self, head_logits=_identity_head, staged_sampler=staged.STAGED):
+        self.head_logits, self.staged = head_logits, staged_sampler
+        self._programs: dict[int, StepPrograms] = {}
+
+    def __call__(self, logits, md: SamplingMetadata) -> SamplerOutput:
+        rows = md.temperature.shape[0]
+        size = rows + EXTRA_ROWS
+        if size not in self._programs:
+            buckets = Buckets((16,), (rows,), max_num_seqs=size, max_blocks_per_req=1)
+            programs = StepPrograms(None, None, jnp.zeros(1), self.head_logits, buckets, None)
+            programs.staged = self.staged
+            self._programs[size] = programs
+        hidden = jnp.zeros((size, logits.shape[-1]), jnp.float32).at[:rows].set(logits)
+        out = self._programs[size].sample(hidden, md)
+        assert out.token_ids.shape == (size,)
+        if not isinstance(out.token_ids, jax.core.Tracer):
+            assert not np.asarray(out.token_ids[rows:]).any()  # the padding rows
+        return SamplerOutput(out.token_ids[:rows], out.logprob_token_ids, out.logprobs,
+                             out.ranks)
+
+
+sample = RunnerSampler()
+adjust_logits = staged.STAGED.adjust
+one_piece_sample = jax.jit(sampler.sample)
 
 
 IMPLS = {"sort": ("sort", "lax"), "sort_free": ("threshold", "blocks")}
@@ -38,7 +85,8 @@ def impl(request, monkeypatch):
     if request.param not in _impl_fns:
         _impl_fns[request.param] = types.SimpleNamespace(
             name=request.param,
-            sample=jax.jit(lambda logits, md: sampler.sample(logits, md)),
+            sample=RunnerSampler(lambda head, hidden: hidden, staged.StagedSampler()),
+            one_piece_sample=jax.jit(lambda logits, md: sampler.sample(logits, md)),
             filter_logits=jax.jit(lambda logits, md: sampler.filter_logits(logits, md)),
             prompt_logprobs=jax.jit(lambda logits, ids, k: sampler.compute_prompt_logprobs(
                 logits, ids, k), static_argnames="k"))
@@ -407,3 +455,75 @@ def test_prompt_logprobs_in_chunks_equal_one_pass(t, rows):
     for w, g in zip(want, got, strict=True):
         assert g.shape == w.shape
         np.testing.assert_allclose(np.asarray(g), np.asarray(w), rtol=1e-5, atol=1e-5)
+
+
+def _mixed_rows(vocab):
+    """Rows of every kind the sampler tells apart: greedy, random, top-k/top-p, min-p,
+    penalties, logit bias, allowed tokens, bad words, min_tokens, logprobs."""
+    rows = SamplingRows(16, vocab)
+    kinds = [SamplingParams(temperature=0.0),
+             SamplingParams(temperature=0.9, seed=1),
+             SamplingParams(temperature=1.3, top_k=5, top_p=0.8, seed=2),
+             SamplingParams(temperature=0.7, min_p=0.2),
+             SamplingParams(temperature=0.0, repetition_penalty=1.4, frequency_penalty=0.3,
+                            presence_penalty=0.2),
+             SamplingParams(temperature=1.0, logit_bias={3: 4.0, 9: -2.0}, seed=5),
+             SamplingParams(temperature=1.0, allowed_token_ids=[2, 4, 6, 8], seed=6),
+             SamplingParams(temperature=0.0, bad_words_token_ids=[[7], [1, 2]]),
+             SamplingParams(temperature=0.8, min_tokens=3, all_stop_token_ids=[0, 1]),
+             SamplingParams(temperature=0.6, top_p=0.9, logprobs=4, seed=9)]
+    for r, params in enumerate(kinds):
+        rows.add(r, params, [1, 2, 3], [4, 1])
+    return rows, len(kinds)
+
+
+@pytest.mark.parametrize("batch", [
+    [0],  # all greedy: the one-program path
+    [1, 3, 2, 0],  # random, min-p, top-k/top-p: the one-program path
+    [4, 5, 6, 7, 8],  # penalties and logit adjustments: staged
+    list(range(10)),  # everything at once, logprobs too: staged
+])
+def test_the_runners_sampler_equals_the_sampler_in_one_piece(batch):
+    """Whichever path the runner's programs take (one program, or the staged
+    adjust / draw / logprobs), they compute `sampler.sample`: the same tokens,
+    logprobs and ranks, for every kind of row."""
+    vocab = 40
+    rows, _ = _mixed_rows(vocab)
+    batch = np.array(batch)
+    md = rows.make_metadata(batch, 12, engine_seed=3)
+    plain = md.penalties is None and md.logit_adjust is None and not md.num_logprobs
+    assert staged.is_plain(md) == plain
+    rng = np.random.default_rng(len(batch))
+    for step in range(2):
+        logits = jnp.asarray(rng.standard_normal((12, vocab)) * 2, jnp.float32)
+        got, want = sample(logits, md), one_piece_sample(logits, md)
+        assert np.array_equal(np.asarray(got.token_ids), np.asarray(want.token_ids)), step
+        assert (got.logprobs is None) == (want.logprobs is None) == (md.num_logprobs == 0)
+        if want.logprobs is not None:
+            assert np.array_equal(np.asarray(got.logprob_token_ids),
+                                  np.asarray(want.logprob_token_ids))
+            np.testing.assert_allclose(np.asarray(got.logprobs), np.asarray(want.logprobs),
+                                       rtol=1e-6, atol=1e-6)
+            assert np.array_equal(np.asarray(got.ranks), np.asarray(want.ranks))
+        rows.append_tokens(batch, np.asarray(got.token_ids)[:batch.size])
+        md = rows.make_metadata(batch, 12, engine_seed=3)
+
+
+def test_the_staged_sampler_compiles_each_stage_once_per_variant_it_meets():
+    """Precompiling over every variant leaves nothing to compile for a real step."""
+    vocab, size = 32, 4 + EXTRA_ROWS
+    fresh = staged.StagedSampler()
+    logits = jnp.zeros((4, vocab), jnp.float32)
+    fresh.precompile(logits, list(variant_metadata(4, vocab)), size)
+    compiled = {name: getattr(fresh, name)._cache_size()
+                for name in ("_adjust", "_draw", "_logprobs")}
+    # Adjust: penalties, logit_adjust, both; draw: the three modes; logprobs: one.
+    assert compiled == {"_adjust": 3, "_draw": 3, "_logprobs": 1}
+    rows, _ = _mixed_rows(vocab)
+    # Penalties, a logit bias, logprobs and top-k/top-p: every stage runs.
+    md = rows.make_metadata(np.array([4, 5, 9, 2]), 4, engine_seed=0)
+    assert md.penalties is not None and md.logit_adjust is not None and md.num_logprobs
+    out = fresh(logits, md, size)
+    assert out.token_ids.shape == (size,) and out.logprobs.shape == (4, MAX_LOGPROBS + 1)
+    assert {name: getattr(fresh, name)._cache_size()
+            for name in ("_adjust", "_draw", "_logprobs")} == compiled
