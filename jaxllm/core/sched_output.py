@@ -5,6 +5,7 @@ from __future__ import annotations
 import functools
 from collections.abc import Sequence
 from dataclasses import dataclass, field
+from typing import Any
 
 import numpy as np
 
@@ -26,6 +27,16 @@ class NewRequestData:
     num_computed_tokens: int
     # Prompt positions whose prompt logprobs were already scored before a preemption.
     prompt_logprobs_from: int = 0
+
+    @classmethod
+    def from_request(cls, request: Any, block_ids: list[int]) -> NewRequestData:
+        """What the runner needs of a scheduler `Request` holding `block_ids`."""
+        return cls(
+            req_id=request.request_id, prompt_token_ids=request.prompt_token_ids,
+            output_token_ids=list(request.output_token_ids),
+            sampling_params=request.sampling_params, pooling_params=request.pooling_params,
+            block_ids=block_ids, num_computed_tokens=request.num_computed_tokens,
+            prompt_logprobs_from=request.prompt_logprobs_from)
 
 
 @dataclass

@@ -18,9 +18,11 @@ that tests/core/test_scheduler_paths.py compares the array path with.
 
 from __future__ import annotations
 
+import logging
 import os
 import time
 from collections.abc import Iterable
+from operator import itemgetter
 
 import numpy as np
 
@@ -33,6 +35,8 @@ from jaxllm.core.request_queue import SchedulingPolicy, create_request_queue
 from jaxllm.core.runner_output import ModelRunnerOutput
 from jaxllm.core.running_batch import RunningBatch, StepLimits
 from jaxllm.core.sched_output import CachedRequestData, NewRequestData, SchedulerOutput
+
+logger = logging.getLogger(__name__)
 
 
 class Scheduler:
@@ -256,7 +260,8 @@ class Scheduler:
             request.num_computed_tokens = num_computed
             if request.num_cached_tokens < 0:
                 request.num_cached_tokens = num_computed
-            scheduled_new.append(self._new_request_data(request))
+            scheduled_new.append(NewRequestData.from_request(
+                request, self.kv_cache_manager.get_block_ids(request.request_id)))
             req_id = request.request_id
             token_budget -= num_new
             request.num_computed_tokens = after = num_computed + num_new
@@ -282,15 +287,6 @@ class Scheduler:
             running.check(kv.block_state)
         return output
 
-    def _new_request_data(self, request: Request) -> NewRequestData:
-        return NewRequestData(
-            req_id=request.request_id, prompt_token_ids=request.prompt_token_ids,
-            output_token_ids=list(request.output_token_ids),
-            sampling_params=request.sampling_params, pooling_params=request.pooling_params,
-            block_ids=self.kv_cache_manager.get_block_ids(request.request_id),
-            num_computed_tokens=request.num_computed_tokens,
-            prompt_logprobs_from=request.prompt_logprobs_from)
-
     # ------------------------------------------------------------------ update
 
     def update_from_output(self, scheduler_output: SchedulerOutput,
@@ -308,11 +304,20 @@ class Scheduler:
             rest, num_generated, compact = self.running.apply_sampled(
                 scheduler_output, runner, self.requests, self._block_hasher, outputs, finished)
         for j in rest:
-            num_generated += self._update_request(j, req_ids[j], scheduler_output, runner,
-                                                  outputs, finished)
+            try:
+                num_generated += self._update_request(j, req_ids[j], scheduler_output, runner,
+                                                      outputs, finished)
+            except Exception:  # one request's failure ends that request, never the core
+                logger.exception("request %s failed in the scheduler's update", req_ids[j])
+                request = self.requests[req_ids[j]]
+                request.status = RequestStatus.FINISHED_ERROR
+                outputs[j] = EngineCoreOutput(request_id=req_ids[j], new_token_ids=[],
+                                              finish_reason=request.status.finish_reason())
+                if all(r is not request for _, r in finished):
+                    finished.append((j, request))
 
         if finished:
-            finished.sort(key=_first)
+            finished.sort(key=itemgetter(0))
             gone = [r.batch_index for _, r in finished if r.batch_index >= 0]
             if len(gone) < len(finished):
                 # Preempted while its step ran, so queued to resume: the token
@@ -392,8 +397,3 @@ class Scheduler:
             num_preemptions=self.num_preemptions,
             num_prompt_tokens=self._last_num_prompt_tokens,
             num_generation_tokens=self._last_num_generation_tokens)
-
-
-def _first(pair: tuple[int, Request]) -> int:
-    return pair[0]
-

@@ -1,4 +1,4 @@
-"""`jaxllm generate | chat | serve | bench`, with vLLM's flag names."""
+"""`jaxllm generate | chat | serve | compile | bench`, with vLLM's flag names."""
 
 from __future__ import annotations
 
@@ -118,6 +118,10 @@ def build_parser() -> argparse.ArgumentParser:
     from jaxllm.entrypoints.openai.cli_serve import add_serve_parser
 
     add_serve_parser(sub)
+
+    from jaxllm.entrypoints.cli_compile import add_compile_parser
+
+    add_compile_parser(sub)
 
     bench = sub.add_parser(
         "bench", help="benchmarks: " + ", ".join(BENCHMARKS),

@@ -20,6 +20,7 @@ from __future__ import annotations
 import glob
 import json
 import os
+from collections.abc import Callable
 from typing import Any, NamedTuple
 
 import jax
@@ -72,12 +73,9 @@ def kv_cache_bytes_per_token(hf_config: Any, dtype: str | jnp.dtype) -> int:
     return kv_cache_spec(hf_config).bytes_per_token(dtype)
 
 
-def load_model(model_config: ModelConfig, mesh: Mesh, attn_backend: Any,
-               swiglu: Any = None) -> nnx.Module:
-    """The model of `model_config`, every weight sharded on `mesh` in `model_config.dtype`.
-
-    `swiglu`: how the MLP computes its up-projection (jaxllm/layers/mlp.py; XLA if None).
-    Over several 'model' devices the attention runs per shard (`shard_attention`)."""
+def _model_factory(model_config: ModelConfig, mesh: Mesh, attn_backend: Any,
+                   swiglu: Any) -> Callable[[], nnx.Module]:
+    """The model's constructor on `mesh` (attention per shard over several 'model' devices)."""
     hf_config = model_config.hf_config
     cls = get_model_class(model_config.architecture)
     tp = mesh.shape["model"]
@@ -90,6 +88,26 @@ def load_model(model_config: ModelConfig, mesh: Mesh, attn_backend: Any,
         return cls(hf_config, dtype=dtype, rngs=nnx.Rngs(model_config.seed),
                    attn_backend=attn_backend, swiglu=swiglu, **layout)
 
+    return create
+
+
+def abstract_model(model_config: ModelConfig, mesh: Mesh, attn_backend: Any,
+                   swiglu: Any = None) -> nnx.Module:
+    """The model of `model_config` with every weight a ShapeDtypeStruct: its graph, shapes
+    and declared shardings, nothing allocated (what `load_model` fills in)."""
+    return nnx.eval_shape(_model_factory(model_config, mesh, attn_backend, swiglu))
+
+
+def load_model(model_config: ModelConfig, mesh: Mesh, attn_backend: Any,
+               swiglu: Any = None) -> nnx.Module:
+    """The model of `model_config`, every weight sharded on `mesh` in `model_config.dtype`.
+
+    `swiglu`: how the MLP computes its up-projection (jaxllm/layers/mlp.py; XLA if None).
+    Over several 'model' devices the attention runs per shard (`shard_attention`)."""
+    hf_config = model_config.hf_config
+    cls = get_model_class(model_config.architecture)
+    tp = mesh.shape["model"]
+    create = _model_factory(model_config, mesh, attn_backend, swiglu)
     graphdef, state = nnx.split(nnx.eval_shape(create))
     shardings = param_shardings(state, mesh)
     if model_config.load_format == "dummy":

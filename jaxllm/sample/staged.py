@@ -13,7 +13,8 @@ from __future__ import annotations
 
 import dataclasses
 import functools
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
+from typing import Any
 
 import jax
 import jax.numpy as jnp
@@ -80,9 +81,13 @@ class StagedSampler:
         return SamplerOutput(token_ids, *self._logprobs(logits, token_ids))
 
     def precompile(self, logits: jax.Array, variants: Iterable[SamplingMetadata],
-                   size: int) -> None:
+                   size: int, call: Callable[..., Any] | None = None) -> None:
         """Compiles each stage once per distinct variant it sees among `variants`
-        (from `variant_metadata`), for logits of `logits`' shape."""
+        (from `variant_metadata`), for logits of `logits`' shape. `call(name, fn,
+        *args, **kw)` runs each stage (default: calls it); an ahead-of-time compiler
+        passes one that compiles it for abstract arguments (worker/tpu_compile.py)."""
+        if call is None:
+            call = lambda name, fn, *args, **kw: fn(*args, **kw)  # noqa: E731
         seen = set()
         token_ids = None
         for md in variants:
@@ -92,11 +97,11 @@ class StagedSampler:
                     continue
                 seen.add(key)
                 if stage == "adjust":
-                    self._adjust(logits, part)
+                    call("adjust_logits", self._adjust, logits, part)
                 else:
-                    token_ids = self._draw(logits, part, size=size)
+                    token_ids = call("draw_padded", self._draw, logits, part, size=size)
         if token_ids is not None:
-            self._logprobs(logits, token_ids)
+            call("logprobs_padded", self._logprobs, logits, token_ids)
 
 
 STAGED = StagedSampler()

@@ -122,8 +122,11 @@ class ExecutableCache:
             # The file is keyed by these exact versions, so custom calls without
             # a cross-version stability promise (Triton kernels) are fine.
             try:
+                # For the cache's devices, which need not be this process's default
+                # backend (a TPU slice compiled for on another host, tpu_compile.py).
                 exported = export.export(
                     jax.jit(flat_fn, donate_argnums=donated),
+                    platforms=[self.devices[0].platform],
                     disabled_checks=[export.DisabledSafetyCheck.custom_call("ALL")])(*specs)
             except Exception as e:  # this program cannot be exported: plain jit it is
                 logger.warning("cannot export %s for the program cache (%s: %s); it will be "

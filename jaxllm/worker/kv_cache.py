@@ -59,13 +59,16 @@ class PagedKVCache:
         return int(np.prod(shape)) * jnp.dtype(self.dtype).itemsize * self.num_layers
 
     def num_blocks(self, cache: CacheConfig, max_num_seqs: int, max_model_len: int,
-                   activation_reserve: Callable[[], int]) -> int:
+                   activation_reserve: Callable[[], int],
+                   memory_stats: dict[str, int] | None = None) -> int:
         """Blocks to allocate, the null block included.
 
         `cache.num_kv_blocks` fixes the count; else `cache.kv_cache_bytes` is the
         budget; else, on an accelerator, `hbm_utilization` of the device's memory
         less what is in use and `activation_reserve()` (the step's transient
-        memory); on the CPU, every sequence at full length, capped.
+        memory); on the CPU, every sequence at full length, capped. `memory_stats`
+        stands in for the device's own (`bytes_limit`, `bytes_in_use`) where it has
+        none to give: a compile-only TPU device (worker/tpu_compile.py).
         """
         per_block = self.bytes_per_block()
         if cache.num_kv_blocks:
@@ -73,7 +76,7 @@ class PagedKVCache:
         budget = cache.kv_cache_bytes
         device = self.mesh.devices.flat[0]
         if budget is None and device.platform != "cpu":
-            stats = device.memory_stats() or {}
+            stats = memory_stats or device.memory_stats() or {}
             limit, used = stats.get("bytes_limit", 0), stats.get("bytes_in_use", 0)
             # hbm_utilization is a share of the device's whole memory, as vLLM's
             # gpu_memory_utilization; the allocator's pool may be smaller.

@@ -132,7 +132,10 @@ def _kernel(kvlen_ref, pidx_ref, cu_ref, nseq_ref, lo_ref, hi_ref,  # scalar pre
     col = lax.broadcasted_iota(jnp.int32, (rows, block_kv), 1)
     row_tok = t_blk + lax.div(row, jnp.int32(group))
     f32 = q_ref.dtype == jnp.float32
-    precision = lax.Precision.HIGHEST if f32 else None
+    # Explicit both ways: bf16 operands take the MXU's native pass whatever
+    # jax_default_matmul_precision says (Mosaic rejects a bf16 matmul asked for
+    # fp32 contract precision: "Bad lhs type").
+    precision = lax.Precision.HIGHEST if f32 else lax.Precision.DEFAULT
 
     def compute(b, slot, info):
         key = b * block_kv + col

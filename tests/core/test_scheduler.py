@@ -384,6 +384,34 @@ def test_reset_prefix_cache_succeeds_only_when_idle():
     assert sched.reset_prefix_cache()
 
 
+@pytest.mark.parametrize("vectorized", [False, True])
+def test_a_request_that_fails_in_the_update_ends_with_an_error_and_the_batch_carries_on(
+        vectorized):
+    """Defence in depth: the core's update never dies from one request's state."""
+    sched = make_scheduler()
+    sched.vectorized = vectorized
+    free = sched.kv_cache_manager.block_pool.get_num_free_blocks()
+    sched.add_request(make_request("good", 4, max_tokens=3))
+    sched.add_request(make_request("bad", 4, max_tokens=3, logprobs=1))
+
+    def corrupt(*_args):
+        raise RuntimeError("corrupt request state")
+
+    sched.requests["bad"].check_stop = corrupt
+    out = sched.schedule()
+    runner_out = sample_all(sched, out, logprobs=LogprobsLists([[7], [7]], [[-0.5], [-0.5]],
+                                                               [1, 1]))
+    outs = by_id(sched.update_from_output(out, runner_out))
+    assert outs["bad"].finish_reason == FinishReason.ERROR
+    assert "bad" not in sched.requests and "good" in sched.requests
+    assert outs["good"].new_token_ids == [7] and outs["good"].finish_reason is None
+    tokens = [7]
+    while sched.has_unfinished_requests():
+        tokens += by_id(step(sched)[1])["good"].new_token_ids
+    assert tokens == [7, 7, 7]
+    assert sched.kv_cache_manager.block_pool.get_num_free_blocks() == free
+
+
 # ------------------------------------------------------------------ property tests
 
 VOCAB, EOS = 16, 0

@@ -1,0 +1,103 @@
+"""The Mosaic TPU attention kernel compiles for real TPUs, with no TPU attached.
+
+Interpret mode (test_ragged_paged_attention.py) checks the kernel's arithmetic
+but never runs the Mosaic compiler, which is what rejects a tile shape, an
+unsupported op or a VMEM overflow on a chip. Here every configuration checked
+in interpret mode, with the same shapes and block sizes, is lowered and
+compiled by libtpu's TPU compiler against a compile-only v5e chip (and the
+head_dim / dtype corners against v6e too), plus the engine's own default block
+sizes at serving-sized buckets, where VMEM is tightest.
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+import pytest
+from jax.sharding import Mesh, NamedSharding
+from jax.sharding import PartitionSpec as P
+
+from jaxllm.distributed.tpu_topology import libtpu_available, topology_devices
+from pallas_kernels.ragged_paged_attention import tpu
+from tests.kernels.test_ragged_paged_attention import CASES, Case, make_batch
+
+pytestmark = pytest.mark.skipif(not libtpu_available(),
+                                reason="libtpu (the TPU compiler) is not installed; "
+                                       "pyproject's test extra installs it")
+
+
+def compile_for_tpu(topology: str, case: Case, num_tokens: int, num_reqs: int, width: int,
+                    num_pages: int, block_sizes: tpu.BlockSizes | None):
+    """The kernel lowered and compiled for one chip of `topology` at these shapes."""
+    device = topology_devices(topology)[0]
+    replicated = NamedSharding(Mesh([device], ("x",)), P())
+
+    def spec(shape, dtype):
+        return jax.ShapeDtypeStruct(shape, dtype, sharding=replicated)
+
+    hkv, d = case.num_kv_heads, case.head_dim
+    args = (spec((num_tokens, hkv * case.group, d), case.dtype),
+            spec(tpu.kv_cache_shape(num_pages, case.page_size, hkv, d), case.dtype),
+            spec((num_reqs,), jnp.int32), spec((num_reqs, width), jnp.int32),
+            spec((num_reqs + 1,), jnp.int32), spec((1,), jnp.int32))
+    fn = jax.jit(lambda *a: tpu.ragged_paged_attention(
+        *a, sm_scale=d**-0.5, sliding_window=case.sliding_window, soft_cap=case.soft_cap,
+        block_sizes=block_sizes))
+    return fn.lower(*args).compile()
+
+
+def interpret_test_block_sizes(case: Case) -> tpu.BlockSizes | None:
+    """The block sizes test_ragged_paged_attention runs the case with."""
+    return tpu.BlockSizes(block_q=max(1, 8 // case.group), pages_per_block=1) \
+        if case.small_blocks else None
+
+
+@pytest.mark.parametrize("name", list(CASES))
+def test_interpret_mode_cases_compile_for_v5e(name: str):
+    case = CASES[name]
+    (q, _, page_indices, _, _), cache, _ = make_batch(case, seed=0)
+    compiled = compile_for_tpu("v5e:1x1", case, q.shape[0], page_indices.shape[0],
+                               page_indices.shape[1], cache.shape[0],
+                               interpret_test_block_sizes(case))
+    assert (compiled.out_info.shape, compiled.out_info.dtype) == (q.shape, q.dtype)
+
+
+# The engine's default block sizes (default_block_sizes) at serving-sized buckets:
+# decode-shaped (16-row query tiles) and prefill-shaped (256-row tiles), the KV
+# heads one chip holds for Llama-3-8B at tp 1 (8) and Gemma-style head_dim 256.
+ENGINE_SHAPES = {
+    "decode_8B_bf16": (Case(((1, 1),), group=4, num_kv_heads=8, head_dim=128, dtype=jnp.bfloat16),
+                       256, 256),
+    "prefill_8B_bf16": (Case(((1, 1),), group=4, num_kv_heads=8, head_dim=128,
+                             dtype=jnp.bfloat16), 2048, 256),
+    "prefill_d256_window_cap_bf16": (
+        Case(((1, 1),), group=2, num_kv_heads=8, head_dim=256, dtype=jnp.bfloat16,
+             sliding_window=4096, soft_cap=50.0), 2048, 256),
+    "prefill_d64_page128_f32": (
+        Case(((1, 1),), group=8, num_kv_heads=4, head_dim=64, page_size=128), 2048, 64),
+    "decode_gqa1_f32": (Case(((1, 1),), group=1, num_kv_heads=16, head_dim=128), 128, 128),
+}
+
+
+@pytest.mark.parametrize("topology", ["v5e:1x1", "v6e:1x1"])
+@pytest.mark.parametrize("name", list(ENGINE_SHAPES))
+def test_engine_default_block_sizes_compile(topology: str, name: str):
+    case, num_tokens, num_reqs = ENGINE_SHAPES[name]
+    width = 2048 // case.page_size  # max_model_len 2048
+    compiled = compile_for_tpu(topology, case, num_tokens, num_reqs, width,
+                               num_pages=4096 * 16 // case.page_size, block_sizes=None)
+    assert compiled.out_info.shape == (num_tokens, case.num_kv_heads * case.group,
+                                       case.head_dim)
+
+
+@pytest.mark.parametrize("name", ["gqa1", "gqa8", "d128_page32", "d256_page128", "bf16_gqa1",
+                                  "bf16_gqa8_d256", "bf16_window_cap"])
+def test_head_dim_and_dtype_corners_compile_for_v6e(name: str):
+    """The interpret-mode cases that change tile shapes (head_dim 64/128/256, bf16 and
+    float32, GQA 1 and 8) on v6e, whose MXU is 256 wide where v5e's is 128."""
+    case = CASES[name]
+    (q, _, page_indices, _, _), cache, _ = make_batch(case, seed=0)
+    compiled = compile_for_tpu("v6e:1x1", case, q.shape[0], page_indices.shape[0],
+                               page_indices.shape[1], cache.shape[0],
+                               interpret_test_block_sizes(case))
+    assert (compiled.out_info.shape, compiled.out_info.dtype) == (q.shape, q.dtype)
