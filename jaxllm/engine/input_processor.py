@@ -104,10 +104,9 @@ class InputProcessor:
         elif params.max_tokens > room:
             params.max_tokens = room
             params.min_tokens = min(params.min_tokens, room)
-        stop_ids = set(params.stop_token_ids or ())
-        if not params.ignore_eos:
-            stop_ids.update(eos)
-        params.all_stop_token_ids = sorted(stop_ids)
+        # The set min_tokens masks: EOS stays in it under ignore_eos too (vLLM's
+        # all_stop_token_ids; transformers' min_new_tokens), which only keeps EOS from stopping.
+        params.all_stop_token_ids = sorted(set(params.stop_token_ids or ()) | set(eos))
         if params.bad_words:
             params.bad_words_token_ids = self._bad_words_ids(params.bad_words)
         if params.structured_outputs is not None:
