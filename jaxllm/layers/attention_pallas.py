@@ -20,7 +20,7 @@ import jax.numpy as jnp
 import numpy as np
 from jax.sharding import PartitionSpec as P
 
-from jaxllm.layers.attention import AttentionBackend, AttentionMetadata
+from jaxllm.layers.attention_backend import AttentionBackend, AttentionMetadata
 from pallas_kernels.ragged_paged_attention import paged_layout
 
 
@@ -151,10 +151,9 @@ def _interpret_callbacks_on_the_host() -> None:
         fn = getattr(fn, "func", fn)  # functools.partial
         return getattr(fn, "__module__", "").startswith("jax._src.pallas.mosaic.interpret")
 
-    def io_callback_impl(*args, result_avals, callback, sharding, ordered):
+    def io_callback_impl(*args, callback, **params):
         if not interpreter_of(callback):
-            return original(*args, result_avals=result_avals, callback=callback,
-                            sharding=sharding, ordered=ordered)
+            return original(*args, callback=callback, **params)
         host = jax.tree.map(np.asarray, args)
         return jax.tree.map(np.asarray, callback(*host))
 

@@ -21,7 +21,7 @@ import jax
 from jax.sharding import Mesh
 from jax.sharding import PartitionSpec as P
 
-from jaxllm.layers.attention import AttentionBackend, AttentionMetadata
+from jaxllm.layers.attention_backend import AttentionBackend, AttentionMetadata
 
 _shard_map = getattr(jax, "shard_map", None)
 if _shard_map is None:  # jax < 0.7

@@ -1,0 +1,67 @@
+"""The attention backend interface and its reference body; the metadata every body reads.
+
+`AttentionBackend` is the reference (plain jnp) body and the base the Pallas
+bodies extend (layers/attention_pallas.py); `get_attention_backend` in
+layers/attention.py picks one by name or platform.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass
+
+import jax
+import jax.numpy as jnp
+from jax.sharding import PartitionSpec as P
+
+from pallas_kernels.ragged_paged_attention import reference
+
+
+@jax.tree_util.register_dataclass
+@dataclass(frozen=True)
+class AttentionMetadata:
+    """Per-step attention inputs, shared by every layer (shapes fixed by the bucket)."""
+
+    slot_mapping: jax.Array  # [T] int32, KV slot of each token; padding -> scratch slot
+    kv_lens: jax.Array  # [R] int32, context length per request incl. new tokens
+    page_indices: jax.Array  # [R, W] int32, block tables
+    cu_q_lens: jax.Array  # [R + 1] int32, query start offsets
+    num_seqs: jax.Array  # [1] int32, real requests
+
+    def last_queries(self) -> AttentionMetadata:
+        """The same requests with one query each, their last token, at row i for
+        request i (the rows `cu_q_lens[1:] - 1` gathered): a decode-shaped call
+        over the same context. Padding requests get no query."""
+        r = self.kv_lens.shape[0]
+        cu = jnp.minimum(jnp.arange(r + 1, dtype=jnp.int32), self.num_seqs[0])
+        return dataclasses.replace(self, cu_q_lens=cu)
+
+
+class AttentionBackend:
+    """The reference body; subclasses replace `attend` (and the layout if they must)."""
+
+    name = "reference"
+
+    def __init__(self, interpret: bool = False):
+        self.interpret = interpret
+
+    def kv_cache_shape(self, num_blocks: int, block_size: int, num_kv_heads: int,
+                       head_dim: int) -> tuple[int, ...]:
+        return reference.kv_cache_shape(num_blocks, block_size, num_kv_heads, head_dim)
+
+    def kv_cache_spec(self, axis: str) -> P:
+        """How the cache splits over a mesh axis of tensor parallelism: by kv head
+        (`[pages, page_size, 2 * kv_heads, D]`: K and V of a head stay together)."""
+        return P(None, None, axis, None)
+
+    def write_kv(self, kv_cache: jax.Array, k: jax.Array, v: jax.Array,
+                 md: AttentionMetadata, page_offset: int = 0) -> jax.Array:
+        return reference.write_kv(kv_cache, k, v, md.slot_mapping, page_offset)
+
+    def attend(self, q: jax.Array, kv_cache: jax.Array, md: AttentionMetadata, *,
+               sm_scale: float, sliding_window: int | None = None,
+               soft_cap: float | None = None, page_offset: int = 0) -> jax.Array:
+        return reference.ragged_paged_attention(
+            q, kv_cache, md.kv_lens, md.page_indices, md.cu_q_lens, md.num_seqs,
+            sm_scale=sm_scale, sliding_window=sliding_window, soft_cap=soft_cap,
+            page_offset=page_offset)
