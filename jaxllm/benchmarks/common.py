@@ -52,10 +52,8 @@ def measure_matmul_peak(n: int = 8192) -> float:
     return 2 * n**3 / t
 
 
-def measure_allreduce_bandwidth(devices: Any, gib: float = 1.0) -> float:
-    """Bus bandwidth of a jitted psum of `gib` GiB of bf16 over `devices`: the bytes a
-    ring all-reduce moves through each device, 2 (n - 1) / n of the buffer, per second
-    (nccl-tests' busbw), the figure step_floor's all-reduce term divides by."""
+def measure_allreduce_seconds(devices: Any, nbytes: int) -> float:
+    """Median seconds of one jitted psum of `nbytes` of bf16 on each of `devices`."""
     from jax.sharding import Mesh, NamedSharding
     from jax.sharding import PartitionSpec as P
 
@@ -63,16 +61,25 @@ def measure_allreduce_bandwidth(devices: Any, gib: float = 1.0) -> float:
     n = len(devices)
     if n < 2:
         raise ValueError(f"devices: an all-reduce needs at least 2, got {n}")
-    per_device = max(int(gib * (1 << 30)) // 2, 1)
     mesh = Mesh(np.asarray(devices), ("x",))
-    # Made in place, each device its own row: no device holds all n GiB at once.
-    x = jax.jit(lambda: jnp.ones((n, per_device), jnp.bfloat16),
+    # Made in place, each device its own row: no device holds all n buffers at once.
+    x = jax.jit(lambda: jnp.ones((n, max(nbytes // 2, 1)), jnp.bfloat16),
                 out_shardings=NamedSharding(mesh, P("x")))()
     psum = jax.jit(jax.shard_map(lambda b: jax.lax.psum(b, "x"), mesh=mesh,
                                  in_specs=P("x"), out_specs=P("x")))
     t = median_time(psum, x, iters=5, reps=5)
     del x
-    return per_device * 2 * 2 * (n - 1) / n / t
+    return t
+
+
+def measure_allreduce_bandwidth(devices: Any, gib: float = 1.0) -> float:
+    """Bus bandwidth of a psum of `gib` GiB over `devices`: the bytes a ring all-reduce
+    moves through each device, 2 (n - 1) / n of the buffer, per second (nccl-tests'
+    busbw), the figure step_floor's all-reduce term divides by."""
+    devices = list(devices)
+    n = len(devices)
+    nbytes = max(int(gib * (1 << 30)) // 2, 1) * 2
+    return nbytes * 2 * (n - 1) / n / measure_allreduce_seconds(devices, nbytes)
 
 
 def add_model_args(ap: Any) -> None:

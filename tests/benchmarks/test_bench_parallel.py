@@ -42,7 +42,11 @@ def test_bench_latency_runs_at_tp_and_times_the_all_reduces_only_above_tp1(tiny,
     assert r["ms_per_token"] > 0 and r["roofline_ms_per_token"] > 0
     assert (r["allreduce_bus_GBps"] is None) == (tp == 1)
     if tp == 2:
-        assert r["allreduce_bus_GBps"] > 0
+        assert r["allreduce_bus_GBps"] > 0 and r["allreduce_step_us"] > 0
+        # The second floor times each of the 2 x 2 layers' all-reduces at the small psum.
+        assert r["floor_with_allreduce_latency_ms"] > 4 * r["allreduce_step_us"] / 1e3
+    else:
+        assert r["floor_with_allreduce_latency_ms"] == r["roofline_ms_per_token"]
 
 
 @pytest.mark.slow
