@@ -13,6 +13,7 @@ import numpy as np
 import pytest
 from flax import nnx
 
+from jaxllm.config import EngineArgs
 from jaxllm.distributed.mesh import make_mesh, param_shardings
 from jaxllm.entrypoints import cli
 from jaxllm.entrypoints.cli_convert import convert
@@ -64,10 +65,10 @@ def test_converted_dtype_is_what_auto_restores(tmp_path):
     model_dir = make_tiny_checkpoint(tmp_path, **TINY)
     out = str(tmp_path / "orbax")
     convert(model_dir, out, dtype="bfloat16")
-    got, _ = _weights(out, 1)  # model_config's float32 casts on restore
-    mc = model_config(out)
-    assert str(getattr(mc.hf_config, "dtype", None) or mc.hf_config.torch_dtype) in (
-        "bfloat16", "torch.bfloat16")
+    auto = EngineArgs(model=out, skip_tokenizer_init=True).create_engine_config()
+    assert auto.model_config.dtype == "bfloat16"
+    got, _ = _weights(out, 1)  # restored into float32 (model_config's dtype): a cast
+    assert got["embed_tokens"].dtype == np.float32
     want, _ = _weights(model_dir, 1)
     emb_want = np.asarray(want["embed_tokens"]).astype(jax.numpy.bfloat16).astype(np.float32)
     np.testing.assert_array_equal(np.asarray(got["embed_tokens"]), emb_want)
@@ -108,7 +109,7 @@ def test_llm_on_a_converted_checkpoint_generates_what_the_safetensors_one_does(t
     assert all(len(t) == 8 for t in texts[1])
 
 
-def test_cli_convert_writes_a_checkpoint_that_generate_loads(tmp_path):
+def test_cli_convert_writes_a_checkpoint_that_restores_the_same_weights(tmp_path):
     model_dir = make_tiny_checkpoint(tmp_path, **TINY)
     out = str(tmp_path / "orbax")
     env = {**os.environ, "PYTHONPATH": os.getcwd() + os.pathsep + os.environ.get("PYTHONPATH", "")}
