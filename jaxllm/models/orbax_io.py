@@ -122,10 +122,8 @@ def load_orbax(model_dir: str, hf_config: Any, state: nnx.State, shardings: dict
                           nnx.to_pure_dict(state), shardings)
     path = os.path.abspath(os.path.join(model_dir, ORBAX_DIR))
     with ocp.StandardCheckpointer() as ckptr:
-        stored = ckptr.metadata(path)
-        stored_tree = getattr(stored, "item_metadata", stored)
-        _check_shapes(model_dir, _flat(getattr(stored_tree, "tree", stored_tree)),
-                      _flat(_string_keys(target)))
+        stored = ckptr.metadata(path).item_metadata.tree
+        _check_shapes(model_dir, _flat(stored), _flat(_string_keys(target)))
         restored = ckptr.restore(path, _string_keys(target))
     return _int_keys_like(restored, target)
 
@@ -136,7 +134,7 @@ def _check_shapes(model_dir: str, stored: dict, wanted: dict) -> None:
         raise ParameterError("model", f"orbax checkpoint {model_dir!r} lacks weight "
                              f"{'.'.join(missing[0])!r} ({len(missing)} missing)")
     for key, want in wanted.items():
-        got = tuple(getattr(stored[key], "shape", ()) or ())
+        got = tuple(stored[key].shape)
         if got != tuple(want.shape):
             raise ParameterError("model", f"orbax checkpoint {model_dir!r}: weight "
                                  f"{'.'.join(key)!r} has shape {got}, but config.json "

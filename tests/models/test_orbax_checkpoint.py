@@ -130,3 +130,18 @@ def test_cli_convert_into_an_existing_checkpoint_is_an_error_naming_out(tmp_path
     convert(model_dir, out)
     assert cli.main(["convert", model_dir, out]) == 2
     assert "error: out: " in capsys.readouterr().err
+
+
+def test_a_config_that_no_longer_matches_the_checkpoint_names_the_weight(tmp_path):
+    model_dir = make_tiny_checkpoint(tmp_path, **TINY)
+    out = str(tmp_path / "orbax")
+    convert(model_dir, out)
+    cfg_path = os.path.join(out, "config.json")
+    with open(cfg_path) as f:
+        cfg = json.load(f)
+    cfg["intermediate_size"] *= 2
+    with open(cfg_path, "w") as f:
+        json.dump(cfg, f)
+    with pytest.raises(ParameterError, match="model: orbax checkpoint .* weight "
+                                             "'layers.0.mlp.down_proj' has shape"):
+        _weights(out, 1)
