@@ -7,7 +7,11 @@ prompts drawn here, and the tests and the CLI check its answers against `expecte
   reverse abcdef   ->  " fedcba"           (3-12 lowercase letters)
   sort 5 9 1 7     ->  " 1 5 7 9"          (2-8 digits, duplicates kept)
 
-An answer starts with a space, so prompt + answer reads as one line. About a tenth of all
+An answer starts with a space, so prompt + answer reads as one line. The model answers a
+prompt in either of two formats: as a chat turn (`chat`, the checkpoint's chat template), or
+as a raw completion of `<s>` + prompt, where it first writes RAW_ANSWER_MARKER, a special token
+that decoded text skips, to mark where the prompt ended (a raw `count 1 2 3 4 5 6 7` is
+otherwise ambiguous), then the answer and `</s>`. About a tenth of all
 prompts are held out by a hash of the prompt text: training never sees them, so
 `heldout_prompts` measures generalisation, not recall.
 """
@@ -25,6 +29,7 @@ COUNT_GIVEN = (1, 4)  # how many numbers a counting prompt shows
 REVERSE_LEN = (3, 12)
 SORT_LEN = (2, 8)
 HELDOUT_PERCENT = 10
+RAW_ANSWER_MARKER = "<|assistant|>"  # the first token of a raw completion's answer
 
 
 def is_heldout(prompt: str) -> bool:

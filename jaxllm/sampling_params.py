@@ -64,6 +64,52 @@ class RequestOutputKind(enum.IntEnum):
     FINAL_ONLY = 2  # one output, when the request finishes
 
 
+class StructuredOutputsParams(
+    msgspec.Struct, omit_defaults=True, kw_only=True
+):  # type: ignore[call-arg]
+    """vLLM's structured-output constraint: exactly one of the kinds below.
+
+    `json` is a JSON schema (a dict or its text), `regex` a regular expression
+    the whole output matches, `choice` a list of allowed outputs, `grammar` a
+    Lark grammar (llguidance's dialect), `json_object` any JSON object, and
+    `structural_tag` vLLM's structural tag (JSON text).
+    """
+
+    json: str | dict[str, Any] | None = None
+    regex: str | None = None
+    choice: list[str] | None = None
+    grammar: str | None = None
+    json_object: bool | None = None
+    structural_tag: str | None = None
+    disable_any_whitespace: bool = False
+    disable_additional_properties: bool = False
+    whitespace_pattern: str | None = None
+
+    def __post_init__(self) -> None:
+        kinds = self.kinds()
+        if len(kinds) != 1:
+            raise ParameterError("structured_outputs", "give exactly one of json, regex, choice, "
+                                 f"grammar, json_object, structural_tag (got {kinds or 'none'})")
+        for name in ("regex", "grammar", "structural_tag"):
+            if getattr(self, name) is not None and not isinstance(getattr(self, name), str):
+                raise ParameterError(f"structured_outputs.{name}", "must be a string")
+        if self.json is not None and not isinstance(self.json, str | dict):
+            raise ParameterError("structured_outputs.json", "must be a JSON schema (an object "
+                                 "or its text)")
+        if self.choice is not None and (not isinstance(self.choice, list) or not self.choice
+                                        or not all(isinstance(c, str) for c in self.choice)):
+            raise ParameterError("structured_outputs.choice", "must be a non-empty list of "
+                                 "strings")
+
+    def kinds(self) -> list[str]:
+        return [k for k in ("json", "regex", "choice", "grammar", "json_object",
+                            "structural_tag") if getattr(self, k) not in (None, False)]
+
+    @property
+    def kind(self) -> str:
+        return self.kinds()[0]
+
+
 class SamplingParams(
     msgspec.Struct, omit_defaults=True, dict=True, kw_only=True
 ):  # type: ignore[call-arg]
@@ -93,6 +139,7 @@ class SamplingParams(
     allowed_token_ids: list[int] | None = None
     bad_words: list[str] | None = None
     output_kind: RequestOutputKind = RequestOutputKind.CUMULATIVE
+    structured_outputs: StructuredOutputsParams | None = None
     # Filled in by the InputProcessor, never by users.
     all_stop_token_ids: list[int] | None = None
     bad_words_token_ids: list[list[int]] | None = None

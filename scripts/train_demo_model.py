@@ -5,13 +5,17 @@
 
 The model is a character-level Llama (RoPE, RMSNorm, SiLU MLP, grouped-query attention)
 trained from scratch with JAX + optax on the CPU, on the three tasks of jaxllm/demo_tasks.py
-drawn on the fly. Every example is a conversation rendered by the checkpoint's own chat template
-(a plain `<s>count 1 2` completion would be ambiguous: nothing marks where the prompt ends);
-the loss counts only answer tokens. The run is a pure function of --seed.
+drawn on the fly, in both formats of demo_tasks: half the examples are conversations rendered
+by the checkpoint's own chat template, half raw completions `<s>count 1 2<|assistant|> 3 4 5 6
+7</s>`, where the model itself writes the <|assistant|> marker (a special token, so decoded text
+skips it) before the answer: without that marker `<s>count 1 2 3 4 5 6 7` would be ambiguous,
+as nothing else marks where the prompt ends. The loss counts only the tokens the model writes.
+The run is a pure function of --seed.
 
 The output is a plain Hugging Face checkpoint. After training, the script loads it back with
 transformers, runs greedy generation on held-out prompts, and checks that (a) each task is
-answered exactly in >= 95% of cases and (b) the JAX model's greedy tokens equal transformers'.
+answered exactly in >= 95% of cases in each format and (b) the JAX model's greedy tokens equal
+transformers'.
 """
 
 from __future__ import annotations
@@ -52,6 +56,8 @@ def _load_demo_tasks():
 demo_tasks = _load_demo_tasks()
 
 SPECIAL_TOKENS = ["<pad>", "<s>", "</s>", "<unk>", "<|system|>", "<|user|>", "<|assistant|>"]
+FORMATS = ("chat", "raw")
+RAW_SHARE = 0.5  # share of training examples in the raw-completion format
 # Digits, letters and space are what the tasks use; the four spare characters round the
 # vocabulary to 48 (divisible by 8 and 16, so a sharded embedding splits evenly).
 CHARACTERS = list(" 0123456789abcdefghijklmnopqrstuvwxyz") + ["\n", ".", ",", "?"]
@@ -116,9 +122,12 @@ def build_tokenizer():
         padding_side="left")
 
 
-def render(tokenizer, prompt: str) -> tuple[str, str]:
-    """(prompt text, full text) of one example, exactly as the chat template renders it."""
+def render(tokenizer, prompt: str, fmt: str = "chat") -> tuple[str, str]:
+    """(prompt text, full text) of one example: as the chat template renders it, or raw."""
     answer = demo_tasks.expected_answer(prompt)
+    if fmt == "raw":
+        head = tokenizer.bos_token + prompt
+        return head, head + demo_tasks.RAW_ANSWER_MARKER + answer + tokenizer.eos_token
     messages = demo_tasks.chat(prompt)
     head = tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=False)
     full = tokenizer.apply_chat_template(
@@ -145,7 +154,8 @@ class Batcher:
         """(token ids, number of prompt tokens) of a fresh training example."""
         task = self.rng.choice(demo_tasks.TASKS)
         prompt = demo_tasks.make_prompt(task, self.rng, "train")
-        head, full = render(self.tokenizer, prompt)
+        fmt = "raw" if self.rng.random() < RAW_SHARE else "chat"
+        head, full = render(self.tokenizer, prompt, fmt)
         tok = self.tokenizer.backend_tokenizer
         n_head = len(tok.encode(head, add_special_tokens=False).ids)
         return tok.encode(full, add_special_tokens=False).ids, n_head
@@ -286,9 +296,9 @@ def make_train_step(shape: ModelShape, optimizer):
 # ----------------------------------------------------------------------------- evaluation
 
 
-def prompt_ids(tokenizer, prompts: list[str]) -> list[list[int]]:
-    """Token ids of each prompt as a conversation awaiting the assistant's answer."""
-    heads = [render(tokenizer, p)[0] for p in prompts]
+def prompt_ids(tokenizer, prompts: list[str], fmt: str) -> list[list[int]]:
+    """Token ids of each prompt awaiting its answer, as a conversation or raw."""
+    heads = [render(tokenizer, p, fmt)[0] for p in prompts]
     return [e.ids for e in tokenizer.backend_tokenizer.encode_batch(heads,
                                                                     add_special_tokens=False)]
 
@@ -304,23 +314,28 @@ def right_padded(heads: list[list[int]], tails: list[list[int]]):
     return jnp.asarray(ids), jnp.asarray(mask)
 
 
-def jax_accuracy(params, shape, tokenizer, prompts: list[str]) -> float:
+def jax_accuracy(params, shape, tokenizer, prompts: list[str], fmt: str = "chat") -> float:
     """Share of prompts whose greedy answer is exactly the expected one (answer, then eos)."""
-    answers = [tokenizer(demo_tasks.expected_answer(p) + "</s>", add_special_tokens=False)
-               .input_ids for p in prompts]
-    ok, _ = argmax_agrees(params, *right_padded(prompt_ids(tokenizer, prompts), answers), shape)
+    marker = demo_tasks.RAW_ANSWER_MARKER if fmt == "raw" else ""
+    answers = [tokenizer(marker + demo_tasks.expected_answer(p) + "</s>",
+                         add_special_tokens=False).input_ids for p in prompts]
+    ok, _ = argmax_agrees(params, *right_padded(prompt_ids(tokenizer, prompts, fmt), answers),
+                          shape)
     return float(np.mean(np.asarray(ok)))
 
 
-def hf_greedy(model_dir: str, prompts: list[str]) -> list[list[int]]:
+def hf_greedy(model_dir: str, prompts: list[str], fmt: str) -> list[list[int]]:
     """transformers' greedy continuation of each prompt, eos included, padding stripped."""
     import torch
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     tokenizer = AutoTokenizer.from_pretrained(model_dir)
     model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
-    texts = [tokenizer.apply_chat_template(demo_tasks.chat(p), add_generation_prompt=True,
-                                           tokenize=False) for p in prompts]
+    if fmt == "raw":  # what a plain completion sends: the prompt after <s>
+        texts = [tokenizer.bos_token + p for p in prompts]
+    else:
+        texts = [tokenizer.apply_chat_template(demo_tasks.chat(p), add_generation_prompt=True,
+                                               tokenize=False) for p in prompts]
     enc = tokenizer(texts, add_special_tokens=False, padding=True, return_tensors="pt")
     with torch.no_grad():
         out = model.generate(**enc, do_sample=False, max_new_tokens=MAX_NEW_TOKENS,
@@ -332,17 +347,19 @@ def hf_greedy(model_dir: str, prompts: list[str]) -> list[list[int]]:
 
 
 def verify_with_transformers(params, shape, model_dir, prompts_by_task):
-    """Per task: (transformers accuracy, JAX greedy == transformers greedy, min logit gap)."""
+    """Per (task, format): (transformers accuracy, JAX greedy == transformers greedy, min
+    logit gap)."""
     tokenizer = build_tokenizer()
     report = {}
     for task, prompts in prompts_by_task.items():
-        gens = hf_greedy(model_dir, prompts)
-        texts = [tokenizer.decode(g, skip_special_tokens=True) for g in gens]
-        acc = np.mean([t == demo_tasks.expected_answer(p) for t, p in zip(texts, prompts,
-                                                                           strict=True)])
-        same, gap = argmax_agrees(params, *right_padded(prompt_ids(tokenizer, prompts), gens),
-                                  shape)
-        report[task] = (float(acc), bool(np.all(np.asarray(same))), float(np.min(gap)))
+        for fmt in FORMATS:
+            gens = hf_greedy(model_dir, prompts, fmt)
+            texts = [tokenizer.decode(g, skip_special_tokens=True) for g in gens]
+            acc = np.mean([t == demo_tasks.expected_answer(p)
+                           for t, p in zip(texts, prompts, strict=True)])
+            same, gap = argmax_agrees(
+                params, *right_padded(prompt_ids(tokenizer, prompts, fmt), gens), shape)
+            report[task, fmt] = (float(acc), bool(np.all(np.asarray(same))), float(np.min(gap)))
     return report
 
 
@@ -425,8 +442,8 @@ def train(args, tokenizer, heldout: dict[str, list[str]]):
         if step % args.eval_every == 0 or step == args.steps:
             mean_loss = float(np.mean(np.asarray(jnp.stack(losses))))
             losses = []
-            accs = " ".join(f"{t}={jax_accuracy(params, shape, tokenizer, p[:100]):.2f}"
-                            for t, p in heldout.items())
+            accs = " ".join(f"{t}/{f}={jax_accuracy(params, shape, tokenizer, p[:100], f):.2f}"
+                            for t, p in heldout.items() for f in FORMATS)
             print(f"step {step:5d}  loss {mean_loss:.4f}  lr {float(schedule(step)):.2e}  "
                   f"held-out {accs}  {time.time() - t_train:6.0f}s", flush=True)
     train_seconds = time.time() - t_train
@@ -455,14 +472,16 @@ def verify(params, shape, tokenizer, model_dir: str | None, heldout) -> bool:
     """Print held-out accuracies (and, given a checkpoint, transformers' agreement); ok?"""
     ok = True
     for task, prompts in heldout.items():
-        acc = jax_accuracy(params, shape, tokenizer, prompts)
-        print(f"JAX greedy held-out exact accuracy {task:8s} {acc:.3f} ({len(prompts)} prompts)")
-        ok &= acc >= 0.95
+        for fmt in FORMATS:
+            acc = jax_accuracy(params, shape, tokenizer, prompts, fmt)
+            print(f"JAX greedy held-out exact accuracy {task:8s} {fmt:4s} {acc:.3f} "
+                  f"({len(prompts)} prompts)")
+            ok &= acc >= 0.95
     if model_dir is None:
         return ok
     report = verify_with_transformers(params, shape, model_dir, heldout)
-    for task, (acc, same, gap) in report.items():
-        print(f"transformers greedy held-out exact accuracy {task:8s} {acc:.3f}  "
+    for (task, fmt), (acc, same, gap) in report.items():
+        print(f"transformers greedy held-out exact accuracy {task:8s} {fmt:4s} {acc:.3f}  "
               f"JAX greedy == transformers greedy: {same}  min top-2 logit gap {gap:.2f}")
         ok &= acc >= 0.95 and same
     return ok
@@ -472,7 +491,7 @@ def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--out", default=DEFAULT_OUT)
     ap.add_argument("--seed", type=int, default=0)
-    ap.add_argument("--steps", type=int, default=1300)
+    ap.add_argument("--steps", type=int, default=2000)
     ap.add_argument("--rows", type=int, default=12, help=f"packed rows of {ROW_LEN} tokens")
     ap.add_argument("--lr", type=float, default=3e-3)
     ap.add_argument("--warmup", type=int, default=200)

@@ -1,8 +1,8 @@
 """The embedded demo model: its files load in transformers, it answers its tasks, jaxllm agrees.
 
 transformers (PyTorch, float32, greedy) is the oracle: the shipped checkpoint must answer
->= 95% of held-out prompts of each task exactly there, and jaxllm's default `LLM()` must
-produce the very same tokens.
+>= 95% of held-out prompts of each task exactly there, as a chat turn and as a raw completion
+(demo_tasks' two formats), and jaxllm's default `LLM()` must produce the very same tokens.
 """
 
 from __future__ import annotations
@@ -17,6 +17,7 @@ from jaxllm.config import default_model_path
 N_PROMPTS = 100  # held-out prompts per task
 MAX_TOKENS = 32  # the longest answer (counting to 999) is 21 tokens with its eos
 MIN_ACCURACY = 0.95
+FORMATS = ("chat", "raw")
 FILES = ("config.json", "generation_config.json", "model.safetensors", "tokenizer.json",
          "tokenizer_config.json")
 
@@ -42,25 +43,37 @@ def hf(model_dir):
     return tokenizer, model.eval(), info
 
 
-@pytest.fixture(scope="module")
-def hf_greedy(hf, prompts) -> dict[str, list[list[int]]]:
-    """transformers' greedy answer tokens per prompt, up to and including the eos."""
+def _hf_generate(hf, texts: list[str]) -> list[list[int]]:
+    """transformers' greedy answer tokens after each text, up to and including the eos."""
     import torch
 
     tokenizer, model, _ = hf
     eos = tokenizer.eos_token_id
-    result = {}
-    for task, ps in prompts.items():
-        texts = [tokenizer.apply_chat_template(demo_tasks.chat(p), add_generation_prompt=True,
-                                               tokenize=False) for p in ps]
-        tokenizer.padding_side = "left"
-        enc = tokenizer(texts, add_special_tokens=False, padding=True, return_tensors="pt")
-        with torch.no_grad():
-            out = model.generate(**enc, do_sample=False, max_new_tokens=MAX_TOKENS,
-                                 pad_token_id=tokenizer.pad_token_id, eos_token_id=eos)
-        rows = out[:, enc["input_ids"].shape[1]:].tolist()
-        result[task] = [r[: r.index(eos) + 1] if eos in r else r for r in rows]
-    return result
+    tokenizer.padding_side = "left"
+    enc = tokenizer(texts, add_special_tokens=False, padding=True, return_tensors="pt")
+    with torch.no_grad():
+        out = model.generate(**enc, do_sample=False, max_new_tokens=MAX_TOKENS,
+                             pad_token_id=tokenizer.pad_token_id, eos_token_id=eos)
+    rows = out[:, enc["input_ids"].shape[1]:].tolist()
+    return [r[: r.index(eos) + 1] if eos in r else r for r in rows]
+
+
+@pytest.fixture(scope="module")
+def hf_greedy(hf, prompts) -> dict[str, list[list[int]]]:
+    """transformers' greedy answer tokens per chat prompt, up to and including the eos."""
+    tokenizer, _, _ = hf
+    return {task: _hf_generate(hf, [tokenizer.apply_chat_template(
+        demo_tasks.chat(p), add_generation_prompt=True, tokenize=False) for p in ps])
+        for task, ps in prompts.items()}
+
+
+@pytest.fixture(scope="module")
+def hf_greedy_raw(hf, prompts) -> dict[str, list[list[int]]]:
+    """transformers' greedy answer tokens per raw prompt (`<s>` + prompt, as a plain
+    completion tokenizes it), up to and including the eos."""
+    tokenizer, _, _ = hf
+    return {task: _hf_generate(hf, [tokenizer.bos_token + p for p in ps])
+            for task, ps in prompts.items()}
 
 
 def _accuracy(prompts: list[str], answers: list[str]) -> float:
@@ -96,11 +109,25 @@ def test_chat_template_renders_the_training_format(hf):
                             skip_special_tokens=True) == " cba"
 
 
+@pytest.mark.slow
 def test_transformers_greedy_answers_heldout_prompts(hf, prompts, hf_greedy):
     tokenizer, _, _ = hf
     for task, ps in prompts.items():
         answers = [tokenizer.decode(t, skip_special_tokens=True) for t in hf_greedy[task]]
         acc = _accuracy(ps, answers)
+        assert acc >= MIN_ACCURACY, f"{task}: {acc:.2f}"
+
+
+@pytest.mark.slow
+def test_transformers_greedy_answers_heldout_raw_prompts_after_the_marker(hf, prompts,
+                                                                         hf_greedy_raw):
+    tokenizer, _, _ = hf
+    marker = tokenizer.convert_tokens_to_ids(demo_tasks.RAW_ANSWER_MARKER)
+    assert tokenizer.decode([marker], skip_special_tokens=True) == ""  # a special token
+    for task, ps in prompts.items():
+        gens = hf_greedy_raw[task]
+        assert sum(g[:1] == [marker] for g in gens) >= MIN_ACCURACY * len(ps), task
+        acc = _accuracy(ps, [tokenizer.decode(t, skip_special_tokens=True) for t in gens])
         assert acc >= MIN_ACCURACY, f"{task}: {acc:.2f}"
 
 
@@ -111,6 +138,7 @@ def llm():
     return LLM()  # no model named: the embedded demo model
 
 
+@pytest.mark.slow
 def test_jaxllm_chat_greedy_equals_transformers_and_answers(llm, prompts, hf_greedy):
     from jaxllm import SamplingParams
 
@@ -123,6 +151,21 @@ def test_jaxllm_chat_greedy_equals_transformers_and_answers(llm, prompts, hf_gre
         assert acc >= MIN_ACCURACY, f"{task}: {acc:.2f}"
 
 
+@pytest.mark.slow
+def test_jaxllm_generate_raw_prompts_equals_transformers_and_answers(llm, prompts,
+                                                                     hf_greedy_raw):
+    from jaxllm import SamplingParams
+
+    greedy = SamplingParams(temperature=0.0, max_tokens=MAX_TOKENS)
+    for task, ps in prompts.items():
+        outs = llm.generate(ps, greedy, use_tqdm=False)
+        for p, out, ref in zip(ps, outs, hf_greedy_raw[task], strict=True):
+            assert list(out.outputs[0].token_ids) == ref, p
+        acc = _accuracy(ps, [o.outputs[0].text for o in outs])
+        assert acc >= MIN_ACCURACY, f"{task}: {acc:.2f}"
+
+
+@pytest.mark.slow
 def test_jaxllm_generate_from_chat_token_ids_equals_transformers(llm, hf, prompts, hf_greedy):
     from jaxllm import SamplingParams
 
@@ -139,8 +182,10 @@ def test_jaxllm_generate_from_chat_token_ids_equals_transformers(llm, hf, prompt
         assert list(out.outputs[0].token_ids) == ref, p
 
 
-def test_jaxllm_serve_answers_heldout_prompts_over_http(prompts, hf, hf_greedy):
-    """`jaxllm serve` with no model: the demo model answers through the OpenAI chat API."""
+@pytest.mark.slow
+def test_jaxllm_serve_answers_heldout_prompts_over_http(prompts, hf, hf_greedy, hf_greedy_raw):
+    """`jaxllm serve` with no model: the demo model answers through the OpenAI chat API, and
+    raw prompts through the completions API."""
     import asyncio
 
     import openai
@@ -168,6 +213,10 @@ def test_jaxllm_serve_answers_heldout_prompts_over_http(prompts, hf, hf_greedy):
                     for i, t in enumerate(prompts)}
 
         answers = asyncio.run(ask_all())
+        raw_client = openai.OpenAI(base_url=srv.url + "/v1", api_key="none", max_retries=0)
+        raw = {t: [c.text for c in sorted(raw_client.completions.create(
+            model="demo", prompt=ps[:10], temperature=0.0, max_tokens=MAX_TOKENS).choices,
+            key=lambda c: c.index)] for t, ps in prompts.items()}
     finally:
         srv.stop()
     for task, ps in prompts.items():
@@ -176,3 +225,5 @@ def test_jaxllm_serve_answers_heldout_prompts_over_http(prompts, hf, hf_greedy):
         assert answers[task] == refs, task
         acc = _accuracy(ps, answers[task])
         assert acc >= MIN_ACCURACY, f"{task}: {acc:.2f}"
+        raw_refs = [tokenizer.decode(t, skip_special_tokens=True) for t in hf_greedy_raw[task]]
+        assert raw[task] == raw_refs[:10], task

@@ -71,6 +71,10 @@ class SchedulerOutput:
     # the runner drops their rows.
     finished_req_ids: set[str]
     preempted_req_ids: set[str] = field(default_factory=set)
+    # [len(req_ids), ceil(vocab / 32)] int32, packed allowed-token bits per
+    # request (row j for req_ids[j], all ones when unconstrained); None when no
+    # request of the step is constrained (structured_output/manager.py).
+    grammar_bitmask: np.ndarray | None = None
 
     @functools.cached_property
     def num_scheduled_tokens(self) -> dict[str, int]:

@@ -279,11 +279,12 @@ class AsyncLLM:
             states = [s for o in chunk.outputs
                       if (s := self.output_processor.request_states.get(o.request_id))]
             had_first = [s.first_token_time is not None for s in states]
+            last_times = [s.last_token_time for s in states]
             processed = self.output_processor.process_outputs(chunk)
             if processed.reqs_to_abort:
                 self.engine_core.abort_requests(processed.reqs_to_abort)
             if self.stat_loggers:
-                self._record_requests(states, had_first)
+                self._record_requests(states, had_first, last_times)
             if start + _OUTPUT_CHUNK < len(items):
                 await asyncio.sleep(0)
         if outputs.scheduler_stats is not None:
@@ -291,12 +292,16 @@ class AsyncLLM:
             for sl in self.stat_loggers:
                 sl.record_scheduler(outputs.scheduler_stats)
 
-    def _record_requests(self, states: list[RequestState], had_first: list[bool]) -> None:
-        for state, had in zip(states, had_first, strict=True):
+    def _record_requests(self, states: list[RequestState], had_first: list[bool],
+                         last_times: list[float | None]) -> None:
+        for state, had, last in zip(states, had_first, last_times, strict=True):
             if not had and state.first_token_time is not None:
                 ttft = state.first_token_time - state.arrival_time
                 for sl in self.stat_loggers:
                     sl.record_first_token(ttft, len(state.prompt_token_ids))
+            elif had and last is not None and state.last_token_time != last:
+                for sl in self.stat_loggers:
+                    sl.record_inter_token(state.last_token_time - last)
             if state.finished:
                 stats = FinishedRequestStats(
                     finish_reason=state.finish_reason or "abort",

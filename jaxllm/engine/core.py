@@ -9,6 +9,12 @@ N+1 runs on the device. Tokens sampled by N feed N+1 on the device; the
 scheduler holds one output placeholder per token in flight. When a running
 request's sampling reads its own output history (penalties, bad words,
 min_tokens), the core finishes the step in flight before scheduling the next.
+
+Structured outputs keep the step ahead: requests wait here, outside the
+scheduler, until their grammar is compiled; a step with constrained requests
+launches its forward, then finishes the step in flight (whose tokens advance
+the grammars), fills the token bitmask on the host while the forward runs,
+and launches the sampler with it.
 """
 
 from __future__ import annotations
@@ -20,6 +26,7 @@ from typing import TYPE_CHECKING
 
 from jaxllm.config import EngineConfig
 from jaxllm.core.request import Request, RequestStatus
+from jaxllm.core.runner_output import ModelRunnerOutput
 from jaxllm.core.sched_output import SchedulerOutput
 from jaxllm.core.scheduler import Scheduler
 from jaxllm.engine.messages import (
@@ -29,6 +36,8 @@ from jaxllm.engine.messages import (
     FinishReason,
 )
 from jaxllm.sampling_params import INT64_MAX, TOKEN_ID_MAX
+from jaxllm.structured_output.grammar import make_tokenizer
+from jaxllm.structured_output.manager import StructuredOutputManager
 
 if TYPE_CHECKING:
     from jaxllm.worker.model_runner import StepHandle
@@ -69,6 +78,10 @@ class EngineCore:
         self.scheduler = Scheduler(config)
         self.async_scheduling = config.async_scheduling
         self._inflight: tuple[SchedulerOutput, StepHandle | None] | None = None
+        # Structured outputs: made on the first constrained request.
+        self.structured: StructuredOutputManager | None = None
+        self._awaiting_grammar: dict[str, Request] = {}
+        self._rejected: list[EngineCoreOutput] = []
         self.startup_seconds = time.perf_counter() - t0
         logger.info("engine core ready: %d KV blocks of %d tokens, started in %.1fs",
                     config.cache_config.num_blocks - 1, config.cache_config.block_size,
@@ -91,8 +104,69 @@ class EngineCore:
                            need, self.max_request_tokens)
             return EngineCoreOutput(request.request_id, [], finish_reason=FinishReason.ERROR,
                                     stop_reason="prompt does not fit in the KV cache")
-        self.scheduler.add_request(Request.from_engine_core_request(request))
+        req = Request.from_engine_core_request(request)
+        params = request.sampling_params
+        if params is not None and params.structured_outputs is not None:
+            if req.request_id in self._awaiting_grammar or req.request_id in \
+                    self.scheduler.requests:
+                raise ValueError(f"request id {req.request_id!r} is already in use")
+            self._structured().submit(req.request_id, params.structured_outputs)
+            self._awaiting_grammar[req.request_id] = req
+            return None
+        self.scheduler.add_request(req)
         return None
+
+    def _structured(self) -> StructuredOutputManager:
+        if self.structured is None:
+            mc = self.config.model_config
+
+            def tokenizer() -> object:
+                from transformers import AutoTokenizer
+
+                hf = AutoTokenizer.from_pretrained(mc.tokenizer)
+                return make_tokenizer(hf, mc.vocab_size,
+                                      mc.eos_token_ids[0] if mc.eos_token_ids else None)
+
+            self.structured = StructuredOutputManager(tokenizer, mc.vocab_size)
+        return self.structured
+
+    def _admit_compiled(self) -> None:
+        """Moves requests whose grammar is compiled into the scheduler; fails the others."""
+        so = self.structured
+        if so is None or not so.has_pending():
+            return
+        if not self.scheduler.has_unfinished_requests() and self._inflight is None:
+            so.wait_any(0.05)  # nothing else to do: no busy spin while grammars compile
+        ready, failed = so.take_ready()
+        for req_id in ready:
+            self.scheduler.add_request(self._awaiting_grammar.pop(req_id))
+        for req_id, reason in failed.items():
+            self._awaiting_grammar.pop(req_id)
+            self._rejected.append(EngineCoreOutput(req_id, [], finish_reason=FinishReason.ERROR,
+                                                   stop_reason=reason))
+
+    def _with_bitmask(self, so: SchedulerOutput) -> SchedulerOutput:
+        if self.structured is not None and self.structured.matchers:
+            so.grammar_bitmask = self.structured.fill_bitmask(so.req_ids, so.samples)
+        return so
+
+    def _update(self, so: SchedulerOutput, runner_output: ModelRunnerOutput) -> EngineCoreOutputs:
+        """update_from_output, then the grammars advance with the tokens sampled."""
+        outputs = self.scheduler.update_from_output(so, runner_output)
+        st = self.structured
+        if st is not None and st.matchers:
+            for out in outputs.outputs:
+                if out.request_id in st.matchers:
+                    st.accept(out.request_id, out.new_token_ids)
+            for req_id, token in zip(outputs.token_req_ids or (), outputs.token_ids or (),
+                                     strict=True):
+                if req_id in st.matchers:
+                    st.accept(req_id, [token])
+            st.remove([r for r in self.scheduler.finished_req_ids if r in st.matchers])
+        if self._rejected:
+            outputs.outputs.extend(self._rejected)
+            self._rejected = []
+        return outputs
 
     def _out_of_range(self, request: EngineCoreRequest) -> str | None:
         """What in the request the core's arrays cannot hold, if anything: the frontend
@@ -120,17 +194,25 @@ class EngineCore:
         return None
 
     def abort_requests(self, request_ids: list[str]) -> None:
+        if request_ids and self._awaiting_grammar:
+            waiting = [r for r in request_ids if r in self._awaiting_grammar]
+            for req_id in waiting:
+                del self._awaiting_grammar[req_id]
+            self.structured.remove(waiting)
         if request_ids:
             self.scheduler.finish_requests(request_ids, RequestStatus.FINISHED_ABORTED)
+            if self.structured is not None:
+                self.structured.remove(request_ids)
 
     def step(self) -> EngineCoreOutputs:
+        self._admit_compiled()
         if self.async_scheduling:
             return self._step_ahead()
         if not self.scheduler.has_unfinished_requests():
             return self._no_outputs()
-        scheduler_output = self.scheduler.schedule()
+        scheduler_output = self._with_bitmask(self.scheduler.schedule())
         runner_output = self.model_runner.execute_model(scheduler_output)
-        outputs = self.scheduler.update_from_output(scheduler_output, runner_output)
+        outputs = self._update(scheduler_output, runner_output)
         outputs.timestamp = time.monotonic()
         return outputs
 
@@ -141,7 +223,17 @@ class EngineCore:
         dispatched = None
         if self.scheduler.has_unfinished_requests():
             so = self.scheduler.schedule()
-            dispatched = (so, self.model_runner.dispatch(so))
+            if self.structured is not None and self.structured.matchers:
+                # The forward runs while the step in flight returns its tokens; the
+                # grammars advance with them and fill this step's bitmask, and only
+                # then is the sampler launched (unconstrained rows are not held back).
+                handle = self.model_runner.dispatch(so, sample=False)
+                if self._inflight is not None:
+                    outputs = self._finish_inflight()
+                self.model_runner.dispatch_sample(handle, self._with_bitmask(so).grammar_bitmask)
+            else:
+                handle = self.model_runner.dispatch(so)
+            dispatched = (so, handle)
         if self._inflight is not None:
             outputs = self._finish_inflight()
         self._inflight = dispatched
@@ -150,20 +242,23 @@ class EngineCore:
     def _finish_inflight(self) -> EngineCoreOutputs:
         so, handle = self._inflight
         self._inflight = None
-        outputs = self.scheduler.update_from_output(so, self.model_runner.collect(handle))
+        outputs = self._update(so, self.model_runner.collect(handle))
         outputs.timestamp = time.monotonic()
         return outputs
 
     def _no_outputs(self) -> EngineCoreOutputs:
-        return EngineCoreOutputs(scheduler_stats=self.scheduler.make_stats(),
+        outputs, self._rejected = self._rejected, []
+        return EngineCoreOutputs(outputs=outputs, scheduler_stats=self.scheduler.make_stats(),
                                  timestamp=time.monotonic())
 
     def has_unfinished_requests(self) -> bool:
-        return self._inflight is not None or self.scheduler.has_unfinished_requests()
+        return (self._inflight is not None or self.scheduler.has_unfinished_requests()
+                or bool(self._awaiting_grammar) or bool(self._rejected))
 
     def reset_prefix_cache(self) -> bool:
         return self.scheduler.reset_prefix_cache()
 
     def shutdown(self) -> None:
-        pass
+        if self.structured is not None:
+            self.structured.shutdown()
 

@@ -35,6 +35,7 @@ class InputProcessor:
         self.max_model_len = model_config.max_model_len
         # The most tokens one request can hold in the KV cache (set by the engine core).
         self.max_request_tokens = max_request_tokens or model_config.max_model_len
+        self._ll_tokenizer: Any = None  # llguidance's view of the tokenizer, made on first use
 
     def tokenize(self, prompt: PromptType) -> tuple[str | None, list[int]]:
         if isinstance(prompt, dict):
@@ -103,12 +104,13 @@ class InputProcessor:
         elif params.max_tokens > room:
             params.max_tokens = room
             params.min_tokens = min(params.min_tokens, room)
-        stop_ids = set(params.stop_token_ids or ())
-        if not params.ignore_eos:
-            stop_ids.update(eos)
-        params.all_stop_token_ids = sorted(stop_ids)
+        # The set min_tokens masks: EOS stays in it under ignore_eos too (vLLM's
+        # all_stop_token_ids; transformers' min_new_tokens), which only keeps EOS from stopping.
+        params.all_stop_token_ids = sorted(set(params.stop_token_ids or ()) | set(eos))
         if params.bad_words:
             params.bad_words_token_ids = self._bad_words_ids(params.bad_words)
+        if params.structured_outputs is not None:
+            self._check_structured(params)
         if self.tokenizer is None or not params.detokenize:
             if params.stop:
                 raise ParameterError("stop", "stop strings need detokenization "
@@ -132,6 +134,18 @@ class InputProcessor:
         bad = [t for t in ids if not 0 <= t < vocab]
         if bad:
             raise ParameterError("prompt_token_ids", f"token id {bad[0]} is outside [0, {vocab})")
+
+    def _check_structured(self, params: SamplingParams) -> None:
+        """A malformed schema, regex or grammar is the caller's error, named by its field."""
+        from jaxllm.structured_output.grammar import make_tokenizer, validate
+
+        if self.tokenizer is None:
+            raise ParameterError("structured_outputs", "structured outputs need a tokenizer")
+        if self._ll_tokenizer is None:
+            eos = self.model_config.eos_token_ids
+            self._ll_tokenizer = make_tokenizer(self.tokenizer, self.model_config.vocab_size,
+                                                eos[0] if eos else None)
+        validate(params.structured_outputs, self._ll_tokenizer)
 
     def _bad_words_ids(self, words: list[str]) -> list[list[int]]:
         if self.tokenizer is None:

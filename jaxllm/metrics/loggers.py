@@ -2,9 +2,10 @@
 
 Two sources: `SchedulerStats` (one per engine step: queue lengths, KV usage,
 cumulative prefix-cache and preemption counts, tokens of the step) and
-per-request timings (time to first token when it arrives, the rest when the
-request finishes). `LoggingStatLogger` prints vLLM's one-line summary every few
-seconds; `PrometheusStatLogger` backs `/metrics`.
+per-request timings (time to first token when it arrives, the time between its
+later outputs as they come, the rest when the request finishes).
+`LoggingStatLogger` prints vLLM's one-line summary every few seconds;
+`PrometheusStatLogger` backs `/metrics`.
 """
 
 from __future__ import annotations
@@ -19,12 +20,16 @@ from jaxllm.engine.messages import SchedulerStats
 
 logger = logging.getLogger("jaxllm.stats")
 
+# vLLM's bucket edges, each list with a few finer ones added in front, so that every `le`
+# series a vLLM dashboard queries exists here too.
 TTFT_BUCKETS = [0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0, 2.5,
-                5.0, 7.5, 10.0, 20.0, 40.0, 80.0, 160.0, 640.0]
+                5.0, 7.5, 10.0, 20.0, 40.0, 80.0, 160.0, 640.0, 2560.0]
 TPOT_BUCKETS = [0.001, 0.005, 0.01, 0.025, 0.05, 0.075, 0.1, 0.15, 0.2, 0.3, 0.4, 0.5, 0.75,
-                1.0, 2.5, 5.0, 10.0, 20.0, 80.0]
-E2E_BUCKETS = [0.1, 0.3, 0.5, 0.8, 1.0, 1.5, 2.0, 2.5, 5.0, 10.0, 15.0, 20.0, 30.0, 40.0, 60.0,
-               120.0, 240.0, 480.0, 960.0, 1920.0, 7680.0]
+                1.0, 2.5, 5.0, 7.5, 10.0, 20.0, 40.0, 80.0]
+E2E_BUCKETS = [0.1, 0.3, 0.5, 0.8, 1.0, 1.5, 2.0, 2.5, 5.0, 10.0, 15.0, 20.0, 30.0, 40.0, 50.0,
+               60.0, 120.0, 240.0, 480.0, 960.0, 1920.0, 7680.0]
+FINISH_REASONS = ("stop", "length", "abort")
+PREFIXES = ("vllm:", "jaxllm:")  # vLLM's names for its dashboards and autoscalers; jaxllm's own
 
 
 @dataclass
@@ -51,6 +56,9 @@ class StatLogger:
     def record_first_token(self, ttft: float, num_prompt_tokens: int) -> None:
         """A request's first output token; its whole prompt counts now (vLLM's rule:
         prefix-cache hits included, a preempted request's recompute not again)."""
+
+    def record_inter_token(self, latency: float) -> None:
+        """Time since the request's previous tokens, for each output after its first."""
 
     def record_finished(self, stats: FinishedRequestStats) -> None:
         pass
@@ -114,49 +122,89 @@ class LoggingStatLogger(StatLogger):
         return line
 
 
+class _Twin:
+    """One labelled metric under each of PREFIXES: every update goes to all of them."""
+
+    __slots__ = ("children",)
+
+    def __init__(self, children: list) -> None:
+        self.children = children
+
+    def set(self, value: float) -> None:
+        for c in self.children:
+            c.set(value)
+
+    def inc(self, value: float = 1.0) -> None:
+        for c in self.children:
+            c.inc(value)
+
+    def observe(self, value: float) -> None:
+        for c in self.children:
+            c.observe(value)
+
+
 class PrometheusStatLogger(StatLogger):
-    """Metrics named like vLLM's (`vllm:` becomes `jaxllm:`), in a private registry."""
+    """Metrics under vLLM's names and semantics (`vllm:*`, labels `model_name` and `engine`),
+    each also as `jaxllm:*`, in a private registry.
+
+    Counters take vLLM's names without `_total` (the client adds it on export). Histograms:
+    time to first token per request; inter-token latency once per request and engine step
+    that gave it tokens (vLLM's per-iteration observation); e2e latency and the mean time per
+    output token of each finished request.
+    """
 
     def __init__(self, model_name: str, registry: prom.CollectorRegistry | None = None):
         prom.disable_created_metrics()  # the *_created series only add noise
         self.registry = registry or prom.CollectorRegistry()
-        labels = ["model_name"]
+        labels = ["model_name", "engine"]
+        values = (model_name, "0")  # one engine core per server
         r = self.registry
         self.cumulative = _Cumulative()
 
-        def gauge(name: str, doc: str) -> prom.Gauge:
-            return prom.Gauge(name, doc, labels, registry=r).labels(model_name)
+        def twin(kind: type, names: tuple[str, ...], doc: str, **kw) -> _Twin:
+            return _Twin([kind(p + n, doc, labels, registry=r, **kw).labels(*values)
+                          for p, n in zip(PREFIXES, names, strict=True)])
 
-        def counter(name: str, doc: str) -> prom.Counter:
-            return prom.Counter(name, doc, labels, registry=r).labels(model_name)
+        def gauge(name: str, doc: str) -> _Twin:
+            return twin(prom.Gauge, (name, name), doc)
 
-        def histogram(name: str, doc: str, buckets: list[float]) -> prom.Histogram:
-            return prom.Histogram(name, doc, labels, buckets=buckets,
-                                  registry=r).labels(model_name)
+        def counter(name: str, doc: str) -> _Twin:
+            return twin(prom.Counter, (name, name), doc)
 
-        self.running = gauge("jaxllm:num_requests_running", "Requests in the running batch.")
-        self.waiting = gauge("jaxllm:num_requests_waiting", "Requests waiting to be scheduled.")
-        self.kv_usage = gauge("jaxllm:kv_cache_usage_perc",
+        def histogram(name: str, doc: str, buckets: list[float],
+                      jaxllm_name: str | None = None) -> _Twin:
+            return twin(prom.Histogram, (name, jaxllm_name or name), doc, buckets=buckets)
+
+        self.running = gauge("num_requests_running", "Requests in the running batch.")
+        self.waiting = gauge("num_requests_waiting", "Requests waiting to be scheduled.")
+        self.kv_usage = gauge("kv_cache_usage_perc",
                               "Fraction of KV-cache blocks in use (1 = full).")
-        self.prefix_queries = counter("jaxllm:prefix_cache_queries",
+        self.prefix_queries = counter("prefix_cache_queries",
                                       "Prompt tokens looked up in the prefix cache.")
-        self.prefix_hits = counter("jaxllm:prefix_cache_hits",
-                                   "Prompt tokens found in the prefix cache.")
-        self.prefix_hit_rate = gauge("jaxllm:prefix_cache_hit_rate",
-                                     "Prefix-cache hits / queries since start.")
-        self.preemptions = counter("jaxllm:num_preemptions", "Requests preempted.")
-        self.prompt_tokens = counter("jaxllm:prompt_tokens",
+        self.prefix_hits = counter("prefix_cache_hits", "Prompt tokens found in the prefix cache.")
+        self.prefix_hit_rate = prom.Gauge("jaxllm:prefix_cache_hit_rate",
+                                          "Prefix-cache hits / queries since start.", labels,
+                                          registry=r).labels(*values)
+        self.preemptions = counter("num_preemptions", "Requests preempted.")
+        self.prompt_tokens = counter("prompt_tokens",
                                      "Prompt tokens of requests that produced a first token.")
-        self.generation_tokens = counter("jaxllm:generation_tokens", "Tokens generated.")
-        self.ttft = histogram("jaxllm:time_to_first_token_seconds",
+        self.generation_tokens = counter("generation_tokens", "Tokens generated.")
+        self.ttft = histogram("time_to_first_token_seconds",
                               "Time from arrival to the first output token.", TTFT_BUCKETS)
-        self.tpot = histogram("jaxllm:time_per_output_token_seconds",
-                              "Mean time between output tokens of a request.", TPOT_BUCKETS)
-        self.e2e = histogram("jaxllm:e2e_request_latency_seconds",
+        self.itl = histogram("inter_token_latency_seconds",
+                             "Time between a request's successive outputs of tokens.",
+                             TPOT_BUCKETS)
+        self.tpot = histogram("request_time_per_output_token_seconds",
+                              "Mean time between output tokens of a request.", TPOT_BUCKETS,
+                              jaxllm_name="time_per_output_token_seconds")
+        self.e2e = histogram("e2e_request_latency_seconds",
                              "Time from arrival to the last output.", E2E_BUCKETS)
-        self._success = prom.Counter("jaxllm:request_success", "Finished requests by reason.",
-                                     ["model_name", "finished_reason"], registry=r)
-        self.model_name = model_name
+        success = [prom.Counter(p + "request_success", "Finished requests by reason.",
+                                [*labels, "finished_reason"], registry=r) for p in PREFIXES]
+        self._success = {reason: _Twin([c.labels(*values, reason) for c in success])
+                         for reason in FINISH_REASONS}  # every reason exported from the start
+        self._success_families = success
+        self._label_values = values
         self.total_queries = 0
         self.total_hits = 0
 
@@ -184,7 +232,15 @@ class PrometheusStatLogger(StatLogger):
         tpot = stats.time_per_output_token
         if tpot is not None:
             self.tpot.observe(tpot)
-        self._success.labels(self.model_name, stats.finish_reason).inc()
+        twin = self._success.get(stats.finish_reason)
+        if twin is None:
+            twin = self._success[stats.finish_reason] = _Twin(
+                [c.labels(*self._label_values, stats.finish_reason)
+                 for c in self._success_families])
+        twin.inc()
+
+    def record_inter_token(self, latency: float) -> None:
+        self.itl.observe(latency)
 
     def expose(self) -> bytes:
         return prom.generate_latest(self.registry)

@@ -7,9 +7,11 @@ structure, so every combination is one compiled variant of the sampler:
     mode           all_greedy | random | random + top-k/top-p    (3)
     penalties      None | present                                (2)
     logit_adjust   None | present                                (2)
+    token_bitmask  None | present                                (2)
     num_logprobs   0 | MAX_LOGPROBS                              (2)
 
-24 variants per request bucket at most; `variant_metadata` builds a dummy of
+48 variants per request bucket at most (the runner jits the sampler in stages,
+so that far fewer programs are compiled: see staged.py); `variant_metadata` builds a dummy of
 each for compiling ahead of serving. The model runner builds the real ones
 from its persistent rows (worker/sampling_rows.py); the keys' inputs are
 described in rng.py.
@@ -61,6 +63,9 @@ class SamplingMetadata:
     # Added to the raw logits: logit_bias, -inf outside allowed_token_ids,
     # -inf on banned bad-word tokens and on stop tokens before min_tokens.
     logit_adjust: Array | None = None  # [R, V] f32
+    # Structured outputs: packed allowed tokens, bit j of word i = token 32 i + j
+    # (all ones on unconstrained and padding rows).
+    token_bitmask: Array | None = None  # [R, ceil(V / 32)] i32
     num_logprobs: int = field(default=0, metadata=dict(static=True))
     all_greedy: bool = field(default=False, metadata=dict(static=True))
     use_top_k_top_p: bool = field(default=False, metadata=dict(static=True))
@@ -78,11 +83,13 @@ def variant_metadata(padded_size: int, vocab_size: int,
                           np.zeros(R, np.float32), np.zeros((R, V), np.int32),
                           np.zeros((R, V), bool))
     modes = ((True, False), (False, False), (False, True))
-    for (all_greedy, tktp), pen, adj, nlp in itertools.product(
-            modes, (None, penalties), (None, np.zeros((R, V), np.float32)), (0, MAX_LOGPROBS)):
+    bitmask = np.full((R, -(-V // 32)), -1, np.int32)
+    for (all_greedy, tktp), pen, adj, mask, nlp in itertools.product(
+            modes, (None, penalties), (None, np.zeros((R, V), np.float32)), (None, bitmask),
+            (0, MAX_LOGPROBS)):
         yield SamplingMetadata(
             *put((np.ones(R, np.float32), np.zeros(R, np.int32), np.ones(R, np.float32),
                   np.zeros(R, np.float32), np.full(R, all_greedy), np.zeros((R, 2), np.uint32))),
             out_index=np.zeros(R, np.int32) if out_index is None else out_index,
-            penalties=pen, logit_adjust=adj, num_logprobs=nlp, all_greedy=all_greedy,
-            use_top_k_top_p=tktp)
+            penalties=pen, logit_adjust=adj, token_bitmask=mask, num_logprobs=nlp,
+            all_greedy=all_greedy, use_top_k_top_p=tktp)

@@ -5,7 +5,8 @@ Order, as vLLM v1 (`Sampler.forward`):
 1. Logprobs, when asked, are of the raw model output (vLLM's default
    `logprobs_mode="raw_logprobs"`): log_softmax before any processing.
 2. `logit_adjust` (allowed tokens, bad words, logit_bias, min_tokens) is added
-   to the logits, then the penalties (repetition, then frequency and presence).
+   to the logits, then the penalties (repetition, then frequency and presence),
+   then the structured-output `token_bitmask` sets disallowed tokens to -inf.
 3. Greedy rows take the arg-max of those logits.
 4. Other rows: divide by temperature; min-p (relative to the most likely
    token; vLLM v1 applies it before top-k/top-p, and it commutes with top-k);
@@ -104,13 +105,25 @@ def gather_logprobs(logprobs: jax.Array, token_ids: jax.Array,
     return ids, jnp.concatenate([chosen, top_lp], axis=-1), ranks
 
 
+def apply_token_bitmask(logits: jax.Array, bitmask: jax.Array) -> jax.Array:
+    """-inf where the packed `bitmask [R, ceil(V / 32)]` has a 0 bit (bit j of word i
+    is token 32 i + j), unpacked on the device."""
+    bits = jnp.right_shift(jnp.asarray(bitmask, jnp.int32)[:, :, None],
+                           jnp.arange(32, dtype=jnp.int32)) & 1
+    allowed = bits.reshape(bits.shape[0], -1)[:, :logits.shape[-1]].astype(bool)
+    return jnp.where(allowed, logits, -jnp.inf)
+
+
 def adjust_logits(logits: jax.Array, md: SamplingMetadata) -> jax.Array:
-    """Step 2: `logit_adjust`, then the penalties; what greedy rows take the arg-max of."""
+    """Step 2: `logit_adjust`, the penalties, then the token bitmask; what greedy rows
+    take the arg-max of."""
     logits = logits.astype(jnp.float32)
     if md.logit_adjust is not None:
         logits = logits + jnp.asarray(md.logit_adjust, jnp.float32)
     if md.penalties is not None:
         logits = apply_penalties(logits, md.penalties)
+    if md.token_bitmask is not None:
+        logits = apply_token_bitmask(logits, md.token_bitmask)
     return logits
 
 

@@ -1,10 +1,11 @@
 """The sampler as the model runner calls it: jitted in stages, on logits already made.
 
-A step whose rows need no penalties, no logit adjustment and no logprobs
+A step whose rows need no penalties, no logit adjustment, no token bitmask
+(structured outputs) and no logprobs
 (`is_plain`) samples in one program together with the logits head (the
 runner's `sample` program, built on `draw_padded`). Any other step runs the
 `StagedSampler`: `adjust_logits`, then `draw`, then `sampled_logprobs`, each
-jitted apart so that compiled variants add up (3 adjust + 3 draw + 1 logprobs
+jitted apart so that compiled variants add up (7 adjust + 3 draw + 1 logprobs
 per request bucket) instead of multiplying. Both paths compute what
 `sampler.sample` computes in one piece.
 """
@@ -35,14 +36,16 @@ def _logprobs_padded(logits: jax.Array, token_ids: jax.Array) -> tuple:
 
 
 def is_plain(md: SamplingMetadata) -> bool:
-    """No penalties, no logit adjustment, no logprobs: the step samples in one program."""
-    return md.penalties is None and md.logit_adjust is None and not md.num_logprobs
+    """No penalties, no logit adjustment, no bitmask, no logprobs: the step samples in
+    one program."""
+    return (md.penalties is None and md.logit_adjust is None and md.token_bitmask is None
+            and not md.num_logprobs)
 
 
 def _adjust_part(md: SamplingMetadata) -> SamplingMetadata | None:
     """What the adjust stage reads (None: nothing to adjust); static fields it does not
     read are reset, so that they pick no variant of it."""
-    if md.penalties is None and md.logit_adjust is None:
+    if md.penalties is None and md.logit_adjust is None and md.token_bitmask is None:
         return None
     return dataclasses.replace(md, num_logprobs=0, all_greedy=False, use_top_k_top_p=False)
 
@@ -51,7 +54,8 @@ def _draw_part(md: SamplingMetadata) -> SamplingMetadata:
     """What the draw stage reads: the metadata without its per-vocab parts."""
     if is_plain(md):
         return md  # nothing to strip, and a replace costs host time every step
-    return dataclasses.replace(md, penalties=None, logit_adjust=None, num_logprobs=0)
+    return dataclasses.replace(md, penalties=None, logit_adjust=None, token_bitmask=None,
+                               num_logprobs=0)
 
 
 class StagedSampler:

@@ -126,7 +126,7 @@ class ExecutableCache:
                 # backend (a TPU slice compiled for on another host, tpu_compile.py).
                 exported = export.export(
                     jax.jit(flat_fn, donate_argnums=donated),
-                    platforms=[self.devices[0].platform],
+                    platforms=_export_platforms(self.devices[0].platform),
                     disabled_checks=[export.DisabledSafetyCheck.custom_call("ALL")])(*specs)
             except Exception as e:  # this program cannot be exported: plain jit it is
                 logger.warning("cannot export %s for the program cache (%s: %s); it will be "
@@ -167,3 +167,10 @@ class AotFunction:
         if tree != self.in_tree:
             raise ValueError(f"argument structure changed: {tree} != {self.in_tree}")
         return self.out_tree.unflatten(self.compiled(*leaves))
+
+
+def _export_platforms(platform: str) -> list[str] | None:
+    """The platforms to export for: the default backend's own (None) unless the devices
+    are another backend's (compile-only TPU devices on a CPU host). A GPU device says
+    'gpu' where export wants 'cuda' or 'rocm', so the default is never named."""
+    return None if platform == jax.default_backend() else [platform]

@@ -68,11 +68,14 @@ class StepHandle:
     rows: np.ndarray  # InputBatch rows at dispatch
     layout_version: int  # InputBatch.layout_version at dispatch
     gen: np.ndarray  # [n] bool: a token is sampled for the request
-    sampled: SamplerOutput  # token ids padded to max_num_seqs rows
+    sampled: SamplerOutput | None  # token ids padded to max_num_seqs rows (None until
+    # the sampler is dispatched)
     last_hidden: jax.Array  # [max_num_seqs, hidden]: row i, request i's last token
     pool_indices: list[int]  # requests whose pooled state is due
     pool_normalize: list[bool]
     prompt_lp: tuple | None  # (device (ids, logprobs, ranks), {req_id: slice})
+    r_pad: int = 0  # the request bucket
+    out_index: jax.Array | None = None  # the forward's output indices, for the sampler
 
 
 @dataclasses.dataclass(frozen=True)
@@ -164,15 +167,27 @@ class ModelRunner:
         """One step, start to finish (`dispatch` then `collect`)."""
         return self.collect(self.dispatch(so))
 
-    def dispatch(self, so: SchedulerOutput) -> StepHandle | None:
+    def dispatch(self, so: SchedulerOutput, sample: bool = True) -> StepHandle | None:
+        """Launches the step's forward and, unless `sample` is False, its sampler (then
+        `dispatch_sample` launches it: the caller fills a token bitmask meanwhile)."""
         t0 = time.perf_counter()
         try:
-            return self._dispatch(so)
+            h = self._dispatch(so)
+            if h is not None and sample:
+                self._sample(h, so.grammar_bitmask)
+            return h
         finally:
             self.dispatch_seconds += time.perf_counter() - t0
 
+    def dispatch_sample(self, h: StepHandle | None, grammar_bitmask: np.ndarray | None) -> None:
+        """The sampler of a step dispatched with `sample=False`."""
+        t0 = time.perf_counter()
+        if h is not None:
+            self._sample(h, grammar_bitmask)
+        self.dispatch_seconds += time.perf_counter() - t0
+
     def _dispatch(self, so: SchedulerOutput) -> StepHandle | None:
-        """Prepares the step's inputs and launches it; returns without waiting.
+        """Prepares the step's inputs and launches its forward; returns without waiting.
 
         A scheduled token the host does not know yet (sampled by the step
         still in flight) is taken from that step's device output.
@@ -184,15 +199,12 @@ class ModelRunner:
         req_ids, nsched = so.req_ids, so.num_tokens
         n = len(req_ids)
         rows = self._rows_of(req_ids)
-        r_pad = self.buckets.pad_requests(n)
         inputs = prepare_step_inputs(ib, rows, nsched, self.buckets, self.block_size,
                                      self._arange)
         end = inputs.kv_lens
         prev_tokens = self._last_sampled if inputs.reads_prev else self._no_prev
         self.kv_cache, states, last_hidden, out_index = self.programs.run_forward(
             self.state, self.kv_cache, inputs.packed, prev_tokens)
-        smd = ib.sampling.make_metadata(rows, r_pad, self.seed, out_index)
-        out = self.programs.sample(last_hidden, smd)
         prompt_lp = None
         if ib.wants_prompt_logprobs[:ib.num_reqs].any():  # none for most steps
             prompt_lp = self._dispatch_prompt_logprobs(req_ids, rows, nsched, inputs, states)
@@ -204,6 +216,29 @@ class ModelRunner:
             ib.inflight_index[rows] = self._arange[:n]
         else:
             ib.inflight_index[rows[gen]] = np.flatnonzero(gen)
+        if self.step_log is not None:
+            kv = end.astype(np.int64)
+            q = nsched.astype(np.int64)
+            self.step_log.append(StepRecord(inputs.num_tokens, inputs.padded_tokens, n,
+                                            int(kv.sum()),
+                                            int((q * kv - q * (q - 1) // 2).sum())))
+        pool = (np.flatnonzero(ib.pools[rows] & so.samples).tolist()
+                if ib.pools[:ib.num_reqs].any() else [])
+        return StepHandle(req_ids, rows, ib.layout_version, gen, None, last_hidden, pool,
+                          [ib.pooling[rows[i]].normalize for i in pool], prompt_lp,
+                          self.buckets.pad_requests(n), out_index)
+
+    def _sample(self, h: StepHandle, grammar_bitmask: np.ndarray | None) -> None:
+        """Launches the sampler of a step whose forward is dispatched."""
+        ib = self.input_batch
+        rows = h.rows
+        if ib.layout_version != h.layout_version:  # rows moved since the forward
+            rows = self._rows_of(h.req_ids)
+        smd = ib.sampling.make_metadata(rows, h.r_pad, self.seed, h.out_index)
+        if grammar_bitmask is not None:  # structured outputs: only then a bitmask copy
+            smd = dataclasses.replace(smd, token_bitmask=self._pad_bitmask(grammar_bitmask,
+                                                                          h.r_pad))
+        out = h.sampled = self.programs.sample(h.last_hidden, smd)
         self._last_sampled = out.token_ids
         # Start the copies home now, so that they queue behind this step and
         # not behind the next one (dispatched before this step is collected).
@@ -211,16 +246,6 @@ class ModelRunner:
             for arr in (out.token_ids, out.logprob_token_ids, out.logprobs, out.ranks):
                 if arr is not None:
                     arr.copy_to_host_async()
-        if self.step_log is not None:
-            kv = end.astype(np.int64)
-            q = nsched.astype(np.int64)
-            self.step_log.append(StepRecord(inputs.num_tokens, inputs.padded_tokens, n,
-                                            int(kv.sum()),
-                                            int((q * kv - q * (q - 1) // 2).sum())))
-        pool = (np.flatnonzero(ib.pools[rows] & so.samples).tolist() if ib.pools[:ib.num_reqs].any()
-                else [])
-        return StepHandle(req_ids, rows, ib.layout_version, gen, out, last_hidden, pool,
-                          [ib.pooling[rows[i]].normalize for i in pool], prompt_lp)
 
     def collect(self, h: StepHandle | None) -> ModelRunnerOutput:
         """Waits for a dispatched step and records its sampled tokens on the host."""
@@ -249,6 +274,15 @@ class ModelRunner:
                                  prompt_logprobs=self._collect_prompt_logprobs(h.prompt_lp),
                                  pooler_output=self._pool(h),
                                  sampled_array=np.where(h.gen, sampled, -1))
+
+    def _pad_bitmask(self, bitmask: np.ndarray, r_pad: int) -> np.ndarray:
+        """The scheduler's `[n, words]` bitmask as the sampler takes it: `[r_pad,
+        ceil(vocab / 32)]`, padding rows (and words past the vocabulary) all ones."""
+        words = -(-self.vocab_size // 32)
+        out = np.full((r_pad, words), -1, np.int32)
+        w = min(words, bitmask.shape[1])
+        out[:bitmask.shape[0], :w] = bitmask[:, :w]
+        return out
 
     def _rows_of(self, req_ids: list[str]) -> np.ndarray:
         """The persistent rows of `req_ids` (read-only). A decode step asks for the same

@@ -17,6 +17,7 @@ def test_bench_lists_every_benchmark_and_passes_its_flags_through():
         build_parser().parse_args(["bench", "nope"])
 
 
+@pytest.mark.slow
 def test_bench_host_overhead_runs_and_writes_json(tmp_path, monkeypatch, capsys):
     from jaxllm.sample import staged
     from jaxllm.worker import programs
@@ -39,6 +40,7 @@ def test_bench_host_overhead_runs_and_writes_json(tmp_path, monkeypatch, capsys)
     assert staged.STAGED is real_sampler and programs.STAGED is real_sampler
 
 
+@pytest.mark.slow
 def test_bench_prefix_reports_cache_hits_only_for_the_shared_prefix(tmp_path, monkeypatch):
     from tests.models.tiny_checkpoints import make_tiny_checkpoint
 

@@ -9,6 +9,7 @@ prefix-cache hit hands back the right KV, not only whether the counters add up.
 
 from collections import Counter
 
+import pytest
 from hypothesis import HealthCheck, event, settings
 from hypothesis import strategies as st
 from hypothesis.stateful import (
@@ -292,6 +293,7 @@ class KVCacheMachine(RuleBasedStateMachine):
                 assert slots[pos % self.bs] == tuple(tokens[:pos + 1]), (rid, pos)
 
 
+@pytest.mark.slow
 def test_random_workloads_keep_blocks_accounted_and_cached_kv_right():
     """After every step: each block is exactly one of free / cached-free / owned, ref
     counts equal the requests holding a block, the free queue's links agree with its

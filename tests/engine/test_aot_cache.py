@@ -5,6 +5,8 @@ from __future__ import annotations
 
 import logging
 
+import pytest
+
 from jaxllm import LLM, SamplingParams
 from jaxllm.worker import aot_cache
 
@@ -24,6 +26,7 @@ def _start(model_dir, cache_dir, monkeypatch):
     return llm, runner, tokens
 
 
+@pytest.mark.slow
 def test_a_restart_loads_the_forward_programs_and_generates_the_same(model_dir, tmp_path,
                                                                      monkeypatch, caplog):
     _, first, want = _start(model_dir, tmp_path, monkeypatch)
@@ -83,6 +86,7 @@ def test_it_can_be_turned_off(tmp_path, monkeypatch):
     assert aot_cache.ExecutableCache.create(str(tmp_path), {}, []) is None
 
 
+@pytest.mark.slow
 def test_the_mosaic_gpu_backend_keeps_the_caches_on(model_dir, tmp_path):
     """Its programs reload (the backend loads the Mosaic GPU runtime when made; see
     test_backend_loads_the_mosaic_gpu_runtime_when_made), so a warm start with it

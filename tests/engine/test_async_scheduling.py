@@ -28,6 +28,9 @@ MIXED = [
 ]
 
 
+pytestmark = pytest.mark.slow  # engines with and without async scheduling
+
+
 @pytest.fixture(scope="module")
 def prompts(model_dir):
     vocab = checkpoint_vocab_size(model_dir)

@@ -24,6 +24,9 @@ ENGINE = dict(dtype="float32", max_model_len=96, max_num_seqs=4, max_num_batched
               precompile=False, enable_prefix_caching=False)
 
 
+pytestmark = pytest.mark.slow  # the Pallas bodies in interpret mode
+
+
 @pytest.fixture(scope="module")
 def prompts(model_dir):
     return random_prompts(checkpoint_vocab_size(model_dir), LENGTHS, seed=7)

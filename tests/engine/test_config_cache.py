@@ -60,6 +60,7 @@ def test_stored_config_round_trips_and_is_keyed_by_its_inputs(args, monkeypatch)
     assert config_cache.load(args) is None
 
 
+@pytest.mark.slow
 def test_a_restart_hands_the_stored_config_to_the_core(args, monkeypatch):
     monkeypatch.setattr(core_client, "AsyncMPClient", FakeClient)
     FakeClient.started = []
@@ -75,6 +76,7 @@ def test_a_restart_hands_the_stored_config_to_the_core(args, monkeypatch):
     assert config_cache.same_config(second.config, portable_config(llm.config))
 
 
+@pytest.mark.slow
 def test_a_stale_stored_config_starts_the_core_again_with_the_new_one(args, monkeypatch):
     monkeypatch.setattr(core_client, "AsyncMPClient", FakeClient)
     built = args.create_engine_config()

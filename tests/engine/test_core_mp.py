@@ -71,6 +71,7 @@ def test_codec_round_trips_requests_and_outputs():
         codec.decode_input(EngineCoreRequestType.ABORT.value, codec.encode([1, 2]))
 
 
+@pytest.mark.slow
 def test_multiprocess_engine_gives_the_same_greedy_tokens_as_in_process(model_dir, mp_engine):
     vocab = checkpoint_vocab_size(model_dir)
     prompts = random_prompts(vocab, [5, 17, 30, 9], seed=1)
@@ -88,6 +89,7 @@ def test_multiprocess_engine_gives_the_same_greedy_tokens_as_in_process(model_di
         [o.outputs[0].token_ids for o in inproc]
 
 
+@pytest.mark.slow
 def test_utility_calls_answer_and_unknown_methods_fail(mp_engine):
     client: SyncMPClient = mp_engine.engine_core
     assert client.reset_prefix_cache() is True
@@ -96,6 +98,7 @@ def test_utility_calls_answer_and_unknown_methods_fail(mp_engine):
         client.call_utility("shutdown_everything", timeout=10)
 
 
+@pytest.mark.slow
 def test_abort_frees_blocks_and_the_idle_core_reports_it(mp_engine):
     client: SyncMPClient = mp_engine.engine_core
     client.add_request(_request("long", [10, 11, 12, 13], max_tokens=100))
@@ -111,6 +114,7 @@ def test_abort_frees_blocks_and_the_idle_core_reports_it(mp_engine):
     assert stats.num_running_reqs == 0 and stats.kv_cache_usage == 0
 
 
+@pytest.mark.slow
 def test_rejected_request_comes_back_as_an_error_output(mp_engine):
     client: SyncMPClient = mp_engine.engine_core
     client.add_request(_request("huge", list(range(8, 8 + client.max_request_tokens))))
@@ -123,6 +127,7 @@ def test_rejected_request_comes_back_as_an_error_output(mp_engine):
     assert outs[0].finish_reason == FinishReason.ERROR
 
 
+@pytest.mark.slow
 def test_startup_failure_is_reported_with_the_cause(model_dir, tmp_path):
     broken = tmp_path / "broken"
     shutil.copytree(model_dir, broken)
@@ -165,6 +170,7 @@ def _finish(client: SyncMPClient, rid: str, ids: list[int]) -> list[int]:
             return tokens
 
 
+@pytest.mark.slow
 def test_requests_the_core_cannot_decode_or_hold_are_answered_with_an_error(mp_engine,
                                                                             model_dir):
     """Values that bypassed the frontend's checks: each request gets an error answer of
@@ -200,6 +206,7 @@ def test_requests_the_core_cannot_decode_or_hold_are_answered_with_an_error(mp_e
     assert _finish(client, "after", [10, 11, 12]) == before
 
 
+@pytest.mark.slow
 def test_killed_engine_fails_waiters_and_new_requests_fast(mp_engine):
     # Runs last in the module: it kills the shared engine.
     client: SyncMPClient = mp_engine.engine_core

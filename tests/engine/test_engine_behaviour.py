@@ -39,12 +39,14 @@ def _tokens(llm: LLM, prompts, params=GREEDY):
     return [o.outputs[0].token_ids for o in outs]
 
 
+@pytest.mark.slow
 def test_chunked_prefill_gives_the_same_greedy_tokens(model_dir, prompts, reference):
     llm = LLM(model_dir, **{**BASE, "max_num_batched_tokens": 16, "token_buckets": [16]},
               enable_prefix_caching=False)
     assert _tokens(llm, prompts) == reference
 
 
+@pytest.mark.slow
 def test_prefix_cache_hits_on_rerun_and_outputs_do_not_change(model_dir, prompts, reference):
     llm = LLM(model_dir, **BASE, enable_prefix_caching=True)
     assert _tokens(llm, prompts) == reference
@@ -56,6 +58,7 @@ def test_prefix_cache_hits_on_rerun_and_outputs_do_not_change(model_dir, prompts
     assert stats.prefix_cache_queries >= stats.prefix_cache_hits
 
 
+@pytest.mark.slow
 def test_preemption_happens_under_a_small_kv_budget_and_outputs_do_not_change(
         model_dir, prompts, reference):
     # 14 blocks of 8 tokens: too few for 7 requests of up to 65 tokens at once.
@@ -65,6 +68,7 @@ def test_preemption_happens_under_a_small_kv_budget_and_outputs_do_not_change(
 
 
 @pytest.mark.parametrize("chunked", [False, True])
+@pytest.mark.slow
 def test_a_preempted_request_reports_each_prompt_logprob_once(model_dir, chunked):
     """The two requests that ask for prompt logprobs arrive last, so they are the ones
     preempted (and recomputed from their first token when resumed); their prompt
@@ -94,6 +98,7 @@ def test_a_preempted_request_reports_each_prompt_logprob_once(model_dir, chunked
             [v for d in w[1:] for v in d.values()], abs=1e-5)
 
 
+@pytest.mark.slow
 def test_24_prompts_batched_across_request_buckets_and_chunks_equal_each_run_alone(model_dir):
     """24 prompts of 1 to 60 tokens with 3 to 20 new tokens each: together they cross
     both request buckets (24 running, then fewer as short ones finish) and their 614
@@ -123,6 +128,7 @@ def test_24_prompts_batched_across_request_buckets_and_chunks_equal_each_run_alo
     assert [o.outputs[0].token_ids for o in outs] == expected
 
 
+@pytest.mark.slow
 def test_no_compilation_after_warmup_during_a_mixed_workload(model_dir, prompts):
     llm = LLM(model_dir, **BASE)
     compiles = []
@@ -159,6 +165,7 @@ def test_no_compilation_after_warmup_during_a_mixed_workload(model_dir, prompts)
     assert compiles == []
 
 
+@pytest.mark.slow
 def test_seeded_sampling_is_reproducible_and_independent_of_the_batch(model_dir, prompts):
     llm = LLM(model_dir, **BASE)
     seeded = SamplingParams(temperature=1.0, top_k=50, max_tokens=16, seed=1234, ignore_eos=True)
@@ -189,6 +196,7 @@ def test_bad_sampling_params_name_the_field(bad, field):
     assert e.value.field == field and field in str(e.value)
 
 
+@pytest.mark.slow
 def test_bad_requests_are_rejected_and_the_engine_keeps_serving(model_dir, prompts, reference):
     engine = LLMEngine.from_engine_args(EngineArgs(model=model_dir, **BASE))
     engine.add_request("good-0", {"prompt_token_ids": prompts[0]}, GREEDY)

@@ -22,6 +22,9 @@ CASES = {
 }
 
 
+pytestmark = pytest.mark.slow  # an engine and transformers per model
+
+
 @pytest.mark.parametrize("case", list(CASES))
 def test_greedy_tokens_and_top5_logprobs_match_transformers(case, tmp_path):
     overrides = dict(CASES[case])

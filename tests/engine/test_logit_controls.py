@@ -19,6 +19,9 @@ SETTINGS = dict(dtype="float32", max_model_len=64, max_num_seqs=4, block_size=8,
 MAX_TOKENS = 24
 
 
+pytestmark = pytest.mark.slow  # an engine for the module
+
+
 @pytest.fixture(scope="module")
 def llm(model_dir) -> LLM:
     return LLM(model_dir, **SETTINGS)

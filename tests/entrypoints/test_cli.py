@@ -50,6 +50,7 @@ def _generate(capsys, *args: str) -> tuple[int, list[dict], str]:
     return rc, [json.loads(line) for line in out.splitlines() if line.strip()], err
 
 
+@pytest.mark.slow
 def test_generate_without_model_answers_with_the_demo_model_in_its_chat_template(capsys):
     rc, outs, _ = _generate(capsys, "reverse hello", "--max-tokens", "8")
     assert rc == 0
@@ -58,6 +59,7 @@ def test_generate_without_model_answers_with_the_demo_model_in_its_chat_template
                      "finish_reason": "stop"}]
 
 
+@pytest.mark.slow
 def test_generate_on_a_model_without_chat_template_prints_the_offline_api_completion(
         capsys, plain_model, reference):
     rc, outs, err = _generate(capsys, "--model", plain_model, "--dtype", "float32",
@@ -68,6 +70,7 @@ def test_generate_on_a_model_without_chat_template_prints_the_offline_api_comple
     assert outs == [{"prompt": "hello", "text": expected, "finish_reason": "length"}]
 
 
+@pytest.mark.slow
 def test_generate_reads_prompts_file_one_per_line_skipping_blank_lines(
         capsys, tmp_path, plain_model, reference):
     path = tmp_path / "prompts.txt"

@@ -19,6 +19,8 @@ import yaml
 from tests.entrypoints.server import RemoteServer, engine_core_pid, pid_alive
 from tests.models.tiny_checkpoints import make_tiny_checkpoint
 
+pytestmark = pytest.mark.slow  # servers started and killed
+
 
 @pytest.fixture(scope="module")
 def server(tmp_path_factory):

@@ -93,6 +93,7 @@ def test_each_finished_request_is_counted_once_by_reason_and_in_the_histograms()
     assert m["jaxllm:time_per_output_token_seconds_sum"] == pytest.approx(0.1 + 0.5)
 
 
+@pytest.mark.slow
 def test_exported_preemptions_and_prefix_counts_equal_the_engines_under_a_tiny_kv_budget(
         tmp_path):
     model = make_tiny_checkpoint(tmp_path, arch="llama")
@@ -131,3 +132,42 @@ def test_exported_preemptions_and_prefix_counts_equal_the_engines_under_a_tiny_k
     assert m["jaxllm:prompt_tokens_total"] == sum(map(len, prompts))
     assert m["jaxllm:request_success_total[length]"] == 4
     assert m["jaxllm:e2e_request_latency_seconds_count"] == 4
+    # One inter-token interval per request and later step that gave it a token.
+    assert m["jaxllm:inter_token_latency_seconds_count"] == 4 * 23
+    # vLLM's names carry the same counts.
+    for name in ("num_preemptions_total", "prefix_cache_queries_total",
+                 "prefix_cache_hits_total", "generation_tokens_total", "prompt_tokens_total",
+                 "request_success_total[length]", "e2e_request_latency_seconds_count",
+                 "inter_token_latency_seconds_count", "time_to_first_token_seconds_count"):
+        assert m["vllm:" + name] == m["jaxllm:" + name], name
+
+
+def test_every_update_reaches_the_vllm_names_with_model_name_and_engine_labels():
+    logger = PrometheusStatLogger("m")
+    logger.record_scheduler(SchedulerStats(num_running_reqs=2, num_waiting_reqs=1,
+                                           kv_cache_usage=0.25, prefix_cache_queries=30,
+                                           prefix_cache_hits=16, num_preemptions=1,
+                                           num_generation_tokens=3))
+    logger.record_first_token(0.5, 30)
+    for gap in (0.02, 0.03):
+        logger.record_inter_token(gap)
+    logger.record_finished(FinishedRequestStats("stop", 1.5, 30, 3, decode_time=0.05))
+    m = exported(logger)
+    want = {"vllm:num_requests_running": 2, "vllm:num_requests_waiting": 1,
+            "vllm:kv_cache_usage_perc": 0.25, "vllm:prefix_cache_queries_total": 30,
+            "vllm:prefix_cache_hits_total": 16, "vllm:num_preemptions_total": 1,
+            "vllm:prompt_tokens_total": 30, "vllm:generation_tokens_total": 3,
+            "vllm:request_success_total[stop]": 1, "vllm:request_success_total[length]": 0,
+            "vllm:request_success_total[abort]": 0,
+            "vllm:time_to_first_token_seconds_count": 1,
+            "vllm:time_to_first_token_seconds_sum": 0.5,
+            "vllm:inter_token_latency_seconds_count": 2,
+            "vllm:inter_token_latency_seconds_sum": 0.05,
+            "vllm:e2e_request_latency_seconds_count": 1,
+            "vllm:e2e_request_latency_seconds_sum": 1.5,
+            "vllm:request_time_per_output_token_seconds_count": 1,
+            "vllm:request_time_per_output_token_seconds_sum": 0.025}
+    assert {k: m[k] for k in want} == pytest.approx(want)
+    for family in text_string_to_metric_families(logger.expose().decode()):
+        for s in family.samples:
+            assert s.labels["model_name"] == "m" and s.labels["engine"] == "0", s

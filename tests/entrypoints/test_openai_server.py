@@ -29,6 +29,9 @@ LONG = 2000
 GREEDY = {"temperature": 0.0, "extra_body": {"ignore_eos": True}}
 
 
+pytestmark = pytest.mark.slow  # a server for the module
+
+
 @pytest.fixture(scope="module")
 def server(tmp_path_factory):
     model = make_tiny_checkpoint(tmp_path_factory.mktemp("ckpt"), arch="llama",

@@ -96,6 +96,7 @@ def _write_then_attend(backend, md, q, k, v, slots, **kw):
 
 
 @pytest.mark.parametrize("backend", [PallasTPUBackend(True), PallasGPUBackend(True)])
+@pytest.mark.slow
 def test_pallas_backend_matches_reference_end_to_end(backend):
     md, q, k, v, slots = _step([(9, 9), (1, 14), (5, 21)])
     kw = dict(sm_scale=D**-0.5, sliding_window=11)
@@ -121,6 +122,7 @@ def test_write_kv_updates_the_donated_cache_in_place(backend):
 
 @pytest.mark.parametrize("backend", [AttentionBackend(), PallasTPUBackend(True),
                                      PallasGPUBackend(True)])
+@pytest.mark.slow
 def test_sharded_write_and_attend_over_kv_heads_match_unsharded(backend):
     """Each device writes and reads its own kv heads (shard_map over 'model'); the
     cache comes back split as the backend declares, and the answers are the
@@ -144,6 +146,7 @@ def test_sharded_write_and_attend_over_kv_heads_match_unsharded(backend):
 
 @pytest.mark.parametrize("backend", [AttentionBackend(), PallasTPUBackend(True),
                                      PallasGPUBackend(True)])
+@pytest.mark.slow
 def test_layers_share_one_cache_by_page_offset(backend):
     """Two layers' pages in one array: layer 1 at page offset NUM_BLOCKS reads and
     writes only its own pages, and each layer attends as over a cache of its own."""
@@ -164,6 +167,7 @@ def test_layers_share_one_cache_by_page_offset(backend):
         np.testing.assert_array_equal(pages, np.asarray(alone))
 
 
+@pytest.mark.slow
 def test_gpu_backend_traces_its_kernel_once_for_every_layer(monkeypatch):
     """Each layer's attend differs only in its page offset, an input of the kernel; the
     calls share one nested program, so the kernel is traced (and lowered, compiled)
@@ -191,6 +195,7 @@ def test_gpu_backend_traces_its_kernel_once_for_every_layer(monkeypatch):
 
 @pytest.mark.parametrize("backend", [AttentionBackend(), PallasTPUBackend(True),
                                      PallasGPUBackend(True)])
+@pytest.mark.slow
 def test_layers_update_the_shared_cache_in_place(backend):
     """Write, attend, write the next layer's pages, attend: with the one cache donated,
     the program keeps a single copy of it (no cache-sized copy in the compiled HLO)."""

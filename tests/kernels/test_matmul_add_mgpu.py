@@ -56,6 +56,7 @@ RUNNABLE = [c for c, spec in CASES.items() if MODE != "device" or spec[3] != jnp
 
 @needs_kernel
 @pytest.mark.parametrize("case", RUNNABLE)
+@pytest.mark.slow
 def test_kernel_matches_reference(case):
     t, k, n, dtype, bs = CASES[case]
     interpret = MODE == "interpret"
@@ -106,6 +107,7 @@ def test_xla_path_matches_reference(bias):
 
 
 @needs_kernel
+@pytest.mark.slow
 def test_matmul_add_takes_the_kernel_only_where_it_fits(monkeypatch):
     calls = []
     real = gpu_mgpu.matmul_add

@@ -112,6 +112,7 @@ def run_kernel(backend: str, case: Case, q, cache_ref_layout, kv_lens, page_indi
 
 @pytest.mark.parametrize("backend", ["tpu", "gpu"])
 @pytest.mark.parametrize("name", list(CASES))
+@pytest.mark.slow
 def test_kernel_matches_reference(backend: str, name: str):
     case = CASES[name]
     (q, kv_lens, page_indices, cu, num_seqs), cache, num_real = make_batch(
@@ -176,6 +177,7 @@ def test_gpu_decode_split_items_cover_every_token_once():
 
 
 @pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16])
+@pytest.mark.slow
 def test_gpu_decode_split_matches_single_call(dtype):
     """Decodes beside prompt chunks (prefill tiles): the two-call path and the
     single call both match the reference; padding rows stay zero."""

@@ -151,6 +151,7 @@ def kernel_fn(shape: str, page_offset: int = 0):
 
 
 @pytest.mark.parametrize("name", list(BATCHES))
+@pytest.mark.slow
 def test_kernel_matches_reference(name: str):
     shape, seqs = BATCHES[name]
     d = SHAPES[shape][2]
@@ -222,6 +223,7 @@ def test_work_items_cover_every_row_once(skip_decode: bool):
     np.testing.assert_array_equal(owner, want)
 
 
+@pytest.mark.slow
 def test_mosaic_backend_routes_prefill_steps_to_the_mosaic_body(monkeypatch):
     """The engine's opt-in backend: a prefill-shaped bf16 step (KV written through the
     backend, then attended) runs this body and matches the reference."""
@@ -263,6 +265,7 @@ def test_mosaic_backend_routes_prefill_steps_to_the_mosaic_body(monkeypatch):
     assert np.linalg.norm(err) / np.linalg.norm(ref[:num_real]) <= REL_L2
 
 
+@pytest.mark.slow
 def test_backend_loads_the_mosaic_gpu_runtime_when_made():
     """A warm start runs the cached programs without tracing the kernel; their Mosaic GPU
     kernels link against functions of the runtime that jax's Mosaic GPU module loads
@@ -283,6 +286,7 @@ def test_backend_loads_the_mosaic_gpu_runtime_when_made():
     assert proc.returncode == 0, proc.stderr[-2000:]
 
 
+@pytest.mark.slow
 def test_page_offset_reads_the_pages_of_a_later_layer():
     """The engine's cache holds every layer's pages; a layer's block-table entries count
     from its `page_offset`, which the kernel takes as an input (one kernel for every

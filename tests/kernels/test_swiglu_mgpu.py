@@ -57,6 +57,7 @@ CASES = {
 
 @needs_kernel
 @pytest.mark.parametrize("case", list(CASES))
+@pytest.mark.slow
 def test_kernel_matches_reference(case):
     t, h, i, dtype, kw = CASES[case]
     if MODE == "device" and dtype == jnp.float32:
@@ -108,6 +109,7 @@ def test_xla_path_matches_reference(bias):
 
 
 @needs_kernel
+@pytest.mark.slow
 def test_swiglu_takes_the_kernel_only_where_it_fits(monkeypatch):
     calls = []
     real = gpu_mgpu.swiglu_up
@@ -146,6 +148,7 @@ def test_get_swiglu_by_name():
 
 
 @needs_kernel
+@pytest.mark.slow
 def test_swiglu_traces_the_kernel_once_for_every_layer(monkeypatch):
     """Layers of one step call the kernel with the same shapes: one nested program,
     traced and compiled once (32 separate call sites cost 28 s on the H100, one 1.3 s)."""

@@ -405,9 +405,9 @@ def test_rows_add_remove_move_keep_state_and_build_optional_parts_only_when_need
 
 def test_variants_are_the_documented_set_and_each_compiles_and_runs():
     variants = list(variant_metadata(4, 32))
-    assert len({jax.tree_util.tree_structure(md) for md in variants}) == len(variants) == 24
+    assert len({jax.tree_util.tree_structure(md) for md in variants}) == len(variants) == 48
     logits = jnp.asarray(np.random.default_rng(0).standard_normal((4, 32)), jnp.float32)
-    for md in variants[::7]:  # a few; compiling all 24 is left to the runner's warm-up
+    for md in variants[::7]:  # a few; compiling all 48 is left to the runner's warm-up
         out = sample(logits, md)
         assert out.token_ids.shape == (4,)
         assert (out.logprobs is None) == (md.num_logprobs == 0)
@@ -517,8 +517,9 @@ def test_the_staged_sampler_compiles_each_stage_once_per_variant_it_meets():
     fresh.precompile(logits, list(variant_metadata(4, vocab)), size)
     compiled = {name: getattr(fresh, name)._cache_size()
                 for name in ("_adjust", "_draw", "_logprobs")}
-    # Adjust: penalties, logit_adjust, both; draw: the three modes; logprobs: one.
-    assert compiled == {"_adjust": 3, "_draw": 3, "_logprobs": 1}
+    # Adjust: every non-empty subset of penalties, logit_adjust and the token bitmask;
+    # draw: the three modes; logprobs: one.
+    assert compiled == {"_adjust": 7, "_draw": 3, "_logprobs": 1}
     rows, _ = _mixed_rows(vocab)
     # Penalties, a logit bias, logprobs and top-k/top-p: every stage runs.
     md = rows.make_metadata(np.array([4, 5, 9, 2]), 4, engine_seed=0)

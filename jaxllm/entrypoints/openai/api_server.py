@@ -44,6 +44,7 @@ from jaxllm.entrypoints.openai.protocol import (
 from jaxllm.entrypoints.openai.serving_chat import OpenAIServingChat
 from jaxllm.entrypoints.openai.serving_completion import OpenAIServingCompletion
 from jaxllm.entrypoints.openai.serving_engine import HTTPError, error_body
+from jaxllm.entrypoints.openai.serving_info import add_info_routes
 from jaxllm.entrypoints.openai.supervisor import DEFAULT_ENGINE_RESTARTS, EngineSupervisor
 from jaxllm.errors import EngineDeadError, ParameterError
 from jaxllm.metrics.loggers import LoggingStatLogger, PrometheusStatLogger
@@ -65,6 +66,7 @@ class ServerOptions:
     shutdown_timeout: float = 30.0
     uvicorn_log_level: str = "info"
     access_log: bool = True
+    enable_tokenizer_info_endpoint: bool = False
     engine_restarts: int = DEFAULT_ENGINE_RESTARTS  # 0: exit when the engine core dies
 
 
@@ -214,6 +216,9 @@ def build_app(engine: AsyncLLM, options: ServerOptions,
         return ModelList(data=[ModelCard(id=n, root=mc.model, max_model_len=mc.max_model_len)
                                for n in names])
 
+    add_info_routes(app, engine, completion.check_model, options.chat_template,
+                    options.enable_tokenizer_info_endpoint)
+
     def respond(result: Any) -> Response:
         if isinstance(result, AsyncIterator):
             return StreamingResponse(result, media_type="text/event-stream")
@@ -350,6 +355,7 @@ def run_server(args: argparse.Namespace) -> int:
         log_stats=not args.disable_log_stats, shutdown_timeout=args.shutdown_timeout,
         uvicorn_log_level=args.uvicorn_log_level,
         access_log=not args.disable_uvicorn_access_log,
+        enable_tokenizer_info_endpoint=args.enable_tokenizer_info_endpoint,
         engine_restarts=0 if args.exit_on_engine_death else args.engine_restarts)
     # SamplingParams reads the bound on n (and best_of) here, as vLLM reads
     # VLLM_MAX_N_SEQUENCES; the engine core's process inherits it.

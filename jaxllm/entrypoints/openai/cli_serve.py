@@ -48,6 +48,9 @@ def add_serve_parser(subparsers: Any) -> argparse.ArgumentParser:
     p.add_argument("--uvicorn-log-level", default="info",
                    choices=["critical", "error", "warning", "info", "debug", "trace"])
     p.add_argument("--disable-uvicorn-access-log", action="store_true", default=False)
+    p.add_argument("--enable-tokenizer-info-endpoint", action="store_true", default=False,
+                   help="serve GET /tokenizer_info (the tokenizer's configuration, chat "
+                        "template included), as vLLM")
     p.add_argument("--engine-restarts", type=int, default=DEFAULT_ENGINE_RESTARTS,
                    help="restart a dead engine core up to N times in a row (/health is 503 "
                         "meanwhile), then exit with status 1; 0 exits at once")

@@ -14,6 +14,7 @@ from typing import Any, Literal
 from pydantic import BaseModel, ConfigDict, Field
 
 from jaxllm.entrypoints.openai.strings import check_strings
+from jaxllm.entrypoints.openai.structured import ResponseFormat, structured_params
 from jaxllm.errors import ParameterError
 from jaxllm.sampling_params import (
     INT64_MAX,
@@ -85,6 +86,19 @@ class SamplingFields(OpenAIBaseModel):
     prompt_logprobs: int | None = None
     priority: int = 0
     return_token_ids: bool = False  # adds the generated token ids to every choice
+    # Structured outputs: OpenAI's response_format, or vLLM's structured_outputs
+    # (json, regex, choice, grammar, json_object, structural_tag).
+    response_format: ResponseFormat | None = None
+    structured_outputs: dict[str, Any] | None = None
+
+    def structured_error(self, e: ParameterError) -> ParameterError:
+        """A grammar the engine's frontend rejected, named by the field the client used."""
+        if (e.field.startswith("structured_outputs") and self.structured_outputs is None
+                and self.response_format is not None):
+            field = ("response_format.json_schema.schema"
+                     if self.response_format.type == "json_schema" else "response_format")
+            return ParameterError(field, e.message)
+        return e
 
     def check_stream_options(self) -> None:
         if self.stream_options is not None and not self.stream:
@@ -121,6 +135,7 @@ class SamplingFields(OpenAIBaseModel):
             include_stop_str_in_output=self.include_stop_str_in_output,
             logit_bias=logit_bias, allowed_token_ids=self.allowed_token_ids,
             bad_words=self.bad_words,
+            structured_outputs=structured_params(self.response_format, self.structured_outputs),
             output_kind=RequestOutputKind.DELTA if self.stream else RequestOutputKind.FINAL_ONLY)
 
 
@@ -206,10 +221,6 @@ class ChatMessage(OpenAIBaseModel):
     name: str | None = None
 
 
-class ResponseFormat(OpenAIBaseModel):
-    type: str
-
-
 class ChatCompletionRequest(SamplingFields):
     messages: list[ChatMessage]
     max_tokens: int | None = None
@@ -218,7 +229,6 @@ class ChatCompletionRequest(SamplingFields):
     top_logprobs: int | None = None
     tools: list[dict[str, Any]] | None = None
     tool_choice: Any = None
-    response_format: ResponseFormat | None = None
     echo: bool = False
     add_generation_prompt: bool = True
     continue_final_message: bool = False
@@ -244,9 +254,6 @@ class ChatCompletionRequest(SamplingFields):
                 check_int(name, value, 1, INT64_MAX)
         if self.tools:
             raise ParameterError("tools", "tool calling is not supported")
-        if self.response_format is not None and self.response_format.type != "text":
-            raise ParameterError("response_format", f"type {self.response_format.type!r} is "
-                                 "not supported (only 'text')")
         if self.continue_final_message and self.add_generation_prompt:
             raise ParameterError("continue_final_message",
                                  "cannot be combined with add_generation_prompt=true")

@@ -80,9 +80,13 @@ class OpenAIServingChat(OpenAIServing):
         top = (req.top_logprobs or 0) if req.logprobs else None
         params = req.to_sampling_params(req.effective_max_tokens(), top, self.default_sampling())
         request_id = random_id("chatcmpl")
-        requests = self.add_requests(
-            request_id, [{"prompt": text, "prompt_token_ids": ids}], params, req.priority,
-            "max_completion_tokens" if req.max_completion_tokens is not None else "max_tokens")
+        try:
+            requests = self.add_requests(
+                request_id, [{"prompt": text, "prompt_token_ids": ids}], params, req.priority,
+                "max_completion_tokens" if req.max_completion_tokens is not None
+                else "max_tokens")
+        except ParameterError as e:
+            raise req.structured_error(e) from e
         echo = self._echo_text(req)
         if req.stream:
             return self._stream(req, request_id, model, requests, echo)

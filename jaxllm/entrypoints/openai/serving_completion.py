@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import time
 from collections.abc import AsyncIterator, Callable
 
@@ -22,7 +23,7 @@ from jaxllm.entrypoints.openai.serving_engine import (
     usage,
 )
 from jaxllm.errors import EngineDeadError, ParameterError
-from jaxllm.outputs import Logprob, RequestOutput
+from jaxllm.outputs import CompletionOutput, Logprob, RequestOutput
 
 
 def _prompts(prompt: str | list[str] | list[int] | list[list[int]]) -> list[PromptType]:
@@ -87,33 +88,50 @@ class OpenAIServingCompletion(OpenAIServing):
             return f"token_id:{token_id}"
         return self.tokenizer.decode([token_id], skip_special_tokens=True)
 
+    def _prompt_text(self, out: RequestOutput) -> str:
+        """The echoed prompt: as sent, or decoded when it came as token ids (as vLLM)."""
+        if out.prompt is not None or self.tokenizer is None:
+            return out.prompt or ""
+        return self.tokenizer.decode(out.prompt_token_ids, skip_special_tokens=True)
+
     async def create_completion(self, req: CompletionRequest
                                 ) -> CompletionResponse | AsyncIterator[str]:
         model = self.check_model(req.model)
         req.check()
-        params = req.to_sampling_params(req.max_tokens, req.logprobs, self.default_sampling())
+        # echo with max_tokens=0 scores the prompt alone (loglikelihood harnesses): the engine
+        # runs one step, whose token the answer leaves out, as vLLM does.
+        echo_only = req.echo and req.max_tokens == 0
+        if echo_only and req.min_tokens:
+            raise ParameterError("min_tokens", "must be 0 when echo is true and max_tokens is 0")
+        params = req.to_sampling_params(1 if echo_only else req.max_tokens, req.logprobs,
+                                        self.default_sampling())
         if req.echo and req.logprobs is not None:
             # Echoed logprobs come from the prompt's; an explicit prompt_logprobs may want more.
             params.prompt_logprobs = max(req.logprobs, req.prompt_logprobs or 0)
         prompts = [self._tokenized(p, req.add_special_tokens) for p in _prompts(req.prompt)]
         request_id = random_id("cmpl")
-        requests = self.add_requests(request_id, prompts, params, req.priority)
+        try:
+            requests = self.add_requests(request_id, prompts, params, req.priority)
+        except ParameterError as e:
+            raise req.structured_error(e) from e
         if req.stream:
-            return self._stream(req, request_id, model, requests)
+            return self._stream(req, request_id, model, requests, echo_only)
         finals = await self.collect(requests)
-        return self._response(req, request_id, model, finals)
+        return self._response(req, request_id, model, finals, echo_only)
 
     def _response(self, req: CompletionRequest, request_id: str, model: str,
-                  finals: list[RequestOutput]) -> CompletionResponse:
+                  finals: list[RequestOutput], echo_only: bool = False) -> CompletionResponse:
         choices: list[CompletionChoice] = []
         prompt_tokens = completion_tokens = 0
         for i, out in enumerate(finals):
             raise_if_failed(out)
             prompt_tokens += len(out.prompt_token_ids)
             for comp in out.outputs:
+                if echo_only:
+                    comp = _without_generation(comp)
                 completion_tokens += len(comp.token_ids)
                 text, logprobs = comp.text, None
-                prefix = (out.prompt or "") if req.echo else ""
+                prefix = self._prompt_text(out) if req.echo else ""
                 if req.logprobs is not None and comp.logprobs is not None:
                     logprobs = completion_logprobs(comp.token_ids, comp.logprobs,
                                                    req.logprobs, len(prefix))
@@ -133,7 +151,7 @@ class OpenAIServingCompletion(OpenAIServing):
                                   usage=usage(prompt_tokens, completion_tokens))
 
     async def _stream(self, req: CompletionRequest, request_id: str, model: str,
-                      requests: list) -> AsyncIterator[str]:
+                      requests: list, echo_only: bool = False) -> AsyncIterator[str]:
         created = int(time.time())
         opts = req.stream_options
         include_usage = bool(opts and opts.include_usage)
@@ -145,17 +163,19 @@ class OpenAIServingCompletion(OpenAIServing):
             async for i, out in self.iterate(requests):
                 prompt_tokens[i] = len(out.prompt_token_ids)
                 for comp in out.outputs:
+                    if echo_only:
+                        comp = _without_generation(comp)
                     idx = i * req.n + comp.index
                     first = idx not in offsets
                     text = comp.text
                     logprobs = None
                     if first and req.echo:
-                        text = (out.prompt or "") + text
+                        text = self._prompt_text(out) + text
                     offset = offsets.get(idx, 0)
                     if req.logprobs is not None and comp.logprobs is not None:
                         logprobs = completion_logprobs(
                             comp.token_ids, comp.logprobs, req.logprobs,
-                            offset + (len(out.prompt or "") if first and req.echo else 0))
+                            offset + (len(self._prompt_text(out)) if first and req.echo else 0))
                         if first and req.echo and out.prompt_logprobs is not None:
                             logprobs = _concat(completion_logprobs(
                                 out.prompt_token_ids, out.prompt_logprobs, req.logprobs, 0,
@@ -188,6 +208,17 @@ class OpenAIServingCompletion(OpenAIServing):
         except EngineDeadError as e:
             yield sse(error_body(503, str(e)).model_dump_json())
         yield sse("[DONE]")
+
+
+def _without_generation(comp: CompletionOutput) -> CompletionOutput:
+    """The choice of an echo-only request: its one engine token dropped; whatever ended it,
+    the answer ends by length (zero tokens of max_tokens=0), unless it failed or was aborted."""
+    finish = comp.finish_reason
+    if finish == "stop":
+        finish = "length"
+    return dataclasses.replace(comp, text="", token_ids=[],
+                               logprobs=[] if comp.logprobs is not None else None,
+                               finish_reason=finish, stop_reason=None)
 
 
 def _concat(a: CompletionLogprobs, b: CompletionLogprobs) -> CompletionLogprobs:

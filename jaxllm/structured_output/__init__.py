@@ -1,0 +1,1 @@
+"""Structured output: grammars (llguidance) that constrain what a request may generate."""
