@@ -264,9 +264,9 @@ class EngineArgs:
             raise ParameterError("max_model_len",
                                  f"{max_len} exceeds the model's max_position_embeddings "
                                  f"({limit}); set JAXLLM_ALLOW_LONG_MAX_MODEL_LEN=1 to allow it")
-        if self.load_format not in ("auto", "safetensors", "dummy"):
-            raise ParameterError("load_format", "must be 'auto', 'safetensors' or 'dummy', "
-                                 f"got {self.load_format!r}")
+        if self.load_format not in ("auto", "safetensors", "orbax", "dummy"):
+            raise ParameterError("load_format", "must be 'auto', 'safetensors', 'orbax' or "
+                                 f"'dummy', got {self.load_format!r}")
         eos = getattr(hf_config, "eos_token_id", None)
         gen_defaults: dict[str, Any] = {}
         gen_path = os.path.join(model, "generation_config.json")

@@ -1,4 +1,4 @@
-"""`jaxllm generate | chat | serve | compile | bench`, with vLLM's flag names."""
+"""`jaxllm generate | chat | serve | compile | convert | bench`, with vLLM's flag names."""
 
 from __future__ import annotations
 
@@ -122,6 +122,10 @@ def build_parser() -> argparse.ArgumentParser:
     from jaxllm.entrypoints.cli_compile import add_compile_parser
 
     add_compile_parser(sub)
+
+    from jaxllm.entrypoints.cli_convert import add_convert_parser
+
+    add_convert_parser(sub)
 
     bench = sub.add_parser(
         "bench", help="benchmarks: " + ", ".join(BENCHMARKS),

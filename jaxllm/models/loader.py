@@ -8,6 +8,8 @@ Then either
     dtype) and handed to the devices shard by shard (`make_array_from_callback`),
     so no weight is materialized twice on the host or ever in full on a device
     that holds only a shard; or
+  * orbax: a checkpoint written by `jaxllm convert` (models/orbax_io.py), each
+    array restored straight into its sharding; or
   * dummy: a jitted init with `out_shardings` draws the random weights directly
     on the devices, deterministic from `seed` and independent of the mesh.
 
@@ -35,6 +37,7 @@ from jaxllm.config import ModelConfig
 from jaxllm.distributed.mesh import kv_head_replicas, param_shardings, validate_tensor_parallel
 from jaxllm.errors import ParameterError
 from jaxllm.layers.attention_sharded import shard_attention
+from jaxllm.models.orbax_io import ORBAX_DIR, is_orbax_checkpoint, load_orbax
 from jaxllm.models.registry import get_model_class
 
 _ST_DTYPES = {
@@ -113,10 +116,23 @@ def load_model(model_config: ModelConfig, mesh: Mesh, attn_backend: Any,
     if model_config.load_format == "dummy":
         values = jax.jit(lambda: nnx.to_pure_dict(nnx.state(create())),
                          out_shardings=shardings)()
+    elif uses_orbax(model_config):
+        values = load_orbax(model_config.model, hf_config, state, shardings, tp)
     else:
         values = _load_safetensors(cls, hf_config, model_config.model, state, shardings, tp)
     nnx.replace_by_pure_dict(state, values)
     return nnx.merge(graphdef, state)
+
+
+def uses_orbax(model_config: ModelConfig) -> bool:
+    """Whether the weights come from a jaxllm orbax checkpoint (models/orbax_io.py):
+    load_format 'orbax', or 'auto' on a directory that holds one."""
+    found = is_orbax_checkpoint(model_config.model)
+    if model_config.load_format == "orbax" and not found:
+        raise ParameterError("load_format", f"'orbax', but {model_config.model!r} has no "
+                             f"{ORBAX_DIR}/ folder (write one with `jaxllm convert`)")
+    return model_config.load_format == "orbax" or (model_config.load_format == "auto"
+                                                   and found)
 
 
 # ---- safetensors ------------------------------------------------------------------------
