@@ -20,9 +20,9 @@ from typing import TYPE_CHECKING, Any
 import msgspec
 
 from jaxllm.config import EngineArgs, EngineConfig, portable_config
+from jaxllm.core.messages import EngineCoreOutputs, SchedulerStats
 from jaxllm.engine.input_processor import InputProcessor, PromptType, load_tokenizer
 from jaxllm.engine.llm_engine import fan_out
-from jaxllm.engine.messages import EngineCoreOutputs, SchedulerStats
 from jaxllm.engine.output_processor import (
     OutputProcessor,
     ParentRequest,

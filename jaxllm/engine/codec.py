@@ -7,11 +7,22 @@ socket carries one `Handshake`. `Codec` holds one typed decoder per kind.
 
 from __future__ import annotations
 
+import enum
 from typing import Any
 
 import msgspec
 
-from jaxllm.engine.messages import EngineCoreOutputs, EngineCoreRequest, EngineCoreRequestType
+from jaxllm.core.messages import EngineCoreOutputs, EngineCoreRequest
+
+
+class EngineCoreRequestType(enum.Enum):
+    """First frame of every message on the input socket."""
+
+    ADD = b"\x00"
+    ABORT = b"\x01"
+    UTILITY = b"\x02"
+    SHUTDOWN = b"\x03"
+
 
 # First frame of every message on the output socket.
 OUTPUTS = b"O"

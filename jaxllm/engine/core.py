@@ -25,16 +25,16 @@ import time
 from typing import TYPE_CHECKING
 
 from jaxllm.config import EngineConfig
-from jaxllm.core.request import Request, RequestStatus
-from jaxllm.core.runner_output import ModelRunnerOutput
-from jaxllm.core.sched_output import SchedulerOutput
-from jaxllm.core.scheduler import Scheduler
-from jaxllm.engine.messages import (
+from jaxllm.core.messages import (
     EngineCoreOutput,
     EngineCoreOutputs,
     EngineCoreRequest,
     FinishReason,
 )
+from jaxllm.core.request import Request, RequestStatus
+from jaxllm.core.runner_output import ModelRunnerOutput
+from jaxllm.core.sched_output import SchedulerOutput
+from jaxllm.core.scheduler import Scheduler
 from jaxllm.sampling_params import INT64_MAX, TOKEN_ID_MAX
 from jaxllm.structured_output.grammar import make_tokenizer
 from jaxllm.structured_output.manager import StructuredOutputManager

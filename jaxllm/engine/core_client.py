@@ -24,9 +24,9 @@ from typing import Any
 import zmq
 
 from jaxllm.config import EngineConfig
-from jaxllm.engine.codec import UTILITY_RESULT, Codec, UtilityCall
+from jaxllm.core.messages import EngineCoreOutputs, EngineCoreRequest
+from jaxllm.engine.codec import UTILITY_RESULT, Codec, EngineCoreRequestType, UtilityCall
 from jaxllm.engine.core_launch import launch_core
-from jaxllm.engine.messages import EngineCoreOutputs, EngineCoreRequest, EngineCoreRequestType
 from jaxllm.errors import EngineDeadError
 
 logger = logging.getLogger(__name__)

@@ -31,19 +31,15 @@ import msgspec
 import zmq
 
 from jaxllm.config import EngineConfig
+from jaxllm.core.messages import EngineCoreOutput, EngineCoreOutputs, FinishReason
 from jaxllm.engine.codec import (
     OUTPUTS,
     UTILITY_RESULT,
     Codec,
+    EngineCoreRequestType,
     Handshake,
     UtilityCall,
     UtilityResult,
-)
-from jaxllm.engine.messages import (
-    EngineCoreOutput,
-    EngineCoreOutputs,
-    EngineCoreRequestType,
-    FinishReason,
 )
 from jaxllm.errors import ParameterError
 

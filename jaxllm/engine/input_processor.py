@@ -6,7 +6,7 @@ import time
 from typing import Any
 
 from jaxllm.config import ModelConfig
-from jaxllm.engine.messages import EngineCoreRequest
+from jaxllm.core.messages import EngineCoreRequest
 from jaxllm.errors import ParameterError
 from jaxllm.sampling_params import INT64_MAX, PoolingParams, SamplingParams, check_int, check_text
 

@@ -8,9 +8,9 @@ from typing import Any
 import msgspec
 
 from jaxllm.config import EngineArgs, EngineConfig
+from jaxllm.core.messages import SchedulerStats
 from jaxllm.engine.core_client import EngineCoreClient
 from jaxllm.engine.input_processor import InputProcessor, PromptType, load_tokenizer
-from jaxllm.engine.messages import SchedulerStats
 from jaxllm.engine.output_processor import OutputProcessor, ParentRequest, child_request_id
 from jaxllm.errors import ParameterError
 from jaxllm.outputs import PoolingRequestOutput, RequestOutput

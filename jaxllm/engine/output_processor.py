@@ -12,14 +12,14 @@ import time
 from dataclasses import dataclass, field
 from typing import Any
 
-from jaxllm.engine.detokenizer import IncrementalDetokenizer
-from jaxllm.engine.messages import (
+from jaxllm.core.messages import (
     EngineCoreOutput,
     EngineCoreOutputs,
     EngineCoreRequest,
     FinishReason,
     LogprobsLists,
 )
+from jaxllm.engine.detokenizer import IncrementalDetokenizer
 from jaxllm.outputs import (
     CompletionOutput,
     Logprob,

@@ -7,7 +7,7 @@ prefill chunks and decodes. The layers of a model share one cache array of
 `num_layers * num_blocks` pages (axis 0 of every layout): layer l's block b is
 page `l * num_blocks + b`, and both calls take that `page_offset`. One array
 instead of one per layer: every array a jitted step takes and returns costs
-the host ~1-2 us per call. Backends: "reference" (plain jnp, the oracle, used
+host time on every call. Backends: "reference" (plain jnp, the oracle, used
 on the CPU), "pallas_tpu", "pallas_gpu" (Triton) and "pallas_gpu_mosaic" (Mosaic
 GPU prefill body on Hopper, Triton for the rest; pallas_kernels/), chosen by
 platform unless `attention_backend` names one.

@@ -65,9 +65,8 @@ class PallasGPUBackend(_PallasBackend):
 
     Every layer's call goes through one jitted function per backend, with the page
     offset as a traced input: the layers then share one nested program, which jax
-    lowers and XLA compiles once per step shape instead of once per layer. Measured
-    on the H100 (jax 0.11.2): 32 call sites of the Mosaic GPU body at 16384 tokens
-    took 108 s to lower and compile one by one, 5.4 s as one nested program.
+    lowers and XLA compiles once per step shape instead of once per layer (a cold
+    start's compile time is dominated by the layers otherwise).
     """
 
     name = "pallas_gpu"
@@ -100,11 +99,8 @@ class PallasGPUMosaicBackend(PallasGPUBackend):
     """The GPU default on Hopper ("auto"): prefill-shaped steps (bf16/f16, head_dim
     64/128, no window or soft-cap) run the Mosaic GPU kernel (`gpu_mgpu.py`: TMA page
     copies, wgmma, persistent CTAs; its one-token requests go to the Triton decode
-    tiles), everything else the Triton body. On the H100 at the 8B throughput
-    workload's shapes its prefill calls take 0.61-0.91x the Triton body's time, and
-    the whole run 0.1 s less (17.7 against 17.8 s on one machine, BENCHMARKS.md,
-    throughput, stop 27). A server's warm restart with it: 13.9 s (BENCHMARKS.md,
-    serving).
+    tiles), everything else the Triton body, because its prefill calls are faster
+    than the Triton body's at the shapes it covers (BENCHMARKS.md, kernels).
 
     A program loaded from the persistent caches (a warm start) links each Mosaic GPU
     kernel's host code against the Mosaic GPU runtime's functions

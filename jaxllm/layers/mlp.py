@@ -3,11 +3,10 @@
 The gate/up weight is the model's `[2, I, H]` stack. XLA computes it as one
 GEMM writing `[T, 2I]` and one elementwise pass reading that back to write
 `[T, I]`. On a Hopper GPU, `pallas_kernels/swiglu` does the SiLU·mul in the
-GEMM's epilogue instead, so the `[T, 2I]` product never reaches HBM. At the
-8B shapes on an H100 that makes the up-projection 6% faster at 16384 tokens,
-11% at 4096, 3% at 2048, and 2% slower at 512 (BENCHMARKS.md, throughput, stop
-25), so "auto" sends only steps of at least `MIN_KERNEL_TOKENS` tokens to the kernel. Steps whose
-shapes the kernel does not cover, and biased projections, stay on XLA.
+GEMM's epilogue instead, so the `[T, 2I]` product never reaches HBM. That pays
+only in large steps (small ones are faster on cuBLAS; BENCHMARKS.md, kernels),
+so "auto" sends only steps of at least `MIN_KERNEL_TOKENS` tokens to the kernel.
+Steps whose shapes the kernel does not cover, and biased projections, stay on XLA.
 
 Under tensor parallelism the weight is split over 'model' along I (column
 parallel); the Pallas call is not partitioned by XLA, so it runs per shard in
@@ -16,8 +15,8 @@ parallel); the Pallas call is not partitioned by XLA, so it runs per shard in
 "pallas_gpu_mosaic" also sends `MatmulAdd` to a kernel: a projection plus the
 residual it feeds (the attention's output projection, the MLP's down
 projection), with the add in the GEMM's epilogue (`pallas_kernels/matmul_add`).
-"auto" leaves those to XLA: on the H100 the 8B throughput run took the same
-17.9 s either way (BENCHMARKS.md, throughput, stop 28). Those weights are row
+"auto" leaves those to XLA, since the throughput workload measured no gain from
+the kernel. Those weights are row
 parallel; under a split mesh their products are summed over 'model' before the
 add, so there XLA computes them whatever the backend.
 """
@@ -74,8 +73,7 @@ class SwiGLU:
     def _kernel_call(self):
         """The kernel as one jitted function per SwiGLU: every layer's call is then the
         same nested program, lowered and compiled once per step shape rather than once
-        per layer (H100: 32 call sites at 16384 tokens took 28 s one by one, 1.3 s as
-        one nested program)."""
+        per layer (per-layer call sites multiply a cold start's compile time)."""
         from pallas_kernels.swiglu import gpu_mgpu
 
         def run(x, w):
@@ -108,12 +106,10 @@ class MatmulAdd:
     """`residual + x @ w.T` (+ bias) for `x [T, K]`, `w [N, K]`, `residual [T, N]`.
 
     `kernel`: the Mosaic GPU kernel where it covers the call (no bias) and the step
-    has at least `min_tokens` tokens; XLA otherwise. Inside a prefill layer of the
-    8B model on the H100 (16384 tokens) the kernel removes ~0.2 ms of elementwise
-    passes but runs the two projections ~0.12 ms slower than cuBLAS (down +2%,
-    output +8-10%: a 2048-tile walk over 132 SMs leaves its last wave half empty,
-    and the epilogue is not hidden behind the next tile's K loop); at 512 tokens
-    it is 1.5x slower (BENCHMARKS.md, throughput, stop 28).
+    has at least `min_tokens` tokens; XLA otherwise. The kernel saves the
+    elementwise add but its GEMM trails cuBLAS (its tile walk leaves the last wave
+    half empty and the epilogue is not hidden behind the next tile's K loop), so it
+    is opt-in.
     """
 
     kernel: bool = False

@@ -16,7 +16,7 @@ from dataclasses import dataclass
 
 import prometheus_client as prom
 
-from jaxllm.engine.messages import SchedulerStats
+from jaxllm.core.messages import SchedulerStats
 
 logger = logging.getLogger("jaxllm.stats")
 

@@ -201,9 +201,7 @@ class LlamaForCausalLM(nnx.Module):
         Equal to `__call__` at those rows. Every token's K/V is still written in the
         last layer too (later steps read it), and after the last layer's attention
         nothing mixes rows. So the last layer's attention output, output projection
-        and MLP run for R rows instead of T: at 16384 tokens and 512 requests that
-        skips ~9 ms of a ~350 ms Llama-3-8B step on an H100 (BENCHMARKS.md,
-        throughput, stop 29).
+        and MLP run for R rows instead of T, the work no sampled row needs.
         """
         states, kv_cache = self._trunk(input_ids, positions, kv_cache, md)
         x, kv_cache = self._layer(-1, states, positions, kv_cache, md, rows=rows)

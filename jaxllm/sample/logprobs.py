@@ -1,7 +1,7 @@
 """Logprobs as host lists: the form they take from the model runner to the frontend.
 
 A msgspec Struct, so the engine core's messages carry it across ZMQ as it is
-(engine/messages.py re-exports it); it lives here, below the worker and the
+(core/messages.py names it); it lives here, below the worker and the
 scheduler, so that neither imports the engine to name it.
 """
 

@@ -15,18 +15,17 @@ import pytest
 
 from jaxllm import LLM, SamplingParams
 from jaxllm.config import EngineArgs
-from jaxllm.engine.codec import Codec
-from jaxllm.engine.core_client import SyncMPClient
-from jaxllm.engine.llm_engine import LLMEngine
-from jaxllm.engine.messages import (
+from jaxllm.core.messages import (
     EngineCoreOutput,
     EngineCoreOutputs,
     EngineCoreRequest,
-    EngineCoreRequestType,
     FinishReason,
     LogprobsLists,
     SchedulerStats,
 )
+from jaxllm.engine.codec import Codec, EngineCoreRequestType
+from jaxllm.engine.core_client import SyncMPClient
+from jaxllm.engine.llm_engine import LLMEngine
 from jaxllm.errors import EngineDeadError
 from jaxllm.sampling_params import RequestOutputKind
 from tests.engine.hf_reference import random_prompts

@@ -6,14 +6,14 @@ import pytest
 from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
 from transformers import PreTrainedTokenizerFast
 
-from jaxllm.engine.detokenizer import IncrementalDetokenizer
-from jaxllm.engine.messages import (
+from jaxllm.core.messages import (
     EngineCoreOutput,
     EngineCoreOutputs,
     EngineCoreRequest,
     FinishReason,
     LogprobsLists,
 )
+from jaxllm.engine.detokenizer import IncrementalDetokenizer
 from jaxllm.engine.output_processor import OutputProcessor, ParentRequest
 from jaxllm.sampling_params import RequestOutputKind, SamplingParams
 

@@ -15,8 +15,8 @@ import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
 from jaxllm.config import EngineArgs
+from jaxllm.core.messages import SchedulerStats
 from jaxllm.engine.async_llm import AsyncLLM
-from jaxllm.engine.messages import SchedulerStats
 from jaxllm.metrics.loggers import FinishedRequestStats, PrometheusStatLogger
 from jaxllm.sampling_params import RequestOutputKind, SamplingParams
 from tests.models.tiny_checkpoints import make_tiny_checkpoint
