@@ -51,10 +51,22 @@ def _generate(capsys, *args: str) -> tuple[int, list[dict], str]:
 
 
 @pytest.mark.slow
-def test_generate_without_model_answers_with_the_demo_model_in_its_chat_template(capsys):
+def test_generate_without_model_answers_with_the_demo_model_in_its_chat_template(
+        capsys, monkeypatch):
+    from jaxllm.entrypoints.llm import LLM
+
+    conversations, chat = [], LLM.chat
+
+    def recording_chat(self, messages, *args, **kwargs):
+        conversations.extend(messages)
+        return chat(self, messages, *args, **kwargs)
+
+    monkeypatch.setattr(LLM, "chat", recording_chat)
     rc, outs, _ = _generate(capsys, "reverse hello", "--max-tokens", "8")
     assert rc == 0
-    # Plain text (--no-chat) answers "" here: the answer proves the template wraps by default.
+    # The demo model answers raw prompts too, so the answer alone cannot show the
+    # template: the prompt went through LLM.chat, which renders it.
+    assert conversations == [[{"role": "user", "content": "reverse hello"}]]
     assert outs == [{"prompt": "reverse hello", "text": demo_tasks.expected_answer("reverse hello"),
                      "finish_reason": "stop"}]
 
