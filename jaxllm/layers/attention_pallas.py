@@ -3,7 +3,8 @@
 Both kernels read the cache head-major inside each page,
 `[num_pages, 2 * num_kv_heads, page_size, head_dim]` (K of kv head h at 2h, V
 at 2h + 1), so one (page, head) is a contiguous `page_size x head_dim` tile: a
-single DMA on TPU, coalesced rows on GPU (`paged_layout.py`). `write_kv` scatters
+single DMA on TPU, coalesced rows on GPU (`paged_layout.py`); the TPU cache
+lane-pads head_dim to a multiple of 128 (`tpu.py`). `write_kv` scatters
 this step's K/V into that layout; with the cache donated to the jitted step XLA
 updates it in place (tests/kernels/test_attention_backends.py checks the alias and
 the buffer).
@@ -40,7 +41,12 @@ class _PallasBackend(AttentionBackend):
 
 
 class PallasTPUBackend(_PallasBackend):
-    """Mosaic TPU kernel; `interpret=True` runs it in TPU interpret mode on any host."""
+    """Mosaic TPU kernel; `interpret=True` runs it in TPU interpret mode on any host.
+
+    Its cache pads head_dim to a multiple of 128 lanes (`tpu.padded_kv_cache_shape`):
+    with a narrower minor dim the TPU keeps the cache in another layout and every
+    step would convert all of it for the KV write and the kernel.
+    """
 
     name = "pallas_tpu"
 
@@ -48,6 +54,18 @@ class PallasTPUBackend(_PallasBackend):
         super().__init__(interpret)
         if interpret:
             _interpret_callbacks_on_the_host()
+
+    def kv_cache_shape(self, num_blocks: int, block_size: int, num_kv_heads: int,
+                       head_dim: int) -> tuple[int, ...]:
+        from pallas_kernels.ragged_paged_attention import tpu
+
+        return tpu.padded_kv_cache_shape(num_blocks, block_size, num_kv_heads, head_dim)
+
+    def write_kv(self, kv_cache: jax.Array, k: jax.Array, v: jax.Array,
+                 md: AttentionMetadata, page_offset: int = 0) -> jax.Array:
+        from pallas_kernels.ragged_paged_attention import tpu
+
+        return tpu.write_kv(kv_cache, k, v, md.slot_mapping, page_offset)
 
     def attend(self, q: jax.Array, kv_cache: jax.Array, md: AttentionMetadata, *,
                sm_scale: float, sliding_window: int | None = None,

@@ -19,6 +19,15 @@ num_seqs and the per-block request ranges) arrives by scalar prefetch in SMEM.
 Online softmax in float32; rows of other requests are masked out (p = 0), so
 they pass through untouched.
 
+Lane padding. The engine's cache (`padded_kv_cache_shape`) pads head_dim up to a
+multiple of 128, the TPU's lane width. With a smaller minor dim (head_dim 32 or
+64) the TPU stores the cache in a compact layout of its own choosing (pages
+minor), so XLA converts the whole cache to this row-major layout and back around
+the KV write and the kernel on every step; a 128-lane minor dim is the layout the
+TPU keeps anyway. `write_kv` stores K/V zero-padded, and the kernel pads q with
+zeros to the cache's minor dim, so the extra lanes add nothing to q.k and produce
+zero output columns, which it drops. A cache of exactly head_dim also works.
+
 Pages past a request's `kv_len` are not fetched; their slot keeps finite stale
 data (the slots are zeroed at the start of every step), which the mask hides.
 Every step is self-contained, so the grid axis is "parallel" (megacore).
@@ -35,13 +44,39 @@ from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import tpu as pltpu
 
-# The shared cache layout and its update, re-exported: `gpu.write_kv`, `tpu.kv_cache_shape`.
+from pallas_kernels.ragged_paged_attention import paged_layout
+
+# The shared cache layout, re-exported: `tpu.kv_cache_shape`.
 from pallas_kernels.ragged_paged_attention.paged_layout import kv_cache_shape as kv_cache_shape
-from pallas_kernels.ragged_paged_attention.paged_layout import write_kv as write_kv
 
 MASK_VALUE = -0.7 * float(jnp.finfo(jnp.float32).max)
 # The "leave it in HBM" memory space moved from pltpu.ANY to pl.ANY.
 _ANY = getattr(pl, "ANY", None) or pltpu.ANY
+LANES = 128
+
+
+def lane_padded_head_dim(head_dim: int) -> int:
+    """head_dim rounded up to a multiple of the TPU's 128 lanes."""
+    return -(-head_dim // LANES) * LANES
+
+
+def padded_kv_cache_shape(num_pages: int, page_size: int, num_kv_heads: int,
+                          head_dim: int) -> tuple[int, int, int, int]:
+    """The engine's TPU cache: the shared layout with head_dim lane-padded (module doc)."""
+    return kv_cache_shape(num_pages, page_size, num_kv_heads, lane_padded_head_dim(head_dim))
+
+
+def write_kv(kv_cache: jax.Array, k: jax.Array, v: jax.Array, slot_mapping: jax.Array,
+             page_offset: int = 0) -> jax.Array:
+    """`paged_layout.write_kv` into a cache whose minor dim may be wider than K/V's
+    head_dim: the extra lanes are written as zeros."""
+    pad = kv_cache.shape[-1] - k.shape[-1]
+    if pad < 0:
+        raise ValueError(f"K/V head_dim {k.shape[-1]} exceeds the cache's {kv_cache.shape[-1]}")
+    if pad:
+        widths = ((0, 0), (0, 0), (0, pad))
+        k, v = jnp.pad(k, widths), jnp.pad(v, widths)
+    return paged_layout.write_kv(kv_cache, k, v, slot_mapping, page_offset)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -231,8 +266,12 @@ def ragged_paged_attention(
     `interpret=True` runs in TPU interpret mode (any host); a
     `pltpu.InterpretParams` is passed through as is.
     """
-    num_tokens, num_q_heads, head_dim = q.shape
-    _, two_h, page_size, _ = kv_cache.shape
+    num_tokens, num_q_heads, q_head_dim = q.shape
+    _, two_h, page_size, head_dim = kv_cache.shape
+    if head_dim < q_head_dim:
+        raise ValueError(f"q head_dim {q_head_dim} exceeds the cache's {head_dim}")
+    if head_dim > q_head_dim:  # a lane-padded cache (module doc)
+        q = jnp.pad(q, ((0, 0), (0, 0), (0, head_dim - q_head_dim)))
     num_kv_heads = two_h // 2
     group = num_q_heads // num_kv_heads
     num_req, pages_per_seq = page_indices.shape
@@ -282,4 +321,5 @@ def ragged_paged_attention(
       cu_q_lens.astype(jnp.int32), jnp.reshape(num_seqs, (-1,)).astype(jnp.int32), lo, hi,
       qh, kv_cache)
     out = out.reshape(num_kv_heads, t_pad, group, head_dim)[:, :num_tokens]
-    return out.transpose(1, 0, 2, 3).reshape(num_tokens, num_q_heads, head_dim)
+    out = out.transpose(1, 0, 2, 3).reshape(num_tokens, num_q_heads, head_dim)
+    return out[..., :q_head_dim]
