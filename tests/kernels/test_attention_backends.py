@@ -56,9 +56,12 @@ def test_auto_picks_the_mosaic_body_on_hopper_only(monkeypatch, capability, want
         mosaic_gpu_util.is_hopper.cache_clear()
 
 
-@pytest.mark.parametrize("backend", [PallasTPUBackend(True), PallasGPUBackend(True)])
-def test_pallas_layout_is_head_major_pages(backend):
-    assert backend.kv_cache_shape(NUM_BLOCKS, BLOCK, HKV, D) == (NUM_BLOCKS, 2 * HKV, BLOCK, D)
+@pytest.mark.parametrize("backend,minor", [(PallasTPUBackend(True), 128),
+                                           (PallasGPUBackend(True), D)])
+def test_pallas_layout_is_head_major_pages(backend, minor):
+    """The TPU cache pads head_dim (32 here) to the 128 lanes; the GPU keeps it."""
+    assert backend.kv_cache_shape(NUM_BLOCKS, BLOCK, HKV, D) == (NUM_BLOCKS, 2 * HKV, BLOCK,
+                                                                 minor)
 
 
 def _step(seqs, seed=0):

@@ -229,3 +229,33 @@ def test_write_kv_matches_reference_layout(module):
     got = module.write_kv(cache.transpose(0, 2, 1, 3), k, v, slots)
     assert module.kv_cache_shape(num_pages, ps, hkv, d) == got.shape
     np.testing.assert_array_equal(np.asarray(got), np.asarray(want))
+
+
+@pytest.mark.parametrize("head_dim", [32, 64])
+def test_tpu_kernel_on_a_lane_padded_cache_matches_reference(head_dim: int):
+    """The engine's TPU cache (`padded_kv_cache_shape`) pads head_dim to 128 lanes;
+    K/V written by `tpu.write_kv` into it and read back by the kernel give the
+    reference's output at the true head_dim."""
+    case = Case(((1, 37), (9, 30), (1, 5)), group=2, head_dim=head_dim)
+    (q, kv_lens, page_indices, cu, num_seqs), cache, num_real = make_batch(case, seed=7)
+    num_pages, ps, two_h, d = cache.shape
+    shape = tpu.padded_kv_cache_shape(num_pages, ps, two_h // 2, d)
+    assert shape == (num_pages, two_h, ps, 128)
+    # Every slot's K/V written through tpu.write_kv (slot = page * ps + offset).
+    slots = jnp.arange(num_pages * ps, dtype=jnp.int32)
+    kv = cache.reshape(num_pages * ps, two_h // 2, 2, d)
+    padded = tpu.write_kv(jnp.full(shape, jnp.nan, jnp.float32), kv[:, :, 0], kv[:, :, 1],
+                          slots)
+    np.testing.assert_array_equal(np.asarray(padded[..., d:]), 0.0)
+    np.testing.assert_array_equal(np.asarray(padded[..., :d]),
+                                  np.asarray(cache.transpose(0, 2, 1, 3)))
+    kw = dict(sm_scale=d**-0.5)
+    with jax.default_matmul_precision("highest"):
+        ref = reference.ragged_paged_attention(q, cache, kv_lens, page_indices, cu, num_seqs,
+                                               **kw)
+    out = tpu.ragged_paged_attention(q, padded, kv_lens, page_indices, cu, num_seqs,
+                                     interpret=True, **kw)
+    assert out.shape == q.shape
+    np.testing.assert_allclose(np.asarray(out[:num_real]), np.asarray(ref[:num_real]),
+                               atol=1e-4, rtol=1e-5)
+    np.testing.assert_array_equal(np.asarray(out[num_real:]), 0.0)
