@@ -1,10 +1,10 @@
 """`jaxllm compile`: the demo model's programs, compiled by libtpu for a v5e:2x2 slice on
 this CPU host, and the runner loading what the compile step wrote.
 
-The demo model (head_dim 32, float32) at full HBM does not fit a v5e: on a TPU its
-KV write and the Mosaic kernel want the cache in different layouts, so the step
-holds a copy padded to 128 lanes (4x the cache) beside it. The compile step
-says so, naming the program; the other tests cap the cache to stay clear of it.
+The demo model (head_dim 32, float32) fits a v5e at default KV sizing: the TPU
+backend's cache is lane-padded to 128 (`tpu.padded_kv_cache_shape`), the layout
+the TPU keeps, so no step converts the cache (a per-step copy of it, padded to
+128 lanes, is what a 32-wide cache cost before).
 """
 
 from __future__ import annotations
@@ -36,7 +36,7 @@ NUM_PROGRAMS = 13
 
 
 def test_demo_model_compiles_for_v5e_2x2_and_prints_the_summary(tmp_path, capsys):
-    rc = main(["compile", "--tpu-topology", "v5e:2x2", *FLAGS, "--num-kv-blocks", "4096",
+    rc = main(["compile", "--tpu-topology", "v5e:2x2", *FLAGS,
                "--compilation-cache-dir", str(tmp_path)])
     captured = capsys.readouterr()
     assert rc == 0, captured.err
@@ -50,14 +50,29 @@ def test_demo_model_compiles_for_v5e_2x2_and_prints_the_summary(tmp_path, capsys
     names = {ln.split(":")[0] for ln in programs}
     assert {"forward[32]", "prompt_logprobs[32]", "sample[greedy][8]",
             "sample[top_k_top_p][8]"} <= names
-    assert lines[-2].startswith("KV cache: 4096 blocks of 16 tokens")
+    assert re.match(r"KV cache: \d+ blocks of 16 tokens", lines[-2]), lines[-2]
     m = re.fullmatch(rf"compiled {NUM_PROGRAMS} programs for v5e:2x2: peak HBM ([\d.]+) GiB "
                      r"of 16.00 GiB per chip", lines[-1])
     assert m and 0.0 < float(m.group(1)) < 16.0, lines[-1]
 
 
-def test_kv_cache_sized_for_the_whole_hbm_does_not_fit_and_the_error_names_the_program():
+def test_demo_model_forward_at_default_sizing_holds_no_copy_of_the_kv_cache():
+    """At default sizing the cache takes most of the chip's HBM. The forward's
+    temporaries stay under 1% of the cache's bytes: any copy or relayout of the
+    cache (even unpadded, a quarter of the lane-padded cache) would be >= 25%."""
     config = EngineArgs(**ENGINE).create_engine_config()
+    report = compile_programs(config, topology_devices("v5e:1x1"), "v5e:1x1")
+    forward = next(p for p in report.programs if p.name == "forward")
+    assert report.kv_cache_bytes_per_chip > 8 * 2**30  # sized against the 16 GiB chip
+    assert forward.temp_bytes < report.kv_cache_bytes_per_chip // 100, forward
+    assert forward.alias_bytes >= report.kv_cache_bytes_per_chip  # updated in place
+    assert report.peak_bytes <= report.hbm_bytes_per_chip
+
+
+def test_kv_cache_larger_than_the_hbm_does_not_fit_and_the_error_names_the_program():
+    # 4 layers x 4 K/V heads x 16 tokens x 128 lanes x 4 bytes = 128 KiB a block:
+    # 140000 blocks are ~17 GiB, more than a v5e chip's 16.
+    config = EngineArgs(**ENGINE, num_kv_blocks=140000).create_engine_config()
     with pytest.raises(ProgramCompileError,
                        match=r"forward\[32\] does not fit v5e:1x1"):
         compile_programs(config, topology_devices("v5e:1x1"), "v5e:1x1")
@@ -70,9 +85,10 @@ def test_demo_model_compiles_at_tensor_parallel_2(tmp_path):
     report = compile_programs(config, topology_devices("v5e:2x2"), "v5e:2x2")
     assert len(report.programs) == NUM_PROGRAMS
     forward = next(p for p in report.programs if p.name == "forward")
-    # The cache is split over the 2 chips: each holds half of it.
+    # The cache (head_dim 32 lane-padded to 128) is split over the 2 chips: each
+    # holds half of it.
     assert report.kv_cache_bytes_per_chip * 2 == pytest.approx(
-        4097 * 4 * 2 * 2 * 16 * 32 * 4, rel=1e-9)
+        4097 * 4 * 2 * 2 * 16 * 128 * 4, rel=1e-9)
     assert forward.argument_bytes >= report.kv_cache_bytes_per_chip
 
 
