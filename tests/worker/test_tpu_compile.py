@@ -30,9 +30,10 @@ FLAGS = ["--max-model-len", "256", "--max-num-seqs", "8", "--max-num-batched-tok
          "--token-buckets", "32", "--request-buckets", "8"]
 ENGINE = dict(max_model_len=256, max_num_seqs=8, max_num_batched_tokens=32, token_buckets=[32],
               request_buckets=[8])
-# forward, logits, 3 one-program samplers, 3 adjust and 3 draw stages, logprobs,
-# prompt logprobs
-NUM_PROGRAMS = 13
+# forward, logits, 3 one-program samplers, 7 adjust stages (every non-empty mix of
+# penalties, logit bias and the structured-output token bitmask), 3 draw stages,
+# logprobs, prompt logprobs
+NUM_PROGRAMS = 1 + 1 + 3 + (2**3 - 1) + 3 + 1 + 1
 
 
 def test_demo_model_compiles_for_v5e_2x2_and_prints_the_summary(tmp_path, capsys):
