@@ -101,3 +101,37 @@ def test_head_dim_and_dtype_corners_compile_for_v6e(name: str):
                                page_indices.shape[1], cache.shape[0],
                                interpret_test_block_sizes(case))
     assert (compiled.out_info.shape, compiled.out_info.dtype) == (q.shape, q.dtype)
+
+
+@pytest.mark.parametrize("head_dim,dtype", [(32, jnp.float32), (64, jnp.bfloat16)])
+def test_kv_write_and_kernel_on_the_lane_padded_cache_hold_no_copy_of_it(head_dim, dtype):
+    """Two layers' KV write then attention on the donated engine cache
+    (`padded_kv_cache_shape`), compiled for v5e: temporaries stay under 10% of the
+    cache's bytes, where a copy or relayout of the cache would be at least 25% of
+    them (an unpadded copy is a quarter of the 128-lane cache at head_dim 32)."""
+    device = topology_devices("v5e:1x1")[0]
+    replicated = NamedSharding(Mesh([device], ("x",)), P())
+    hkv, group, page_size, num_pages, tokens, reqs, width = 2, 2, 16, 8192, 32, 8, 16
+
+    def spec(shape, dt):
+        return jax.ShapeDtypeStruct(shape, dt, sharding=replicated)
+
+    def step(cache, q, k, v, slots, kv_lens, page_indices, cu, num_seqs):
+        for layer in range(2):
+            offset = layer * (num_pages // 2)
+            cache = tpu.write_kv(cache, k, v, slots, page_offset=offset)
+            q = tpu.ragged_paged_attention(q, cache, kv_lens, page_indices, cu, num_seqs,
+                                           sm_scale=head_dim**-0.5, page_offset=offset)
+        return cache, q
+
+    shape = tpu.padded_kv_cache_shape(num_pages, page_size, hkv, head_dim)
+    args = (spec(shape, dtype), spec((tokens, hkv * group, head_dim), dtype),
+            spec((tokens, hkv, head_dim), dtype), spec((tokens, hkv, head_dim), dtype),
+            spec((tokens,), jnp.int32), spec((reqs,), jnp.int32),
+            spec((reqs, width), jnp.int32), spec((reqs + 1,), jnp.int32),
+            spec((1,), jnp.int32))
+    compiled = jax.jit(step, donate_argnums=0).lower(*args).compile()
+    cache_bytes = num_pages * 2 * hkv * page_size * 128 * jnp.dtype(dtype).itemsize
+    mem = compiled.memory_analysis()
+    assert mem.alias_size_in_bytes >= cache_bytes  # updated in place
+    assert mem.temp_size_in_bytes < cache_bytes // 10, mem.temp_size_in_bytes
