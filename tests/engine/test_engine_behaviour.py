@@ -4,13 +4,13 @@ from __future__ import annotations
 
 import json
 
-import jax
 import pytest
 
 from jaxllm import LLM, SamplingParams
 from jaxllm.config import EngineArgs
 from jaxllm.engine.llm_engine import LLMEngine
 from jaxllm.errors import ParameterError
+from tests.compilations import recorded_compilations
 from tests.engine.hf_reference import random_prompts
 from tests.models.tiny_checkpoints import checkpoint_vocab_size
 
@@ -131,15 +131,7 @@ def test_24_prompts_batched_across_request_buckets_and_chunks_equal_each_run_alo
 @pytest.mark.slow
 def test_no_compilation_after_warmup_during_a_mixed_workload(model_dir, prompts):
     llm = LLM(model_dir, **BASE)
-    compiles = []
-
-    def listener(event: str, duration: float, **kwargs) -> None:
-        if event in ("/jax/core/compile/backend_compile_duration",
-                     "/jax/core/compile/jaxpr_trace_duration"):
-            compiles.append(event)
-
-    jax.monitoring.register_event_duration_secs_listener(listener)
-    try:
+    with recorded_compilations() as compiles:
         mixed = [
             GREEDY,
             SamplingParams(temperature=0.8, top_p=0.9, top_k=20, max_tokens=12, seed=1),
@@ -158,8 +150,6 @@ def test_no_compilation_after_warmup_during_a_mixed_workload(model_dir, prompts)
         runner.step_log = []
         _tokens(llm, prompts + prompts)
         buckets_used = {s.padded_tokens for s in runner.step_log}
-    finally:
-        jax.monitoring.clear_event_listeners()
     assert all(o.finished for o in outs)
     assert buckets_used == {16, 64}
     assert compiles == []

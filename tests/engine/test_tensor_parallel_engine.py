@@ -13,11 +13,11 @@ from __future__ import annotations
 import re
 from collections import Counter
 
-import jax
 import pytest
 
 from jaxllm import LLM, SamplingParams
 from jaxllm.sample.metadata import variant_metadata
+from tests.compilations import recorded_compilations
 from tests.engine.hf_reference import hf_greedy, random_prompts
 from tests.models.tiny_checkpoints import checkpoint_vocab_size, make_tiny_checkpoint
 
@@ -65,19 +65,9 @@ def test_greedy_under_tensor_parallelism_matches_transformers_with_chunks_hits_a
               tensor_parallel_size=tp, **ENGINE)
     runner = _runner(llm)
     assert runner.mesh.shape["model"] == tp
-    compiles = []
-
-    def listener(event: str, duration: float, **kwargs) -> None:
-        if event in ("/jax/core/compile/backend_compile_duration",
-                     "/jax/core/compile/jaxpr_trace_duration"):
-            compiles.append(event)
-
-    jax.monitoring.register_event_duration_secs_listener(listener)
-    try:
+    with recorded_compilations() as compiles:
         runs = [llm.generate([{"prompt_token_ids": p} for p in prompts], GREEDY,
                              use_tqdm=False) for _ in range(2)]
-    finally:
-        jax.monitoring.clear_event_listeners()
     for outs in runs:
         assert [o.outputs[0].token_ids for o in outs] == hf_tokens
     stats = llm.llm_engine.last_stats

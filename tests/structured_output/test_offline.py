@@ -12,7 +12,6 @@ from __future__ import annotations
 import json
 import re
 
-import jax
 import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
@@ -20,6 +19,7 @@ from hypothesis import strategies as st
 from jaxllm import LLM, SamplingParams
 from jaxllm.errors import ParameterError
 from jaxllm.sampling_params import StructuredOutputsParams
+from tests.compilations import recorded_compilations
 from tests.engine.hf_reference import random_prompts
 from tests.models.tiny_checkpoints import checkpoint_vocab_size, make_tiny_checkpoint
 from tests.structured_output.schemas import json_schemas, validate
@@ -129,15 +129,7 @@ def test_a_malformed_constraint_is_a_parameter_error_naming_its_field(llm, struc
 
 
 def test_nothing_compiles_after_warmup_with_constrained_requests_mixed_in(llm, prompts):
-    compiles = []
-
-    def listener(event: str, duration: float, **kwargs) -> None:
-        if event in ("/jax/core/compile/backend_compile_duration",
-                     "/jax/core/compile/jaxpr_trace_duration"):
-            compiles.append(event)
-
-    jax.monitoring.register_event_duration_secs_listener(listener)
-    try:
+    with recorded_compilations() as compiles:
         outs = _run(llm, prompts, [
             _params(0, regex="[a-z]{4}"),
             SamplingParams(temperature=0.8, top_k=20, top_p=0.9, seed=1, max_tokens=8,
@@ -147,8 +139,6 @@ def test_nothing_compiles_after_warmup_with_constrained_requests_mixed_in(llm, p
                            structured_outputs=StructuredOutputsParams(json_object=True)),
             SamplingParams(temperature=0.0, max_tokens=6, logit_bias={20: 5.0}),
         ])
-    finally:
-        jax.monitoring.clear_event_listeners()
     assert re.fullmatch("[a-z]{4}", outs[0].text) and outs[1].text in ("alpha", "beta")
     assert compiles == []
 
