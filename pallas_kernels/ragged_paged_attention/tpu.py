@@ -260,8 +260,8 @@ def ragged_paged_attention(
     interpret=False,
     page_offset: int = 0,
 ) -> jax.Array:
-    """Ragged paged attention; `kv_cache` is `[P, 2 * Hkv, page_size, D]` (see module doc;
-    `page_offset` as in reference.py).
+    """Ragged paged attention; `kv_cache` is `[P, 2 * Hkv, page_size, D]`, D q's head_dim
+    or lane-padded past it (see module doc; `page_offset` as in reference.py).
 
     `interpret=True` runs in TPU interpret mode (any host); a
     `pltpu.InterpretParams` is passed through as is.
