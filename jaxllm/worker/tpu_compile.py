@@ -293,7 +293,8 @@ def _with_outputs(compiled: Any) -> tuple[Any, Any]:
 def _variant(md: SamplingMetadata, mode: bool = True) -> str:
     """The sampler variant `md` selects, as text (greedy, top_k_top_p, penalties, ...)."""
     parts = [n for n, on in (("penalties", md.penalties is not None),
-                             ("logit_adjust", md.logit_adjust is not None)) if on]
+                             ("logit_adjust", md.logit_adjust is not None),
+                             ("token_bitmask", md.token_bitmask is not None)) if on]
     if mode:
         parts.insert(0, "greedy" if md.all_greedy else
                      ("top_k_top_p" if md.use_top_k_top_p else "random"))

@@ -49,6 +49,7 @@ def test_demo_model_compiles_for_v5e_2x2_and_prints_the_summary(tmp_path, capsys
     programs = [ln for ln in lines if line.match(ln)]
     assert len(programs) == NUM_PROGRAMS, out
     names = {ln.split(":")[0] for ln in programs}
+    assert len(names) == NUM_PROGRAMS, out  # every program is named for what it is
     assert {"forward[32]", "prompt_logprobs[32]", "sample[greedy][8]",
             "sample[top_k_top_p][8]"} <= names
     assert re.match(r"KV cache: \d+ blocks of 16 tokens", lines[-2]), lines[-2]
