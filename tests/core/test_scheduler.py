@@ -16,6 +16,7 @@ from jaxllm.core.runner_output import ModelRunnerOutput
 from jaxllm.core.sched_output import SchedulerOutput
 from jaxllm.core.scheduler import Scheduler
 from jaxllm.sampling_params import PoolingParams, SamplingParams
+from tests.core.scheduler_workloads import scheduler_shapes
 
 # ------------------------------------------------------------------ helpers
 
@@ -513,21 +514,7 @@ def check_blocks(sched: Scheduler) -> None:
 
 @st.composite
 def workloads(draw):
-    block_size = draw(st.sampled_from([2, 4]))
-    return dict(
-        seed=draw(st.integers(0, 2**32 - 1)),
-        block_size=block_size,
-        num_blocks=draw(st.integers(3, 32 // block_size)),
-        max_model_len=draw(st.sampled_from([12, 24, 40])),
-        max_num_batched_tokens=draw(st.integers(1, 24)),
-        max_num_seqs=draw(st.integers(1, 5)),
-        chunked=draw(st.booleans()),
-        threshold=draw(st.sampled_from([0, 0, 3])),
-        policy=draw(st.sampled_from(["fcfs", "priority"])),
-        caching=draw(st.sampled_from([True, True, False])),
-        num_requests=draw(st.integers(1, 16)),
-        abort_rate=draw(st.sampled_from([0.0, 0.05])),
-    )
+    return scheduler_shapes(draw, max_pool_tokens=32, max_num_seqs=5)
 
 
 @settings(max_examples=300, deadline=None, suppress_health_check=[HealthCheck.too_slow])
