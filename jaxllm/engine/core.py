@@ -65,7 +65,10 @@ def freeze_gc() -> None:
 
 class EngineCore:
     def __init__(self, config: EngineConfig):
-        from jaxllm.worker.model_runner import ModelRunner
+        if config.model_config.is_encoder:
+            from jaxllm.worker.encoder_runner import EncoderModelRunner as ModelRunner
+        else:
+            from jaxllm.worker.model_runner import ModelRunner
 
         self.config = config
         t0 = time.perf_counter()
@@ -99,7 +102,8 @@ class EngineCore:
             return EngineCoreOutput(request.request_id, [], finish_reason=FinishReason.ERROR,
                                     stop_reason=bad)
         need = len(request.prompt_token_ids)
-        if need >= self.max_request_tokens:
+        # A pooling request generates nothing: its prompt may fill the whole context.
+        if need > self.max_request_tokens - (request.pooling_params is None):
             logger.warning("rejecting %s: %d prompt tokens, at most %d fit", request.request_id,
                            need, self.max_request_tokens)
             return EngineCoreOutput(request.request_id, [], finish_reason=FinishReason.ERROR,

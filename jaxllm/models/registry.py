@@ -11,6 +11,7 @@ checkpoint (`hf_weight_map`, `hf_ignored_tensor`).
 from __future__ import annotations
 
 from jaxllm.errors import ParameterError
+from jaxllm.models.bert import BertModel
 from jaxllm.models.llama import LlamaForCausalLM
 
 _MODELS: dict[str, type] = {
@@ -18,7 +19,13 @@ _MODELS: dict[str, type] = {
     "MistralForCausalLM": LlamaForCausalLM,
     "Qwen2ForCausalLM": LlamaForCausalLM,
     "Qwen3ForCausalLM": LlamaForCausalLM,
+    "BertModel": BertModel,
 }
+
+
+def is_encoder_architecture(architecture: str) -> bool:
+    """Whether the architecture is an encoder (whole prompts, no KV cache, pooling only)."""
+    return bool(getattr(_MODELS.get(architecture), "is_encoder", False))
 
 
 def supported_architectures() -> list[str]:
