@@ -21,7 +21,7 @@ from __future__ import annotations
 import logging
 import os
 import time
-from collections.abc import Callable, Iterable
+from collections.abc import Iterable
 from operator import itemgetter
 
 import numpy as np
@@ -66,11 +66,6 @@ class Scheduler:
         # rejects at entry a prompt longer than this; a running request is
         # length-capped on reaching it, so it can always progress.
         self.max_request_tokens = min(self.max_model_len, (self.num_blocks - 1) * self.block_size)
-        # An encoder-only model keeps no KV: each request runs its whole prompt in one
-        # step (never chunked) and holds no blocks (`_admit_encoder`).
-        self.encoder_only = config.model_config.is_encoder
-        if self.encoder_only:
-            self.max_request_tokens = min(self.max_model_len, self.max_num_batched_tokens)
         self.limits = StepLimits(self.block_size, self.max_model_len, self.max_request_tokens,
                                  self.long_prefill_token_threshold, self.enable_prefix_caching)
         self.running = RunningBatch(self.max_num_seqs, self.limits)
@@ -244,12 +239,6 @@ class Scheduler:
             if len(running) >= self.max_num_seqs:
                 break
             request = self.waiting.peek()
-            if self.encoder_only:
-                if request.num_tokens > token_budget:
-                    break  # whole prompts only: it waits for a step with room for all of it
-                num_prompt_tokens += self._admit_encoder(request, scheduled_new, scheduled)
-                token_budget -= request.num_tokens
-                continue
             hit_blocks, num_computed = kv.get_computed_blocks(request)
             num_new = self.limits.wanted_tokens(request, num_computed)
             # Without chunked prefill a prompt waits for a step with room for
@@ -297,23 +286,6 @@ class Scheduler:
         if self.check_invariants:
             running.check(kv.block_state)
         return output
-
-    def _admit_encoder(self, request: Request, scheduled_new: list[NewRequestData],
-                       scheduled: Callable[..., None]) -> int:
-        """Starts a waiting encoder request: its whole prompt, no KV blocks. Returns its
-        prompt tokens."""
-        self.waiting.pop()
-        if self.running and self._priority_key(request) < self._priority_key(self.running[-1]):
-            self._running_unsorted = True
-        request.status = RequestStatus.RUNNING
-        request.num_computed_tokens = 0
-        if request.num_cached_tokens < 0:
-            request.num_cached_tokens = 0
-        scheduled_new.append(NewRequestData.from_request(request, []))
-        request.num_computed_tokens = request.num_tokens
-        scheduled(request, request.num_tokens, request.num_tokens)
-        self.running.append(request, 0, 0)
-        return request.num_tokens
 
     # ------------------------------------------------------------------ update
 

@@ -25,6 +25,7 @@ import time
 from typing import TYPE_CHECKING
 
 from jaxllm.config import EngineConfig
+from jaxllm.core.encoder_scheduler import EncoderScheduler
 from jaxllm.core.messages import (
     EngineCoreOutput,
     EngineCoreOutputs,
@@ -78,7 +79,8 @@ class EngineCore:
         # The KV cache's size is known once the runner has measured the device:
         # the scheduler's block pool takes it from here.
         config.cache_config.num_blocks = self.model_runner.num_kv_blocks
-        self.scheduler = Scheduler(config)
+        self.scheduler = (EncoderScheduler if config.model_config.is_encoder
+                          else Scheduler)(config)
         self.async_scheduling = config.async_scheduling
         self._inflight: tuple[SchedulerOutput, StepHandle | None] | None = None
         # Structured outputs: made on the first constrained request.

@@ -127,7 +127,7 @@ class InputProcessor:
 
     def _check_task(self, task: str) -> None:
         """A generate-only model asked to embed, or an embed-only one asked to generate."""
-        if task in self.model_config.supported_tasks:
+        if task in getattr(self.model_config, "supported_tasks", ("generate", "embed")):
             return
         if task == "embed":
             raise ParameterError("task", "this model does not support embeddings (it runs "
