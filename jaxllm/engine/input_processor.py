@@ -145,6 +145,10 @@ class InputProcessor:
                                      "representation; changing the output dimensions is "
                                      "not supported")
             check_int("dimensions", params.dimensions, 1, int(hf.hidden_size))
+            allowed = getattr(hf, "matryoshka_dimensions", None)
+            if allowed and params.dimensions not in allowed:
+                raise ParameterError("dimensions", f"must be one of {list(allowed)}, got "
+                                     f"{params.dimensions}")
         if params.normalize is None:
             params = msgspec.structs.replace(
                 params, normalize=self.model_config.pooler_config.normalize)

@@ -60,7 +60,8 @@ def test_embeddings_equal_transformers_pooled_hidden_states(tmp_path, pooling, n
 
 @pytest.mark.slow
 def test_encoder_takes_whole_prompts_and_refuses_generation_and_long_prompts(tmp_path):
-    model_dir = make_tiny_bert(tmp_path, "mean", max_position_embeddings=64)
+    model_dir = make_tiny_bert(tmp_path, "mean", max_position_embeddings=64,
+                               is_matryoshka=True)
     llm = LLM(model_dir, runner="pooling", **ENGINE)
     config = llm.llm_engine.config
     assert config.model_config.max_model_len == 64
@@ -76,8 +77,13 @@ def test_encoder_takes_whole_prompts_and_refuses_generation_and_long_prompts(tmp
     assert e.value.field == "prompt"
     with pytest.raises(ParameterError, match="does not support generation") as e:
         llm.generate({"prompt_token_ids": [5, 6]}, SamplingParams(max_tokens=2))
-    with pytest.raises(ParameterError, match="matryoshka") as e:
-        llm.embed({"prompt_token_ids": [5, 6]}, PoolingParams(dimensions=8), use_tqdm=False)
+    # A matryoshka model keeps the first `dimensions` of the pooled vector, then normalizes.
+    full = embed(llm, PROMPTS[:2], normalize=False)
+    short = embed(llm, PROMPTS[:2], dimensions=8)
+    np.testing.assert_allclose(short, full[:, :8] / np.linalg.norm(full[:, :8], axis=1,
+                                                                   keepdims=True), atol=1e-6)
+    with pytest.raises(ParameterError, match="at most 64") as e:
+        llm.embed({"prompt_token_ids": [5, 6]}, PoolingParams(dimensions=65), use_tqdm=False)
     assert e.value.field == "dimensions"
     assert not llm.llm_engine.has_unfinished_requests()
 
@@ -97,3 +103,29 @@ def test_encoder_model_config_reads_the_sentence_transformers_pooling(tmp_path):
                         **ENGINE).create_engine_config().model_config
         assert (mc.is_encoder, mc.supported_tasks) == (True, ("embed",))
         assert (mc.pooler_config.pooling_type, mc.pooler_config.normalize) == (want, False)
+
+
+def test_runner_restricts_a_decoder_to_one_task(tmp_path):
+    from jaxllm.config import EngineArgs
+    from jaxllm.engine.input_processor import InputProcessor
+    from tests.models.tiny_checkpoints import make_tiny_checkpoint
+
+    model_dir = make_tiny_checkpoint(tmp_path, arch="llama")
+    tasks = {}
+    for kw in ({}, {"runner": "generate"}, {"runner": "pooling"}, {"task": "embed"}):
+        mc = EngineArgs(model=model_dir, **kw).create_engine_config().model_config
+        tasks[tuple(kw.values()) or ("auto",)] = mc.supported_tasks
+        ip = InputProcessor(mc, None)
+        for params in (SamplingParams(max_tokens=2), PoolingParams()):
+            task = "generate" if isinstance(params, SamplingParams) else "embed"
+            if task in mc.supported_tasks:
+                ip.process("r", [5, 6], params)
+            else:
+                with pytest.raises(ParameterError, match="does not support") as e:
+                    ip.process("r", [5, 6], params)
+                assert e.value.field == "task"
+    assert tasks == {("auto",): ("generate", "embed"), ("generate",): ("generate",),
+                     ("pooling",): ("embed",), ("embed",): ("embed",)}
+    with pytest.raises(ParameterError) as e:
+        EngineArgs(model=model_dir, runner="classify").create_engine_config()
+    assert e.value.field == "runner"
