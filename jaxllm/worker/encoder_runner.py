@@ -6,8 +6,8 @@ the prompts into a flat token batch padded to a token bucket, every request
 one segment of a segment-masked bidirectional attention, and runs one jitted
 program per token bucket that encodes and pools (mean, CLS or last token, as
 the checkpoint's pooling config says) into `[max_num_seqs, hidden]` float32
-rows. Truncation to `dimensions` and normalization run on the host over the
-pooled rows, vectorized.
+rows. Truncation to `dimensions` and normalization run on the host, on the
+pooled rows that come back (one device-to-host copy per step).
 """
 
 from __future__ import annotations
