@@ -279,6 +279,12 @@ class EngineArgs:
             (getattr(hf_config, "architectures", None) or ["?"])[0])
         tasks = self._supported_tasks(is_encoder)
         pooler = load_pooler_config(model, is_encoder)
+        if not is_encoder and pooler.pooling_type != "LAST":
+            # The decoder runner pools the last token only (worker/model_runner.py).
+            if tasks == ("embed",):
+                raise ParameterError("1_Pooling/config.json", f"{pooler.pooling_type} pooling "
+                                     "of a decoder model is not supported; supported: last token")
+            tasks = tuple(t for t in tasks if t != "embed")
         limit = int(getattr(hf_config, "max_position_embeddings", 0) or 2048)
         # sentence-transformers caps its input (max_seq_length); vLLM takes that cap too.
         default_len = min(limit, pooler.max_seq_length or limit)

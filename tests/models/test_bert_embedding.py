@@ -129,3 +129,24 @@ def test_runner_restricts_a_decoder_to_one_task(tmp_path):
     with pytest.raises(ParameterError) as e:
         EngineArgs(model=model_dir, runner="classify").create_engine_config()
     assert e.value.field == "runner"
+
+
+def test_a_decoder_whose_pooling_config_is_not_last_token_does_not_embed(tmp_path):
+    import json
+    import os
+
+    from jaxllm.config import EngineArgs
+    from tests.models.tiny_checkpoints import make_tiny_checkpoint
+
+    model_dir = make_tiny_checkpoint(tmp_path, arch="llama")
+    bert_dir = make_tiny_bert(tmp_path, "mean")
+    for name in ("modules.json", os.path.join("1_Pooling", "config.json")):
+        os.makedirs(os.path.dirname(os.path.join(model_dir, name)), exist_ok=True)
+        with open(os.path.join(bert_dir, name)) as f, open(os.path.join(model_dir, name),
+                                                          "w") as g:
+            json.dump(json.load(f), g)
+    mc = EngineArgs(model=model_dir).create_engine_config().model_config
+    assert mc.supported_tasks == ("generate",)
+    with pytest.raises(ParameterError, match="MEAN pooling") as e:
+        EngineArgs(model=model_dir, runner="pooling").create_engine_config()
+    assert e.value.field == "1_Pooling/config.json"
