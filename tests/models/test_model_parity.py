@@ -216,7 +216,7 @@ def test_bf16_checkpoint_loads_into_fused_layout_and_runs_in_either_dtype(tmp_pa
     want = hf_logits(model_dir, prompts, [1, 2, 3])  # bf16 weights, float32 compute
     for dtype, atol in (("float32", 1e-4), ("bfloat16", 0.1)):
         model = load(model_dir, dtype=dtype)
-        qkv = model.layers[1].self_attn.qkv_proj[...]
+        qkv = model.layers[1].self_attn.qkv_proj.weight[...]
         assert qkv.dtype == jnp.dtype(dtype)
         # kv head 1 holds q heads 2 and 3, then k head 1, then v head 1 (head_dim 16).
         pre = "model.layers.1.self_attn."
@@ -253,7 +253,8 @@ def test_dummy_weights_are_deterministic_from_the_seed(tmp_path):
 
 
 def test_unsupported_architecture_lists_the_supported_ones():
-    with pytest.raises(ParameterError, match="supported: LlamaForCausalLM"):
+    with pytest.raises(ParameterError, match="supported: Gemma2ForCausalLM, Gemma3ForCausalLM, "
+                                             "LlamaForCausalLM"):
         get_model_class("GPT2LMHeadModel")
 
 
