@@ -28,7 +28,7 @@ from flax import nnx
 from jax.sharding import PartitionSpec as P
 
 from jaxllm.errors import ParameterError
-from jaxllm.models.llama_weights import WeightSource
+from jaxllm.models.contract import WeightSource
 
 _INIT_STD = 0.02  # dummy weights: small enough that activations stay finite
 _ACTIVATIONS = {"gelu": lambda x: jax.nn.gelu(x, approximate=False),
