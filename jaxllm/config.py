@@ -112,6 +112,14 @@ class ParallelConfig:
 
 
 @dataclass
+class LoRAConfig:
+    """Multi-LoRA (vLLM's --enable-lora): slots on the device and their rank."""
+
+    max_loras: int = 1  # adapters resident at once, and distinct adapters per batch
+    max_lora_rank: int = 16
+
+
+@dataclass
 class EngineConfig:
     model_config: ModelConfig
     cache_config: CacheConfig
@@ -129,6 +137,7 @@ class EngineConfig:
     precompile: bool = True
     # Dispatch step N+1 before step N's sampled tokens reach the host.
     async_scheduling: bool = True
+    lora_config: LoRAConfig | None = None  # None: LoRA disabled
 
 
 @dataclass
@@ -178,6 +187,9 @@ class EngineArgs:
     trust_remote_code: bool = False  # accepted for vLLM compatibility; never executes code
     disable_log_stats: bool = True
     enforce_eager: bool = False  # accepted for vLLM compatibility (no eager mode in JAX)
+    enable_lora: bool = False
+    max_loras: int = 1
+    max_lora_rank: int = 16
 
     @classmethod
     def field_names(cls) -> set[str]:
@@ -220,8 +232,18 @@ class EngineArgs:
             raise ParameterError("data_parallel_size",
                                  f"must be 1, got {self.data_parallel_size}: run one engine "
                                  "(server) per replica, each on its own devices")
+        lora = None
+        if self.enable_lora:
+            if self.max_loras < 1:
+                raise ParameterError("max_loras", f"must be at least 1, got {self.max_loras}")
+            if self.max_lora_rank < 1:
+                raise ParameterError("max_lora_rank",
+                                     f"must be at least 1, got {self.max_lora_rank}")
+            if model_config.is_encoder:
+                raise ParameterError("enable_lora", "LoRA serves decoder models only")
+            lora = LoRAConfig(self.max_loras, self.max_lora_rank)
         return EngineConfig(
-            model_config=model_config,
+            model_config=model_config, lora_config=lora,
             cache_config=CacheConfig(
                 block_size=self.block_size, hbm_utilization=hbm,
                 # An encoder keeps no KV, so there is no prefix to reuse.

@@ -16,6 +16,7 @@ MAX_LINES = 400
 
 # (importing layer, layers it must never import). A layer is a module-name prefix.
 FORBIDDEN = {
+    "jaxllm.lora": ("jaxllm.core", "jaxllm.worker", "jaxllm.engine", "jaxllm.entrypoints"),
     "jaxllm.core": ("jaxllm.engine", "jaxllm.entrypoints"),
     "jaxllm.worker": ("jaxllm.engine", "jaxllm.entrypoints"),
     "jaxllm.models": ("jaxllm.core", "jaxllm.worker", "jaxllm.engine", "jaxllm.entrypoints"),

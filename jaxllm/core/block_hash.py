@@ -24,6 +24,7 @@ class HashedRequest(Protocol):
 
     all_token_ids: list[int]
     block_hashes: list[BlockHash]
+    hash_root: BlockHash | None  # its first block's parent (None: ROOT_HASH)
 
     def hashed_by(self, block_hasher: BlockHasher) -> bool: ...
 
@@ -43,6 +44,11 @@ def hash_block_tokens(parent_hash: BlockHash | None, token_ids: Sequence[int],
     if extra_keys:
         h.update(msgspec.msgpack.encode(extra_keys))
     return h.digest()
+
+
+def lora_hash_root(lora_int_id: int, lora_name: str) -> BlockHash:
+    """The first-block parent of a request running a LoRA adapter."""
+    return hash_block_tokens(None, (), ("lora", lora_int_id, lora_name))
 
 
 def hash_request_tokens(block_size: int, token_ids: Sequence[int],
@@ -71,7 +77,7 @@ def make_block_hasher(block_size: int) -> BlockHasher:
     def new_block_hashes(request: HashedRequest) -> list[BlockHash]:
         tokens = request.all_token_ids
         done = len(request.block_hashes)
-        parent = request.block_hashes[-1] if done else None
+        parent = request.block_hashes[-1] if done else request.hash_root
         new: list[BlockHash] = []
         for start in range(done * block_size, len(tokens) - block_size + 1, block_size):
             parent = hash_block_tokens(parent, tokens[start:start + block_size])
@@ -89,7 +95,8 @@ def make_block_hasher(block_size: int) -> BlockHasher:
             if len(tokens) != start + block_size or not request.hashed_by(new_block_hashes):
                 request.hash_new_blocks()
                 continue
-            hashes.append(hash_block_tokens(hashes[-1] if hashes else None, tokens[start:]))
+            hashes.append(hash_block_tokens(hashes[-1] if hashes else request.hash_root,
+                                            tokens[start:]))
 
     new_block_hashes.block_size = block_size  # lets requests skip calls that hash nothing
     new_block_hashes.hash_next_block = hash_next_block

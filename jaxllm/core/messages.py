@@ -10,6 +10,7 @@ import itertools
 
 import msgspec
 
+from jaxllm.lora.request import LoRARequest
 from jaxllm.sample.logprobs import LogprobsLists
 from jaxllm.sampling_params import PoolingParams, SamplingParams
 
@@ -32,6 +33,7 @@ class EngineCoreRequest(msgspec.Struct, omit_defaults=True, kw_only=True):  # ty
     eos_token_id: int | None = None
     arrival_time: float = 0.0
     priority: int = 0
+    lora_request: LoRARequest | None = None
 
 
 # The per-step messages are made by the hundred every step and can hold no

@@ -9,8 +9,9 @@ import time
 from collections.abc import Iterator, Sequence
 from typing import Any
 
-from jaxllm.core.block_hash import BlockHash, BlockHasher
+from jaxllm.core.block_hash import BlockHash, BlockHasher, lora_hash_root
 from jaxllm.core.messages import EngineCoreRequest, FinishReason
+from jaxllm.lora.request import LoRARequest
 from jaxllm.sampling_params import PoolingParams, SamplingParams
 
 
@@ -115,7 +116,8 @@ class Request:
                  sampling_params: SamplingParams | None,
                  pooling_params: PoolingParams | None = None,
                  eos_token_id: int | None = None, arrival_time: float | None = None,
-                 priority: int = 0, block_hasher: BlockHasher | None = None) -> None:
+                 priority: int = 0, block_hasher: BlockHasher | None = None,
+                 lora_request: LoRARequest | None = None) -> None:
         if not prompt_token_ids:
             raise ValueError(f"request {request_id!r} has an empty prompt")
         if sampling_params is None and pooling_params is None:
@@ -127,6 +129,13 @@ class Request:
         self.eos_token_id = eos_token_id
         self.arrival_time = time.time() if arrival_time is None else arrival_time
         self.priority = priority
+        self.lora_request = lora_request
+        self.lora_int_id = lora_request.lora_int_id if lora_request else 0
+        # The parent of its first block's hash: an adapter's blocks never match the
+        # base model's or another adapter's (the prefix cache is keyed by adapter).
+        self.hash_root: BlockHash | None = (
+            None if lora_request is None else lora_hash_root(lora_request.lora_int_id,
+                                                        lora_request.lora_name))
         self.status = RequestStatus.WAITING
         self.stop_reason: int | str | None = None
 
@@ -165,7 +174,8 @@ class Request:
         return cls(request_id=req.request_id, prompt_token_ids=req.prompt_token_ids,
                    sampling_params=req.sampling_params, pooling_params=req.pooling_params,
                    eos_token_id=req.eos_token_id, arrival_time=req.arrival_time,
-                   priority=req.priority, block_hasher=block_hasher)
+                   priority=req.priority, block_hasher=block_hasher,
+                   lora_request=req.lora_request)
 
     def attach_block_hasher(self, block_hasher: BlockHasher) -> None:
         """Starts hashing full blocks (the scheduler does this when prefix caching is on)."""

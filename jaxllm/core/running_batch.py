@@ -101,9 +101,10 @@ class RunningBatch:
         "simple": bool,  # generates tokens (not a pooling request)
     }
 
-    def __init__(self, capacity: int, limits: StepLimits) -> None:
+    def __init__(self, capacity: int, limits: StepLimits, max_loras: int = 0) -> None:
         self.capacity = capacity
         self.limits = limits
+        self.max_loras = max_loras  # distinct LoRA adapters that may run at once
         self.requests: list[Request] = []
         self.ids: list[str] = []
         for name, dtype in self.FIELDS.items():
@@ -119,6 +120,15 @@ class RunningBatch:
 
     def __iter__(self) -> Iterator[Request]:
         return iter(self.requests)
+
+    def admits_lora(self, request: Request) -> bool:
+        """Whether running `request` too keeps at most `max_loras` distinct LoRA adapters
+        running (the device's adapter slots; vLLM caps a batch the same way): if not,
+        it waits until a running adapter's requests finish."""
+        if not request.lora_int_id:
+            return True
+        active = {r.lora_int_id for r in self.requests if r.lora_int_id}
+        return request.lora_int_id in active or len(active) < self.max_loras
 
     def __getitem__(self, i: int) -> Request:
         return self.requests[i]

@@ -27,6 +27,7 @@ class NewRequestData:
     num_computed_tokens: int
     # Prompt positions whose prompt logprobs were already scored before a preemption.
     prompt_logprobs_from: int = 0
+    lora_request: Any = None  # jaxllm.lora.request.LoRARequest | None
 
     @classmethod
     def from_request(cls, request: Any, block_ids: list[int]) -> NewRequestData:
@@ -36,7 +37,8 @@ class NewRequestData:
             output_token_ids=list(request.output_token_ids),
             sampling_params=request.sampling_params, pooling_params=request.pooling_params,
             block_ids=block_ids, num_computed_tokens=request.num_computed_tokens,
-            prompt_logprobs_from=request.prompt_logprobs_from)
+            prompt_logprobs_from=request.prompt_logprobs_from,
+            lora_request=request.lora_request)
 
 
 @dataclass

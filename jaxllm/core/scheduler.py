@@ -68,7 +68,8 @@ class Scheduler:
         self.max_request_tokens = min(self.max_model_len, (self.num_blocks - 1) * self.block_size)
         self.limits = StepLimits(self.block_size, self.max_model_len, self.max_request_tokens,
                                  self.long_prefill_token_threshold, self.enable_prefix_caching)
-        self.running = RunningBatch(self.max_num_seqs, self.limits)
+        self.running = RunningBatch(self.max_num_seqs, self.limits,
+                                    config.lora_config.max_loras if config.lora_config else 0)
         # Plan steps and apply their results with array passes over the running
         # batch (off: one request at a time, the reference the tests compare with).
         self.vectorized = True
@@ -236,9 +237,9 @@ class Scheduler:
         # Admit waiting requests, unless this step had to preempt: the cache is
         # full, and a preempted request must not come straight back.
         while not preempted and self.waiting and token_budget > 0:
-            if len(running) >= self.max_num_seqs:
-                break
             request = self.waiting.peek()
+            if len(running) >= self.max_num_seqs or not running.admits_lora(request):
+                break
             hit_blocks, num_computed = kv.get_computed_blocks(request)
             num_new = self.limits.wanted_tokens(request, num_computed)
             # Without chunked prefill a prompt waits for a step with room for

@@ -30,6 +30,8 @@ from jaxllm.engine.output_processor import (
     child_request_id,
 )
 from jaxllm.errors import EngineDeadError, ParameterError
+from jaxllm.lora.peft import check_lora_request
+from jaxllm.lora.request import LoRARequest
 from jaxllm.metrics.loggers import FinishedRequestStats, StatLogger
 from jaxllm.outputs import RequestOutput
 from jaxllm.sampling_params import PoolingParams, RequestOutputKind, SamplingParams
@@ -190,10 +192,12 @@ class AsyncLLM:
 
     async def generate(self, prompt: PromptType, sampling_params: SamplingParams,
                        request_id: str, priority: int = 0,
-                       arrival_time: float | None = None) -> AsyncGenerator[RequestOutput, None]:
+                       arrival_time: float | None = None,
+                       lora_request: LoRARequest | None = None
+                       ) -> AsyncGenerator[RequestOutput, None]:
         """Streams the request's outputs; leaving the iterator early aborts the request."""
         collector = self.add_request(request_id, prompt, sampling_params, priority,
-                                     arrival_time)
+                                     arrival_time, lora_request)
         finished = False
         try:
             while not finished:
@@ -206,7 +210,8 @@ class AsyncLLM:
 
     def add_request(self, request_id: str, prompt: PromptType,
                     params: SamplingParams | PoolingParams, priority: int = 0,
-                    arrival_time: float | None = None) -> RequestOutputCollector:
+                    arrival_time: float | None = None,
+                    lora_request: LoRARequest | None = None) -> RequestOutputCollector:
         self.start()
         if self.errored:
             raise self.dead_error
@@ -216,6 +221,9 @@ class AsyncLLM:
             raise ParameterError("priority", "needs scheduling_policy='priority'")
         first, prompt_text = self.input_processor.process(request_id, prompt, params,
                                                           arrival_time, priority)
+        if lora_request is not None:
+            check_lora_request(lora_request, self.config.lora_config)
+            first = msgspec.structs.replace(first, lora_request=lora_request)
         if first.pooling_params is not None:  # an embedding: one request, one output
             kind, children = RequestOutputKind.FINAL_ONLY, [first]
         else:

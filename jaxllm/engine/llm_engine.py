@@ -13,6 +13,8 @@ from jaxllm.engine.core_client import EngineCoreClient
 from jaxllm.engine.input_processor import InputProcessor, PromptType, load_tokenizer
 from jaxllm.engine.output_processor import OutputProcessor, ParentRequest, child_request_id
 from jaxllm.errors import ParameterError
+from jaxllm.lora.peft import check_lora_request
+from jaxllm.lora.request import LoRARequest
 from jaxllm.outputs import PoolingRequestOutput, RequestOutput
 from jaxllm.sampling_params import (
     SEED_LIMIT,
@@ -53,13 +55,16 @@ class LLMEngine:
 
     def add_request(self, request_id: str, prompt: PromptType,
                     params: SamplingParams | PoolingParams, arrival_time: float | None = None,
-                    priority: int = 0) -> None:
+                    priority: int = 0, lora_request: LoRARequest | None = None) -> None:
         if request_id in self.output_processor.parents:
             raise ParameterError("request_id", f"{request_id!r} is already running")
         if self.config.scheduler_config.policy != "priority" and priority != 0:
             raise ParameterError("priority", "needs scheduling_policy='priority'")
         first, prompt_text = self.input_processor.process(request_id, prompt, params,
                                                           arrival_time, priority)
+        if lora_request is not None:
+            check_lora_request(lora_request, self.config.lora_config)
+            first = msgspec.structs.replace(first, lora_request=lora_request)
         if isinstance(params, PoolingParams):
             children = [(first, None)]
             kind = RequestOutputKind.FINAL_ONLY

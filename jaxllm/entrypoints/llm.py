@@ -12,6 +12,7 @@ from tqdm.auto import tqdm
 from jaxllm.config import EngineArgs
 from jaxllm.engine.input_processor import PromptType
 from jaxllm.engine.llm_engine import LLMEngine
+from jaxllm.lora.request import LoRARequest
 from jaxllm.outputs import PoolingRequestOutput, RequestOutput
 from jaxllm.sampling_params import PoolingParams, RequestOutputKind, SamplingParams
 
@@ -40,18 +41,23 @@ class LLM:
 
     def generate(self, prompts: PromptType | Sequence[PromptType],
                  sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
-                 use_tqdm: bool = True, priority: list[int] | None = None) -> list[RequestOutput]:
+                 use_tqdm: bool = True, priority: list[int] | None = None,
+                 lora_request: LoRARequest | Sequence[LoRARequest | None] | None = None
+                 ) -> list[RequestOutput]:
+        """`lora_request`: one adapter for every prompt, or one (or None) per prompt."""
         if isinstance(prompts, (str, dict)) or (isinstance(prompts, list) and prompts
                                                 and isinstance(prompts[0], int)):
             prompts = [prompts]
         params = sampling_params or self.get_default_sampling_params()
-        return self._run(list(prompts), params, use_tqdm, priority)
+        return self._run(list(prompts), params, use_tqdm, priority, lora_request)
 
     def chat(self, messages: Messages | Sequence[Messages],
              sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
              use_tqdm: bool = True, chat_template: str | None = None,
              add_generation_prompt: bool = True, continue_final_message: bool = False,
-             chat_template_kwargs: dict[str, Any] | None = None) -> list[RequestOutput]:
+             chat_template_kwargs: dict[str, Any] | None = None,
+             lora_request: LoRARequest | Sequence[LoRARequest | None] | None = None
+             ) -> list[RequestOutput]:
         batch = [messages] if messages and isinstance(messages[0], dict) else list(messages)
         ip = self.llm_engine.input_processor
         tok = self.get_tokenizer()
@@ -64,7 +70,7 @@ class LLM:
             ids = tok(text, add_special_tokens=False).input_ids
             prompts.append({"prompt": text, "prompt_token_ids": ids})
         params = sampling_params or self.get_default_sampling_params()
-        return self._run(prompts, params, use_tqdm, None)
+        return self._run(prompts, params, use_tqdm, None, lora_request)
 
     def embed(self, prompts: PromptType | Sequence[PromptType],
               pooling_params: PoolingParams | None = None,
@@ -79,9 +85,11 @@ class LLM:
         return self.llm_engine.reset_prefix_cache()
 
     def _run(self, prompts: list[PromptType], params: Any, use_tqdm: bool,
-             priority: list[int] | None) -> list[Any]:
+             priority: list[int] | None, lora: Any = None) -> list[Any]:
         if isinstance(params, Sequence) and len(params) != len(prompts):
             raise ValueError(f"sampling_params: got {len(params)} for {len(prompts)} prompts")
+        if isinstance(lora, Sequence) and len(lora) != len(prompts):
+            raise ValueError(f"lora_request: got {len(lora)} for {len(prompts)} prompts")
         engine = self.llm_engine
         ids: list[str] = []
         try:
@@ -90,7 +98,8 @@ class LLM:
                 if isinstance(p, SamplingParams):
                     p = msgspec.structs.replace(p, output_kind=RequestOutputKind.FINAL_ONLY)
                 rid = str(next(self._counter))
-                engine.add_request(rid, prompt, p, priority=priority[i] if priority else 0)
+                engine.add_request(rid, prompt, p, priority=priority[i] if priority else 0,
+                                   lora_request=lora[i] if isinstance(lora, Sequence) else lora)
                 ids.append(rid)
         except Exception:
             engine.abort_request(ids)  # all or nothing, as vLLM does

@@ -65,13 +65,20 @@ class Linear(nnx.Module):
                                 "zeros") if bias else None)
         self.method = method or UnquantizedLinear()
         self.matmul_add = matmul_add or MatmulAdd()
+        # Multi-LoRA's adapter tables (jaxllm/lora/layers.py), attached after loading
+        # when LoRA is enabled; None keeps the product exactly the base one.
+        self.lora: nnx.Module | None = nnx.data(None)
 
     def __call__(self, x: jax.Array) -> jax.Array:
         out = self.method.apply(x, self.weight[...], self.in_dims)
+        if self.lora is not None:
+            out = out + self.lora(x)
         return out if self.bias is None else out + self.bias[...]
 
     def add(self, x: jax.Array, residual: jax.Array) -> jax.Array:
         """`residual + self(x)` for a projection with one output axis (the residual
         add in the product's epilogue where the `MatmulAdd` has a kernel)."""
+        if self.lora is not None:
+            residual = residual + self.lora(x)
         return self.method.apply_add(self.matmul_add, x, self.weight[...], residual,
                                      None if self.bias is None else self.bias[...])

@@ -36,6 +36,7 @@ from jaxllm.core.sched_output import SchedulerOutput
 from jaxllm.distributed.mesh import make_mesh
 from jaxllm.layers.attention import get_attention_backend
 from jaxllm.layers.mlp import get_swiglu
+from jaxllm.lora.layers import attach_lora
 from jaxllm.models.loader import kv_cache_spec, load_model
 from jaxllm.sample.logprobs import LogprobsLists
 from jaxllm.sample.sampler import SamplerOutput
@@ -43,6 +44,7 @@ from jaxllm.worker.aot_cache import ExecutableCache
 from jaxllm.worker.buckets import Buckets
 from jaxllm.worker.input_batch import InputBatch
 from jaxllm.worker.kv_cache import PagedKVCache, activation_reserve
+from jaxllm.worker.lora_slots import LoRASlots
 from jaxllm.worker.programs import (
     PROMPT_LOGPROBS_ROWS,
     StepPrograms,
@@ -108,9 +110,14 @@ class ModelRunner:
         self.swiglu = get_swiglu(config.mlp_backend, config.mlp_interpret, dtype=self.dtype,
                                  mesh=self.mesh)
         model = load_model(mc, self.mesh, self.attn_backend, self.swiglu)
+        lc = config.lora_config
+        if lc is not None:
+            attach_lora(model, self.mesh, lc.max_loras, lc.max_lora_rank)
         graphdef, state = nnx.split(model)
         # The weights as a flat list of arrays (see programs.step_functions).
         self.state = jax.tree.leaves(state)
+        self.lora = (None if lc is None else
+                     LoRASlots(model, self.state, lc.max_loras, lc.max_lora_rank))
         logger.info("loaded %s in %.1fs", mc.model, time.perf_counter() - t0)
 
         self.buckets = b = Buckets.make(sc.max_num_batched_tokens, sc.max_num_seqs,
@@ -150,6 +157,8 @@ class ModelRunner:
                                      list(self.mesh.devices.flat))
         self.programs = StepPrograms(graphdef, jax.tree.structure(state),
                                      model.logits_head[...], model.head_logits, b, aot)
+        if self.lora is not None:
+            self.programs.lora_args = (self._lora_slots([]),)
 
     @property
     def aot_cache(self) -> ExecutableCache | None:
@@ -157,6 +166,8 @@ class ModelRunner:
 
     def precompile(self) -> None:
         """Compiles every bucket now, so that serving never compiles."""
+        if self.lora is not None:
+            self.lora.precompile()
         self.kv_cache = self.programs.precompile(self.state, self.kv_cache, self._no_prev,
                                                  self.vocab_size,
                                                  self.input_batch.sampling.device_put)
@@ -203,11 +214,13 @@ class ModelRunner:
                                      self._arange)
         end = inputs.kv_lens
         prev_tokens = self._last_sampled if inputs.reads_prev else self._no_prev
+        lora = () if self.lora is None else (self._lora_slots(req_ids),)
         self.kv_cache, states, last_hidden, out_index = self.programs.run_forward(
-            self.state, self.kv_cache, inputs.packed, prev_tokens)
+            self.state, self.kv_cache, inputs.packed, prev_tokens, *lora)
         prompt_lp = None
         if ib.wants_prompt_logprobs[:ib.num_reqs].any():  # none for most steps
-            prompt_lp = self._dispatch_prompt_logprobs(req_ids, rows, nsched, inputs, states)
+            prompt_lp = self._dispatch_prompt_logprobs(req_ids, rows, nsched, inputs, states,
+                                                       lora)
         # The scheduler decides which requests reach their end this step (a prompt
         # chunk that stops short of the prompt's end does not); of those, the
         # generating ones sample a token and the pooling ones are pooled.
@@ -296,13 +309,22 @@ class ModelRunner:
         self._rows_memo = (ib.layout_version, list(req_ids), rows)
         return rows
 
+    def _lora_slots(self, req_ids: list[str]) -> jax.Array:
+        """Each step request's adapter slot, placed like the step's other inputs."""
+        slots = self.lora.step_slots(req_ids, self.buckets.max_num_seqs)
+        return jax.device_put(slots, NamedSharding(self.mesh, P()))
+
     def _update_states(self, so: SchedulerOutput) -> None:
         ib = self.input_batch
         for req_id in so.finished_req_ids | so.preempted_req_ids:
             ib.remove(req_id)
+            if self.lora is not None:
+                self.lora.remove_request(req_id)
         for new in so.scheduled_new_reqs:
             ib.remove(new.req_id)  # a resumed request is rebuilt from scratch
             ib.add(new)
+            if self.lora is not None:
+                self.lora.add_request(new.req_id, new.lora_request)
         cached = so.scheduled_cached_reqs
         if not cached.req_ids:
             return
@@ -329,14 +351,14 @@ class ModelRunner:
 
     def _dispatch_prompt_logprobs(self, req_ids: list[str], rows: np.ndarray,
                                   nsched: np.ndarray, inputs: StepInputs,
-                                  states: jax.Array) -> tuple | None:
+                                  states: jax.Array, lora: tuple = ()) -> tuple | None:
         pending = prompt_logprobs_targets(self.input_batch, req_ids, rows, nsched, inputs,
                                           states.shape[0])
         if pending is None:
             return None
         targets, spans = pending
         scored = self.programs.run_prompt_logprobs(self.state, self.kv_cache, inputs.packed,
-                                                   states, targets)
+                                                   states, targets, *lora)
         return scored, spans
 
     @staticmethod

@@ -18,6 +18,7 @@ programs, the serialized executables of aot_cache.py.
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import logging
 import os
@@ -32,6 +33,7 @@ from flax import nnx
 from tqdm.auto import tqdm
 
 from jaxllm.config import EngineConfig, compilation_cache_dir
+from jaxllm.lora.layers import set_lora_masks
 from jaxllm.sample.metadata import SamplingMetadata, variant_metadata
 from jaxllm.sample.sampler import SamplerOutput, compute_prompt_logprobs_chunked
 from jaxllm.sample.staged import STAGED, StagedSampler, draw_padded, is_plain
@@ -83,7 +85,7 @@ def step_functions(graphdef: Any, state_def: Any, head_logits: Any, num_reqs: in
     def merge(weights):
         return nnx.merge(graphdef, jax.tree.unflatten(state_def, weights))
 
-    def forward(weights, kv_cache, packed, prev_tokens):
+    def forward(weights, kv_cache, packed, prev_tokens, lora_slots=None):
         input_ids, positions, md, src, out_index = unpack_step_inputs(packed, num_reqs, width)
         # Tokens sampled by the previous step that the host has not seen yet
         # (async scheduling) are read from its device output: src >= 0 names the row.
@@ -92,6 +94,8 @@ def step_functions(graphdef: Any, state_def: Any, head_logits: Any, num_reqs: in
         # from (padding requests end where the step's tokens end).
         rows = jnp.maximum(md.cu_q_lens[1:] - 1, 0)
         model = merge(weights)
+        if lora_slots is not None:  # each request's adapter slot (-1: none)
+            set_lora_masks(model, lora_slots, md.cu_q_lens, input_ids.shape[0])
         if last_layer_on_rows(input_ids.shape[0], num_reqs):
             last_hidden, kv_cache, states = model.forward_rows(input_ids, positions, kv_cache,
                                                                md, rows)
@@ -107,12 +111,14 @@ def step_functions(graphdef: Any, state_def: Any, head_logits: Any, num_reqs: in
     def sample(head, last_hidden, md, size):
         return draw_padded(logits(head, last_hidden, md.temperature.shape[0]), md, size)
 
-    def prompt_logprobs(weights, kv_cache, packed, states, targets):
+    def prompt_logprobs(weights, kv_cache, packed, states, targets, lora_slots=None):
         """Scores of `targets` at every row of a step, from the forward's `states` and cache."""
         model = merge(weights)
         hidden = states
         if last_layer_on_rows(states.shape[0], num_reqs):  # its last layer, for every row
             _, positions, md, _, _ = unpack_step_inputs(packed, num_reqs, width)
+            if lora_slots is not None:
+                set_lora_masks(model, lora_slots, md.cu_q_lens, states.shape[0])
             hidden = model.finish_states(states, positions, kv_cache, md)
         head = model.logits_head[...]
         return compute_prompt_logprobs_chunked(lambda h: head_logits(head, h), hidden,
@@ -131,7 +137,8 @@ def aot_context(config: EngineConfig, attn_backend: Any, swiglu: Any,
     return {"model": to_dict() if to_dict else vars(hf), "dtype": mc.dtype,
             "attention": [attn_backend.name, attn_backend.interpret],
             "mlp": [swiglu.name, swiglu.kernel, swiglu.interpret, swiglu.min_tokens],
-            "mesh": [list(mesh.axis_names), list(mesh.devices.shape)]}
+            "mesh": [list(mesh.axis_names), list(mesh.devices.shape)],
+            "lora": dataclasses.asdict(config.lora_config) if config.lora_config else None}
 
 
 class StepPrograms:
@@ -151,6 +158,9 @@ class StepPrograms:
             graphdef, state_def, head_logits, buckets.max_num_seqs, buckets.max_blocks_per_req)
         self.aot_cache = aot_cache
         self.executables: dict[tuple[str, int], Any] = {}
+        # The forward's and prompt-logprobs' extra argument with LoRA on: each
+        # request's slot `[max_num_seqs]` (precompiled with none).
+        self.lora_args: tuple = ()
         self.staged: StagedSampler = STAGED  # for steps `sample_fn` cannot take
 
     def run_forward(self, *args: Any) -> tuple:
@@ -196,7 +206,7 @@ class StepPrograms:
         for kind, arg in tqdm(jobs, desc="Precompiling buckets", unit="shape",
                               disable=os.environ.get("JAXLLM_NO_PROGRESS") == "1"):
             if kind == "forward":
-                args = (state, kv_cache, self.dummy_inputs(arg), no_prev)
+                args = (state, kv_cache, self.dummy_inputs(arg), no_prev, *self.lora_args)
                 self._load_or_compile("forward", self.forward, args, donate_argnums=(1,))
                 kv_cache, states[arg], last_hidden, out_index = self.run_forward(*args)
             elif kind == "sample":
@@ -211,7 +221,7 @@ class StepPrograms:
                 # Traced on a miss only: in buckets over max_num_seqs it runs the last
                 # layer again, attention kernel included (finish_states).
                 args = (state, kv_cache, self.dummy_inputs(arg), states[arg],
-                        np.zeros(arg, np.int32))
+                        np.zeros(arg, np.int32), *self.lora_args)
                 self._load_or_compile("prompt_logprobs", self.prompt_logprobs, args)
                 self.run_prompt_logprobs(*args)
         jax.block_until_ready(kv_cache)

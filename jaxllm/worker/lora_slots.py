@@ -1,0 +1,139 @@
+"""Which adapter sits in which slot of the device's LoRA tables, and loading them there.
+
+The runner asks, per step, for the slot of each scheduled request's adapter
+(-1: none). An adapter not in a slot is read from its PEFT directory (once;
+kept on the host) and written into a free slot, else into the least recently
+used slot that no request of this step uses (the scheduler admits at most
+`max_loras` distinct adapters among running requests, so one always exists).
+A write is one jitted program over every table, compiled at start-up.
+"""
+
+from __future__ import annotations
+
+import collections
+import math
+
+import jax
+import numpy as np
+from flax import nnx
+
+from jaxllm.lora.layers import LORA_PARTS, lora_linears
+from jaxllm.lora.peft import PeftAdapter, load_peft_adapter
+from jaxllm.lora.request import LoRARequest
+
+
+def adapter_tables(linears: list[tuple[int, str, nnx.Module]], adapter: PeftAdapter,
+                   name: str) -> list[np.ndarray]:
+    """The adapter's value for one slot of every table (in `table_leaves` order):
+    per projection its A `[P, r, *in]` then each part's B `[*out_part, r]`; zeros
+    where the adapter leaves a module out. Ranks below the tables' are zero-padded."""
+    out = []
+    for layer, proj, linear in linears:
+        lora = linear.lora
+        a = lora.a[...]
+        in_shape = a.shape[3:]
+        a_val = np.zeros(a.shape[1:], np.float32)
+        b_vals = [np.zeros(b.shape[1:], np.float32) for b in lora.b]
+        for p, module in enumerate(LORA_PARTS[proj]):
+            ab = adapter.weights.get((layer, module))
+            if ab is None:
+                continue
+            A, B = ab
+            r = A.shape[0]
+            if A.shape[1] != math.prod(in_shape):
+                raise ValueError(f"LoRA adapter {name!r}: {module} of layer {layer} has lora_A "
+                                 f"{A.shape}; the model wants in={math.prod(in_shape)}")
+            a_val[p, :r] = A.reshape(r, *in_shape)
+            out_p = b_vals[p].shape[:-1]
+            per_head = math.prod(out_p[1:])
+            if B.shape[0] % per_head or out_p[0] % (B.shape[0] // per_head):
+                raise ValueError(f"LoRA adapter {name!r}: {module} of layer {layer} has lora_B "
+                                 f"{B.shape}; the model wants out={math.prod(out_p)}")
+            src = B.shape[0] // per_head
+            # kv heads replicated over tensor-parallel shards (models/decoder.py)
+            full = np.repeat(B.reshape(src, *out_p[1:], r), out_p[0] // src, axis=0)
+            b_vals[p][..., :r] = full
+        out += [a_val, *b_vals]
+    return out
+
+
+def table_leaves(linears: list[tuple[int, str, nnx.Module]]) -> list[jax.Array]:
+    return [arr for _, _, linear in linears
+            for arr in (linear.lora.a[...], *(b[...] for b in linear.lora.b))]
+
+
+class LoRASlots:
+    """The slot table of one runner; writes adapters into `state` (the runner's weight
+    list, updated in place)."""
+
+    def __init__(self, model: nnx.Module, state: list[jax.Array], max_loras: int,
+                 max_lora_rank: int):
+        self.linears = lora_linears(model)
+        self.max_loras, self.max_lora_rank = max_loras, max_lora_rank
+        self.state = state
+        position = {id(leaf): i for i, leaf in enumerate(state)}
+        self.indices = [position[id(t)] for t in table_leaves(self.linears)]
+        shardings = [state[i].sharding for i in self.indices]
+        self._write = jax.jit(lambda tables, values, slot: [
+            t.at[slot].set(v.astype(t.dtype)) for t, v in zip(tables, values, strict=True)],
+            donate_argnums=0, out_shardings=shardings)
+        self.slot_of: collections.OrderedDict[int, int] = collections.OrderedDict()  # LRU first
+        self.host: dict[int, list[np.ndarray]] = {}
+        self.req_lora: dict[str, LoRARequest] = {}
+        self.loads = 0  # adapters written into slots (tests, metrics)
+
+    def precompile(self) -> None:
+        """Compiles the slot write (zeros into slot 0, which no adapter holds yet)."""
+        self._store([np.zeros(self.state[i].shape[1:], self.state[i].dtype)
+                     for i in self.indices], 0)
+
+    def add_request(self, req_id: str, lora: LoRARequest | None) -> None:
+        if lora is not None:
+            self.req_lora[req_id] = lora
+
+    def remove_request(self, req_id: str) -> None:
+        self.req_lora.pop(req_id, None)
+
+    def remove_adapter(self, lora_int_id: int) -> None:
+        """Forgets an unloaded adapter (its slot becomes free; its host copy goes)."""
+        self.slot_of.pop(lora_int_id, None)
+        self.host.pop(lora_int_id, None)
+
+    def step_slots(self, req_ids: list[str], num_rows: int) -> np.ndarray:
+        """`[num_rows]` int32: each request's slot, loading adapters as needed; -1 for
+        requests without one and padding rows."""
+        slots = np.full(num_rows, -1, np.int32)
+        if not self.req_lora:
+            return slots
+        wanted = {i: lr for i, r in enumerate(req_ids) if (lr := self.req_lora.get(r))}
+        in_step = {lr.lora_int_id for lr in wanted.values()}
+        for i, lr in wanted.items():
+            slots[i] = self._slot(lr, in_step)
+        return slots
+
+    def _slot(self, lr: LoRARequest, in_step: set[int]) -> int:
+        key = lr.lora_int_id
+        if key in self.slot_of:
+            self.slot_of.move_to_end(key)
+            return self.slot_of[key]
+        taken = set(self.slot_of.values())
+        free = [s for s in range(self.max_loras) if s not in taken]
+        if free:
+            slot = free[0]
+        else:
+            victim = next((k for k in self.slot_of if k not in in_step), None)
+            if victim is None:
+                raise RuntimeError(f"more than max_loras={self.max_loras} adapters in one step")
+            slot = self.slot_of.pop(victim)
+        if key not in self.host:
+            adapter = load_peft_adapter(lr.lora_path, self.max_lora_rank)
+            self.host[key] = adapter_tables(self.linears, adapter, lr.lora_name)
+        self._store(self.host[key], slot)
+        self.slot_of[key] = slot
+        self.loads += 1
+        return slot
+
+    def _store(self, values: list[np.ndarray], slot: int) -> None:
+        tables = [self.state[i] for i in self.indices]
+        for i, t in zip(self.indices, self._write(tables, values, np.int32(slot)), strict=True):
+            self.state[i] = t

@@ -1,0 +1,92 @@
+"""Multi-LoRA: requests with different adapters and without one share a batch, and each
+gets transformers' greedy tokens with its adapter merged (float32), at tp 1 and 2."""
+
+from __future__ import annotations
+
+import pytest
+
+from jaxllm import LLM, SamplingParams
+from jaxllm.errors import ParameterError
+from jaxllm.lora.request import LoRARequest
+from tests.compilations import recorded_compilations
+from tests.engine.hf_reference import hf_greedy, random_prompts
+from tests.lora.peft_adapters import ADAPTERS, make_peft_adapter, merged_greedy
+from tests.models.tiny_checkpoints import checkpoint_vocab_size, make_tiny_checkpoint
+
+NEW_TOKENS = 5
+ENGINE = dict(dtype="float32", max_model_len=64, max_num_seqs=4, max_num_batched_tokens=32,
+              block_size=8, token_buckets=[8, 32], request_buckets=[4], seed=0,
+              enable_lora=True, max_lora_rank=8)
+GREEDY = SamplingParams(temperature=0.0, max_tokens=NEW_TOKENS, ignore_eos=True)
+
+
+@pytest.fixture(scope="module")
+def setup(tmp_path_factory):
+    """(base dir, prompts, {name: (LoRARequest, merged greedy tokens)}, base tokens)."""
+    root = tmp_path_factory.mktemp("lora")
+    base = make_tiny_checkpoint(root, arch="llama", num_attention_heads=4,
+                                num_key_value_heads=2)
+    prompts = random_prompts(checkpoint_vocab_size(base), [11, 7, 13, 9], seed=5)
+    adapters = {}
+    for i, (name, fields) in enumerate(ADAPTERS.items()):
+        adapter_dir, merged = make_peft_adapter(base, root, seed=i, **fields)
+        adapters[name] = (LoRARequest(name, i + 1, adapter_dir),
+                          merged_greedy(merged, prompts, NEW_TOKENS))
+    return base, prompts, adapters, hf_greedy(base, prompts, NEW_TOKENS)[0]
+
+
+def _mixed_batch(setup) -> tuple[list[dict], list[LoRARequest | None], list[list[int]]]:
+    """Prompt i runs adapter i (the last prompt none): inputs, adapters, expected tokens."""
+    _, prompts, adapters, base_tokens = setup
+    loras, want = [], []
+    for i, (lora, merged) in enumerate(adapters.values()):
+        loras.append(lora)
+        want.append(merged[i])
+    loras.append(None)
+    want.append(base_tokens[3])
+    return [{"prompt_token_ids": p} for p in prompts], loras, want
+
+
+def _check_mixed_batch(llm: LLM, setup) -> None:
+    inputs, loras, want = _mixed_batch(setup)
+    outs = llm.generate(inputs, GREEDY, use_tqdm=False, lora_request=loras)
+    assert [o.outputs[0].token_ids for o in outs] == want
+    # Each adapter really changes the output (the test would not see a missing term).
+    _, _, adapters, base_tokens = setup
+    for i, (_, merged) in enumerate(adapters.values()):
+        assert merged[i] != base_tokens[i]
+
+
+def test_batch_mixing_three_adapters_and_the_base_model_matches_merged_transformers(setup):
+    llm = LLM(setup[0], max_loras=3, **ENGINE)
+    with recorded_compilations() as compiles:
+        _check_mixed_batch(llm, setup)
+        _check_mixed_batch(llm, setup)  # again: slots already hold the adapters
+    assert compiles == []
+
+
+def test_fewer_slots_than_adapters_evicts_and_queues_with_the_same_tokens(setup):
+    """max_loras=2 with three adapters in flight: the third waits for a slot, and slots
+    are reloaded as adapters come and go; every request still gets its tokens."""
+    llm = LLM(setup[0], max_loras=2, **ENGINE)
+    runner = llm.llm_engine.engine_core.engine_core.model_runner
+    with recorded_compilations() as compiles:
+        _check_mixed_batch(llm, setup)
+    assert compiles == []
+    assert runner.lora.loads >= 3
+
+
+def test_lora_off_leaves_the_model_without_adapter_tables(setup):
+    llm = LLM(setup[0], **{**ENGINE, "enable_lora": False})
+    runner = llm.llm_engine.engine_core.engine_core.model_runner
+    assert runner.lora is None and runner.programs.lora_args == ()
+    with pytest.raises(ParameterError, match="lora_request"):
+        llm.generate([{"prompt_token_ids": [5, 6, 7]}], GREEDY, use_tqdm=False,
+                     lora_request=setup[2]["all"][0])
+
+
+def test_adapter_rank_above_max_lora_rank_is_an_error_naming_the_field(setup):
+    llm = LLM(setup[0], max_loras=1, **{**ENGINE, "max_lora_rank": 4})
+    with pytest.raises(ParameterError, match="max_lora_rank"):
+        llm.generate([{"prompt_token_ids": [5, 6, 7]}], GREEDY, use_tqdm=False,
+                     lora_request=setup[2]["all"][0])
