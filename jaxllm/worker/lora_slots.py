@@ -125,6 +125,7 @@ class LoRASlots:
             if victim is None:
                 raise RuntimeError(f"more than max_loras={self.max_loras} adapters in one step")
             slot = self.slot_of.pop(victim)
+            self.host.pop(victim, None)  # read again from disk if it comes back
         if key not in self.host:
             adapter = load_peft_adapter(lr.lora_path, self.max_lora_rank)
             self.host[key] = adapter_tables(self.linears, adapter, lr.lora_name)

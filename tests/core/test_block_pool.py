@@ -228,3 +228,21 @@ def test_usage_counts_owned_blocks_over_usable_blocks():
     assert pool.get_usage() == 0.5
     pool.free_blocks(blocks)
     assert pool.get_usage() == 0.0
+
+
+def test_block_hashes_are_keyed_by_lora_adapter():
+    from jaxllm.core.block_hash import make_block_hasher
+    from jaxllm.core.request import Request
+    from jaxllm.lora.request import LoRARequest
+
+    hasher = make_block_hasher(4)
+    tokens = list(range(1, 9))
+
+    def hashes(lora):
+        return Request("r", tokens, None, block_hasher=hasher, lora_request=lora).block_hashes
+
+    base, one, two = hashes(None), hashes(LoRARequest("a", 1, "/a")), hashes(
+        LoRARequest("b", 2, "/b"))
+    assert base == hash_request_tokens(4, tokens)
+    assert len(one) == 2 and not set(one) & set(base) and not set(one) & set(two)
+    assert one == hashes(LoRARequest("a", 1, "/a"))

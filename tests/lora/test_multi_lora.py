@@ -22,7 +22,8 @@ GREEDY = SamplingParams(temperature=0.0, max_tokens=NEW_TOKENS, ignore_eos=True)
 
 @pytest.fixture(scope="module")
 def setup(tmp_path_factory):
-    """(base dir, prompts, {name: (LoRARequest, merged greedy tokens)}, base tokens)."""
+    """(base dir, prompts, {name: (LoRARequest, merged greedy tokens, merged dir)}, base
+    tokens)."""
     root = tmp_path_factory.mktemp("lora")
     base = make_tiny_checkpoint(root, arch="llama", num_attention_heads=4,
                                 num_key_value_heads=2)
@@ -31,7 +32,7 @@ def setup(tmp_path_factory):
     for i, (name, fields) in enumerate(ADAPTERS.items()):
         adapter_dir, merged = make_peft_adapter(base, root, seed=i, **fields)
         adapters[name] = (LoRARequest(name, i + 1, adapter_dir),
-                          merged_greedy(merged, prompts, NEW_TOKENS))
+                          merged_greedy(merged, prompts, NEW_TOKENS), merged)
     return base, prompts, adapters, hf_greedy(base, prompts, NEW_TOKENS)[0]
 
 
@@ -39,7 +40,7 @@ def _mixed_batch(setup) -> tuple[list[dict], list[LoRARequest | None], list[list
     """Prompt i runs adapter i (the last prompt none): inputs, adapters, expected tokens."""
     _, prompts, adapters, base_tokens = setup
     loras, want = [], []
-    for i, (lora, merged) in enumerate(adapters.values()):
+    for i, (lora, merged, _) in enumerate(adapters.values()):
         loras.append(lora)
         want.append(merged[i])
     loras.append(None)
@@ -53,18 +54,25 @@ def _check_mixed_batch(llm: LLM, setup) -> None:
     assert [o.outputs[0].token_ids for o in outs] == want
     # Each adapter really changes the output (the test would not see a missing term).
     _, _, adapters, base_tokens = setup
-    for i, (_, merged) in enumerate(adapters.values()):
+    for i, (_, merged, _) in enumerate(adapters.values()):
         assert merged[i] != base_tokens[i]
 
 
-def test_batch_mixing_three_adapters_and_the_base_model_matches_merged_transformers(setup):
-    llm = LLM(setup[0], max_loras=3, **ENGINE)
+@pytest.mark.slow
+@pytest.mark.parametrize("tp", [1, 2])
+def test_batch_mixing_three_adapters_and_the_base_model_matches_merged_transformers(setup, tp):
+    """At tp 2 the tables shard as the base weights (B over column-parallel outputs,
+    A over row-parallel inputs)."""
+    llm = LLM(setup[0], max_loras=3, tensor_parallel_size=tp, **ENGINE)
+    runner = llm.llm_engine.engine_core.engine_core.model_runner
+    assert runner.mesh.shape["model"] == tp
     with recorded_compilations() as compiles:
         _check_mixed_batch(llm, setup)
         _check_mixed_batch(llm, setup)  # again: slots already hold the adapters
     assert compiles == []
 
 
+@pytest.mark.slow
 def test_fewer_slots_than_adapters_evicts_and_queues_with_the_same_tokens(setup):
     """max_loras=2 with three adapters in flight: the third waits for a slot, and slots
     are reloaded as adapters come and go; every request still gets its tokens."""
@@ -76,6 +84,7 @@ def test_fewer_slots_than_adapters_evicts_and_queues_with_the_same_tokens(setup)
     assert runner.lora.loads >= 3
 
 
+@pytest.mark.slow
 def test_lora_off_leaves_the_model_without_adapter_tables(setup):
     llm = LLM(setup[0], **{**ENGINE, "enable_lora": False})
     runner = llm.llm_engine.engine_core.engine_core.model_runner
@@ -85,8 +94,37 @@ def test_lora_off_leaves_the_model_without_adapter_tables(setup):
                      lora_request=setup[2]["all"][0])
 
 
+@pytest.mark.slow
 def test_adapter_rank_above_max_lora_rank_is_an_error_naming_the_field(setup):
     llm = LLM(setup[0], max_loras=1, **{**ENGINE, "max_lora_rank": 4})
     with pytest.raises(ParameterError, match="max_lora_rank"):
         llm.generate([{"prompt_token_ids": [5, 6, 7]}], GREEDY, use_tqdm=False,
                      lora_request=setup[2]["all"][0])
+
+
+@pytest.mark.slow
+def test_prefix_cache_never_serves_one_adapters_blocks_to_another_or_the_base(setup):
+    """The same 3-block prompt, base first, then adapters: each gets its own tokens and
+    no hit on the others' blocks; a repeat with the same adapter hits."""
+    base, _, adapters, _ = setup
+    prompt = random_prompts(checkpoint_vocab_size(base), [25], seed=9)[0]
+    want = {name: merged_greedy(merged, [prompt], NEW_TOKENS)[0]
+            for name, (_, _, merged) in adapters.items()}
+    want[None] = hf_greedy(base, [prompt], NEW_TOKENS)[0][0]
+    llm = LLM(base, max_loras=3, **{**ENGINE, "enable_prefix_caching": True})
+
+    def run(name: str | None) -> int:
+        """Runs the prompt with adapter `name`; returns the prefix-cache hits it got."""
+        before = llm.llm_engine.last_stats.prefix_cache_hits if llm.llm_engine.last_stats \
+            else 0
+        lora = adapters[name][0] if name else None
+        out = llm.generate([{"prompt_token_ids": prompt}], GREEDY, use_tqdm=False,
+                           lora_request=lora)[0]
+        assert out.outputs[0].token_ids == want[name], name
+        return llm.llm_engine.last_stats.prefix_cache_hits - before
+
+    assert run(None) == 0
+    assert run("all") == 0
+    assert run("qv_rslora") == 0
+    assert run("all") == 24  # its own three full blocks
+    assert run(None) == 24

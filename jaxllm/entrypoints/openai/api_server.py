@@ -47,6 +47,7 @@ from jaxllm.entrypoints.openai.serving_completion import OpenAIServingCompletion
 from jaxllm.entrypoints.openai.serving_embedding import OpenAIServingEmbedding
 from jaxllm.entrypoints.openai.serving_engine import HTTPError, error_body
 from jaxllm.entrypoints.openai.serving_info import add_info_routes
+from jaxllm.entrypoints.openai.serving_lora import LoRARegistry, add_lora_routes
 from jaxllm.entrypoints.openai.supervisor import DEFAULT_ENGINE_RESTARTS, EngineSupervisor
 from jaxllm.errors import EngineDeadError, ParameterError
 from jaxllm.metrics.loggers import LoggingStatLogger, PrometheusStatLogger
@@ -70,6 +71,7 @@ class ServerOptions:
     access_log: bool = True
     enable_tokenizer_info_endpoint: bool = False
     engine_restarts: int = DEFAULT_ENGINE_RESTARTS  # 0: exit when the engine core dies
+    lora_modules: list[str] = field(default_factory=list)  # vLLM's `name=path` entries
 
 
 def error_response(status: int, message: str, param: str | None = None) -> Response:
@@ -164,6 +166,8 @@ def build_app(engine: AsyncLLM, options: ServerOptions,
     completion = OpenAIServingCompletion(engine, names, options.chat_template)
     chat = OpenAIServingChat(engine, names, options.chat_template)
     embedding = OpenAIServingEmbedding(engine, names)
+    completion.loras = chat.loras = loras = LoRARegistry(engine.config.lora_config,
+                                                         options.lora_modules)
     app = FastAPI(title="jaxllm OpenAI-compatible server", version=jaxllm.__version__)
     app.state.engine = engine
 
@@ -217,7 +221,11 @@ def build_app(engine: AsyncLLM, options: ServerOptions,
     async def models() -> ModelList:
         mc = engine.model_config
         return ModelList(data=[ModelCard(id=n, root=mc.model, max_model_len=mc.max_model_len)
-                               for n in names])
+                               for n in names] + [
+            ModelCard(id=a.lora_name, root=a.lora_path, parent=a.base_model_name or names[0])
+            for a in loras.adapters.values()])
+
+    add_lora_routes(app, loras)
 
     add_info_routes(app, engine, completion.check_model, options.chat_template,
                     options.enable_tokenizer_info_endpoint)
@@ -370,7 +378,8 @@ def run_server(args: argparse.Namespace) -> int:
         uvicorn_log_level=args.uvicorn_log_level,
         access_log=not args.disable_uvicorn_access_log,
         enable_tokenizer_info_endpoint=args.enable_tokenizer_info_endpoint,
-        engine_restarts=0 if args.exit_on_engine_death else args.engine_restarts)
+        engine_restarts=0 if args.exit_on_engine_death else args.engine_restarts,
+        lora_modules=list(args.lora_modules or []))
     # SamplingParams reads the bound on n (and best_of) here, as vLLM reads
     # VLLM_MAX_N_SEQUENCES; the engine core's process inherits it.
     os.environ["JAXLLM_MAX_N_SEQUENCES"] = str(args.max_n_sequences)

@@ -61,6 +61,9 @@ def add_serve_parser(subparsers: Any) -> argparse.ArgumentParser:
                    help="the largest n (and best_of) a request may ask for (default "
                         f"$JAXLLM_MAX_N_SEQUENCES or {DEFAULT_MAX_N_SEQUENCES}, as vLLM's "
                         "VLLM_MAX_N_SEQUENCES)")
+    p.add_argument("--lora-modules", nargs="+", default=None, metavar="NAME=PATH",
+                   help="LoRA adapters to serve (with --enable-lora): name=path, or JSON "
+                        "{\"name\": ..., \"path\": ..., \"base_model_name\": ...}")
     add_engine_args(p)
     # The server logs its stats by default (the offline API does not).
     p.set_defaults(disable_log_stats=False)

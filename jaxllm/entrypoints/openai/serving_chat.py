@@ -84,7 +84,7 @@ class OpenAIServingChat(OpenAIServing):
             requests = self.add_requests(
                 request_id, [{"prompt": text, "prompt_token_ids": ids}], params, req.priority,
                 "max_completion_tokens" if req.max_completion_tokens is not None
-                else "max_tokens")
+                else "max_tokens", model=model)
         except ParameterError as e:
             raise req.structured_error(e) from e
         echo = self._echo_text(req)

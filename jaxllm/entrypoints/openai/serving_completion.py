@@ -111,7 +111,8 @@ class OpenAIServingCompletion(OpenAIServing):
         prompts = [self._tokenized(p, req.add_special_tokens) for p in _prompts(req.prompt)]
         request_id = random_id("cmpl")
         try:
-            requests = self.add_requests(request_id, prompts, params, req.priority)
+            requests = self.add_requests(request_id, prompts, params, req.priority,
+                                         model=model)
         except ParameterError as e:
             raise req.structured_error(e) from e
         if req.stream:

@@ -63,13 +63,16 @@ class OpenAIServing:
         self._accepted = set(self.served_model_names) | {self.model_config.model}
         self.chat_template = chat_template
         self.tokenizer = engine.get_tokenizer()
+        # The server's LoRARegistry (serving_lora.py), shared by the endpoints: a
+        # request's `model` may name an adapter.
+        self.loras: Any = None
 
     def check_model(self, name: str | None) -> str:
         """The name to echo in responses; 404 for a model this server does not serve."""
         if not name:
             return self.served_model_names[0]
         check_text("model", name)
-        if name not in self._accepted:
+        if name not in self._accepted and (self.loras is None or not self.loras.get(name)):
             raise HTTPError(404, f"The model `{name}` does not exist.", "model")
         return name
 
@@ -98,16 +101,19 @@ class OpenAIServing:
                                 f"({params.max_tokens} > {limit} - {len(ids)})", field)
 
     def add_requests(self, request_id: str, prompts: list[PromptType], params: SamplingParams,
-                     priority: int = 0, max_tokens_field: str = "max_tokens"
-                     ) -> list[tuple[str, RequestOutputCollector]]:
-        """Adds one engine request per prompt; on any error none of them stays running."""
+                     priority: int = 0, max_tokens_field: str = "max_tokens",
+                     model: str | None = None) -> list[tuple[str, RequestOutputCollector]]:
+        """Adds one engine request per prompt (with the LoRA adapter `model` names, if
+        it names one); on any error none of them stays running."""
         self.check_alive()
         self.check_context(prompts, params, max_tokens_field)
+        lora = self.loras.get(model) if self.loras is not None else None
         added: list[tuple[str, RequestOutputCollector]] = []
         try:
             for i, prompt in enumerate(prompts):
                 rid = request_id if len(prompts) == 1 else f"{request_id}-{i}"
-                added.append((rid, self.engine.add_request(rid, prompt, params, priority)))
+                added.append((rid, self.engine.add_request(rid, prompt, params, priority,
+                                                           lora_request=lora)))
         except BaseException:
             self.engine.abort_now([rid for rid, _ in added])
             raise
