@@ -1,5 +1,8 @@
 """throughput: 1000 requests x (512 random prompt tokens, 128 new), all submitted at once.
 
+--num-loras N --lora-rank R serves N random adapters on every projection, the
+requests spread round-robin over them (compare with the same run without).
+
 Reports output and total tokens/s, the roofline time (the sum over executed
 steps of max(FLOPs / matmul peak, bytes / HBM bandwidth), both measured in the
 same run), padding waste, and the transformers static-cache peer.
@@ -18,6 +21,7 @@ import argparse
 import json
 import subprocess
 import sys
+import tempfile
 import time
 
 import numpy as np
@@ -70,6 +74,10 @@ def build_parser() -> argparse.ArgumentParser:
     ap.add_argument("--mlp-backend", default="auto", help="auto | xla | pallas_gpu_mosaic")
     ap.add_argument("--hbm-utilization", type=float, default=0.9)
     ap.add_argument("--async-scheduling", action=argparse.BooleanOptionalAction, default=True)
+    ap.add_argument("--num-loras", type=int, default=0,
+                    help="random LoRA adapters on every projection, requests spread "
+                         "round-robin over them (0: LoRA off)")
+    ap.add_argument("--lora-rank", type=int, default=16)
     ap.add_argument("--hf-peer-batch-sizes", default="64,256,320,384",
                     help="transformers static-cache peer batch sizes ('' to skip)")
     add_parallel_args(ap)
@@ -106,7 +114,9 @@ def main(argv: list[str] | None = None) -> dict:
               request_buckets=[int(x) for x in args.request_buckets.split(",")],
               enable_prefix_caching=False, attention_backend=args.attention_backend,
               mlp_backend=args.mlp_backend, hbm_utilization=args.hbm_utilization,
-              async_scheduling=args.async_scheduling, tensor_parallel_size=tp)
+              async_scheduling=args.async_scheduling, tensor_parallel_size=tp,
+              **({"enable_lora": True, "max_loras": args.num_loras,
+                  "max_lora_rank": args.lora_rank} if args.num_loras else {}))
     startup = time.perf_counter() - t0
     runner = llm.llm_engine.engine_core.engine_core.model_runner
     hf = llm.llm_engine.model_config.hf_config
@@ -115,13 +125,23 @@ def main(argv: list[str] | None = None) -> dict:
                for _ in range(args.num_prompts)]
     prompts = replicas.replica_share(prompts, args.replica)
     params = SamplingParams(temperature=0.0, max_tokens=args.output_len, ignore_eos=True)
-    llm.generate(prompts[:8], SamplingParams(max_tokens=4, ignore_eos=True), use_tqdm=False)
+    loras = None
+    if args.num_loras:
+        from jaxllm.benchmarks.lora_adapters import write_random_adapters
+
+        adapters = write_random_adapters(hf, args.num_loras, args.lora_rank,
+                                         tempfile.mkdtemp(prefix="bench-lora-"))
+        loras = [adapters[i % len(adapters)] for i in range(len(prompts))]
+    # The warm-up also puts every adapter in its slot.
+    warm = max(8, args.num_loras)
+    llm.generate(prompts[:warm], SamplingParams(max_tokens=4, ignore_eos=True), use_tqdm=False,
+                 lora_request=loras[:warm] if loras else None)
 
     replicas.barrier(args.replica)
     runner.step_log = []
     runner.wait_seconds = runner.dispatch_seconds = 0.0
     t0 = time.perf_counter()
-    outs = llm.generate(prompts, params, use_tqdm=False)
+    outs = llm.generate(prompts, params, use_tqdm=False, lora_request=loras)
     elapsed = time.perf_counter() - t0
     steps, runner.step_log = runner.step_log, None
 
@@ -136,6 +156,7 @@ def main(argv: list[str] | None = None) -> dict:
         "workload": "throughput", "num_prompts": len(prompts), "input_len": args.input_len,
         "output_len": args.output_len, "attention_backend": runner.attn_backend.name,
         "mlp_backend": runner.swiglu.name, "mlp_kernel": runner.swiglu.kernel,
+        "num_loras": args.num_loras, "lora_rank": args.lora_rank if args.num_loras else None,
         "block_size": args.block_size, "tensor_parallel_size": tp, "data_parallel_size": 1,
         "num_devices": tp, "output_tokens": n_out, "input_tokens": n_in,
         "computed_tokens": computed, "padded_tokens": padded,
@@ -164,7 +185,8 @@ def merge_replicas(outs: list[dict], dp: int, tp: int) -> dict:
     computed = sum(o["computed_tokens"] for o in outs)
     padded = sum(o["padded_tokens"] for o in outs)
     first = outs[0]
-    keep = ("workload", "input_len", "output_len", "attention_backend", "mlp_backend",
+    keep = ("workload", "input_len", "output_len", "num_loras", "lora_rank",
+            "attention_backend", "mlp_backend",
             "mlp_kernel", "block_size", "async_scheduling", "hbm_bandwidth_GBps",
             "matmul_TFLOPs", "allreduce_bus_GBps")
     return {
@@ -199,6 +221,8 @@ def report(result: dict, peers: list[dict], args: argparse.Namespace) -> dict:
         ("device HBM / bf16 matmul",
          f"{r['hbm_bandwidth_GBps'] / 1e3:.2f} TB/s / {r['matmul_TFLOPs']:.0f} TFLOP/s{link}"),
         ("attention backend", r["attention_backend"]),
+        ("LoRA adapters", f"{r['num_loras']} of rank {r['lora_rank']}"
+         if r.get("num_loras") else "none"),
         ("startup (load + precompile)", f"{r['startup_s']:.1f} s"),
         ("elapsed", f"{r['elapsed_s']:.1f} s over {r['num_steps']} steps"),
         ("output tok/s", f"{out_tps:.0f}"),

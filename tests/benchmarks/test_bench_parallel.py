@@ -89,3 +89,14 @@ def test_replicas_take_disjoint_request_shares_and_their_own_gpus():
     assert replica_devices(1, 1, "4,5,6") == "5"
     with pytest.raises(ValueError, match="--data-parallel-size"):
         replica_devices(2, 2, "0,1,2,3")
+
+
+@pytest.mark.slow
+def test_bench_throughput_with_random_loras_generates_every_token(tiny, tmp_path):
+    """The CPU dry run of `--num-loras N --lora-rank R` (the device run compares it with
+    the same workload without adapters)."""
+    assert main(throughput_args(tiny, "--num-loras", "3", "--lora-rank", "4")) == 0
+    with open(tmp_path / "bench_throughput.json") as f:
+        r = json.load(f)
+    assert r["num_loras"] == 3 and r["lora_rank"] == 4
+    assert r["output_tokens"] == 8 * 4 and r["input_tokens"] == 8 * 16
