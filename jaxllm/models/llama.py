@@ -1,4 +1,5 @@
-"""The Llama-family decoder in Flax NNX: Llama 2/3/3.1, Mistral, Qwen2, Qwen3.
+"""The Llama-family decoder in Flax NNX: Llama 2/3/3.1, Mistral, Qwen2, Qwen3, and with
+routed experts in place of some layers' MLP (layers/moe.py) Mixtral and Qwen3-MoE.
 
 One module covers the four Hugging Face architectures; they differ only in
 q/k/v (and o) bias, per-head q/k RMSNorm (Qwen3), the rope parameters and the
@@ -38,6 +39,7 @@ from jax.sharding import PartitionSpec as P
 
 from jaxllm.layers.attention import AttentionBackend, AttentionMetadata
 from jaxllm.layers.mlp import MatmulAdd, SwiGLU
+from jaxllm.layers.moe import SparseMoE
 from jaxllm.layers.norm import RMSNorm, rms_norm
 from jaxllm.layers.rotary import RotaryEmbedding
 from jaxllm.models.llama_weights import LlamaArch, WeightSource, hf_weight_map
@@ -129,13 +131,25 @@ class LlamaMLP(nnx.Module):
                                       None if self.down_bias is None else self.down_bias[...])
 
 
+def _sparse_moe(arch: LlamaArch, dtype: jnp.dtype, rngs: nnx.Rngs,
+                attn_backend: AttentionBackend) -> SparseMoE:
+    """The routed experts (Mixtral, Qwen3-MoE), expert parallel over the mesh the
+    attention is split over (layers/attention_sharded.py; none on one device)."""
+    moe = arch.moe
+    return SparseMoE(num_experts=moe.num_experts, top_k=moe.top_k,
+                     intermediate_size=moe.intermediate_size, hidden_size=arch.hidden_size,
+                     renormalize=moe.renormalize, dtype=dtype, rngs=rngs,
+                     mesh=getattr(attn_backend, "mesh", None))
+
+
 class LlamaDecoderLayer(nnx.Module):
     def __init__(self, arch: LlamaArch, layer: int, *, dtype: jnp.dtype, rngs: nnx.Rngs,
                  attn_backend: AttentionBackend, rope: RotaryEmbedding, swiglu: SwiGLU):
         self.self_attn = LlamaAttention(arch, layer, dtype=dtype, rngs=rngs,
                                         attn_backend=attn_backend, rope=rope,
                                         matmul_add=swiglu.matmul_add)
-        self.mlp = LlamaMLP(arch, dtype=dtype, rngs=rngs, swiglu=swiglu)
+        self.mlp = (_sparse_moe(arch, dtype, rngs, attn_backend) if arch.sparse(layer)
+                    else LlamaMLP(arch, dtype=dtype, rngs=rngs, swiglu=swiglu))
         self.eps = arch.rms_norm_eps
 
     def __call__(self, x: jax.Array, positions: jax.Array, kv_cache: jax.Array,

@@ -15,8 +15,9 @@ from typing import Any
 import numpy as np
 
 from jaxllm.errors import ParameterError
+from jaxllm.models.moe_weights import MOE_MODEL_TYPES, MoEArch, moe_weight_sources
 
-MODEL_TYPES = ("llama", "mistral", "qwen2", "qwen3")
+MODEL_TYPES = ("llama", "mistral", "qwen2", "qwen3", *MOE_MODEL_TYPES)
 
 
 @dataclass(frozen=True)
@@ -39,6 +40,7 @@ class LlamaArch:
     qk_norm: bool
     sliding_windows: tuple[int | None, ...]  # per layer
     kv_replicas: int = 1  # copies of each checkpoint kv head (fewer kv heads than shards)
+    moe: MoEArch | None = None  # the routed experts (Mixtral, Qwen3-MoE)
 
     @classmethod
     def from_hf_config(cls, cfg: Any, tensor_parallel_size: int = 1) -> LlamaArch:
@@ -73,10 +75,15 @@ class LlamaArch:
             qkv_bias=model_type == "qwen2" or attention_bias,
             o_bias=model_type != "qwen2" and attention_bias,
             mlp_bias=bool(getattr(cfg, "mlp_bias", False)),
-            qk_norm=model_type == "qwen3",
+            qk_norm=model_type in ("qwen3", "qwen3_moe"),
             sliding_windows=_sliding_windows(cfg),
             kv_replicas=replicas,
+            moe=MoEArch.from_hf_config(cfg),
         )
+
+    def sparse(self, layer: int) -> bool:
+        """Whether `layer`'s MLP is the routed experts (else the dense SwiGLU)."""
+        return self.moe is not None and self.moe.sparse_layers[layer]
 
     @property
     def group(self) -> int:
@@ -155,17 +162,23 @@ def hf_weight_map(arch: LlamaArch) -> list[WeightSource]:
             WeightSource(path + ("self_attn", "qkv_proj"),
                          tuple(f"{at}{p}_proj.weight" for p in "qkv"), fuse_qkv),
             WeightSource(path + ("self_attn", "o_proj"), (at + "o_proj.weight",), o_heads),
-            WeightSource(path + ("mlp", "gate_up_proj"),
-                         (pre + "mlp.gate_proj.weight", pre + "mlp.up_proj.weight"), stack),
-            WeightSource(path + ("mlp", "down_proj"), (pre + "mlp.down_proj.weight",), _only),
         ]
+        if arch.sparse(i):
+            out += [WeightSource(s.path, s.tensors, s.combine)
+                    for s in moe_weight_sources(arch.moe, i)]
+        else:
+            out += [
+                WeightSource(path + ("mlp", "gate_up_proj"),
+                             (pre + "mlp.gate_proj.weight", pre + "mlp.up_proj.weight"), stack),
+                WeightSource(path + ("mlp", "down_proj"), (pre + "mlp.down_proj.weight",), _only),
+            ]
         if arch.qkv_bias:
             out.append(WeightSource(path + ("self_attn", "qkv_bias"),
                                     tuple(f"{at}{p}_proj.bias" for p in "qkv"), fuse_qkv))
         if arch.o_bias:
             out.append(WeightSource(path + ("self_attn", "o_bias"), (at + "o_proj.bias",),
                                     _only))
-        if arch.mlp_bias:
+        if arch.mlp_bias and not arch.sparse(i):
             out += [WeightSource(path + ("mlp", "gate_up_bias"),
                                  (pre + "mlp.gate_proj.bias", pre + "mlp.up_proj.bias"), stack),
                     WeightSource(path + ("mlp", "down_bias"), (pre + "mlp.down_proj.bias",),

@@ -46,6 +46,12 @@ CASES = {
     "mistral-sliding-window": dict(arch="mistral", sliding_window=4),
     "qwen2-bias-tied": dict(arch="qwen2", tie_word_embeddings=True),
     "qwen3-qk-norm": dict(arch="qwen3", head_dim=32),
+    "mixtral-4-experts-top2": dict(arch="mixtral"),
+    # Layer 1 dense (mlp_only_layers), layers 0, 2 and 3 routed; top-k weights as they
+    # come out of the softmax over all 8 experts.
+    "qwen3-moe-dense-and-sparse-layers": dict(
+        arch="qwen3_moe", num_hidden_layers=4, mlp_only_layers=[1], num_experts=8,
+        num_experts_per_tok=3, norm_topk_prob=False),
 }
 
 
