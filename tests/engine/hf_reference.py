@@ -34,6 +34,19 @@ def hf_greedy(model_dir: str, prompts: list[list[int]], max_new_tokens: int,
     return tokens, tops
 
 
+def hf_prompt_logprobs(model_dir: str, prompts: list[list[int]]) -> list[list[float]]:
+    """Per prompt: the logprob of each prompt token after the first, given those before it."""
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
+    out = []
+    with torch.no_grad():
+        for prompt in prompts:
+            lp = torch.log_softmax(model(torch.tensor([prompt])).logits[0].double(), -1)
+            out.append([float(lp[i, t]) for i, t in enumerate(prompt[1:])])
+    return out
+
+
 def random_prompts(vocab: int, lengths: list[int], seed: int = 0) -> list[list[int]]:
     rng = np.random.default_rng(seed)
     # Stay clear of the special ids at the bottom of the tiny vocabularies.
