@@ -1,7 +1,9 @@
 """The whole engine under tensor parallelism on fake CPU devices, for every attention body.
 
 A GQA checkpoint with 4 q heads over 2 kv heads: at tp 2 each device holds one kv
-head, at tp 4 each kv head is replicated on two devices. The workload is chunked
+head, at tp 4 each kv head is replicated on two devices. The mixture-of-experts
+families (Mixtral, 4 experts; Qwen3-MoE, 8 experts with a dense layer 1) run the
+same workload with their experts split over the devices (expert parallel). The workload is chunked
 (a 16-token budget), shares a prefix, runs twice (prefix-cache hits) and fits a
 KV cache too small for all of it (preemption). Greedy tokens must be
 transformers' (float32) at every tp and on every body, with no compilation
@@ -12,6 +14,7 @@ from __future__ import annotations
 
 import re
 from collections import Counter
+from typing import NamedTuple
 
 import pytest
 
@@ -31,24 +34,43 @@ _COLLECTIVE = re.compile(r"= (\S+) (all-reduce|all-gather|reduce-scatter|all-to-
                          r"collective-permute)(?:-start)?\(")
 
 
-@pytest.fixture(scope="module")
-def model_dir(tmp_path_factory):
-    return make_tiny_checkpoint(tmp_path_factory.mktemp("ckpt"), arch="llama",
-                                num_attention_heads=HEADS, num_key_value_heads=KV_HEADS,
-                                num_hidden_layers=LAYERS)
+FAMILIES = {
+    "llama": dict(arch="llama"),
+    "mixtral": dict(arch="mixtral"),
+    "qwen3_moe": dict(arch="qwen3_moe", num_experts=8, mlp_only_layers=[1]),
+}
+
+
+class Case(NamedTuple):
+    model_dir: str
+    prompts: list[list[int]]
+    hf_tokens: list[list[int]]
 
 
 @pytest.fixture(scope="module")
-def prompts(model_dir):
-    vocab = checkpoint_vocab_size(model_dir)
-    shared = random_prompts(vocab, [24], seed=3)[0]
-    tails = random_prompts(vocab, [16, 6, 5], seed=4)
-    return [shared + tails[0], shared + tails[1], tails[2]]
+def cases(tmp_path_factory):
+    """family -> its checkpoint, prompts and transformers' greedy tokens (built once)."""
+    built: dict[str, Case] = {}
+
+    def case(family: str) -> Case:
+        if family not in built:
+            model_dir = make_tiny_checkpoint(
+                tmp_path_factory.mktemp("ckpt"), num_attention_heads=HEADS,
+                num_key_value_heads=KV_HEADS, num_hidden_layers=LAYERS, **FAMILIES[family])
+            vocab = checkpoint_vocab_size(model_dir)
+            shared = random_prompts(vocab, [24], seed=3)[0]
+            tails = random_prompts(vocab, [16, 6, 5], seed=4)
+            prompts = [shared + tails[0], shared + tails[1], tails[2]]
+            built[family] = Case(model_dir, prompts, hf_greedy(model_dir, prompts,
+                                                               NEW_TOKENS)[0])
+        return built[family]
+
+    return case
 
 
 @pytest.fixture(scope="module")
-def hf_tokens(model_dir, prompts):
-    return hf_greedy(model_dir, prompts, NEW_TOKENS)[0]
+def model_dir(cases):
+    return cases("llama").model_dir
 
 
 def _runner(llm: LLM):
@@ -56,11 +78,17 @@ def _runner(llm: LLM):
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("backend,tp", [
-    ("reference", 1), ("reference", 2), ("reference", 4),
-    ("pallas_gpu", 2), ("pallas_gpu", 4), ("pallas_tpu", 2), ("pallas_tpu", 4)])
+@pytest.mark.parametrize("family,backend,tp", [
+    ("llama", "reference", 1), ("llama", "reference", 2), ("llama", "reference", 4),
+    ("llama", "pallas_gpu", 2), ("llama", "pallas_gpu", 4), ("llama", "pallas_tpu", 2),
+    ("llama", "pallas_tpu", 4),
+    ("mixtral", "reference", 1), ("mixtral", "reference", 2), ("mixtral", "pallas_gpu", 2),
+    ("mixtral", "pallas_tpu", 2),
+    ("qwen3_moe", "reference", 1), ("qwen3_moe", "reference", 2),
+    ("qwen3_moe", "pallas_gpu", 2), ("qwen3_moe", "pallas_tpu", 2)])
 def test_greedy_under_tensor_parallelism_matches_transformers_with_chunks_hits_and_preemption(
-        backend, tp, model_dir, prompts, hf_tokens):
+        family, backend, tp, cases):
+    model_dir, prompts, hf_tokens = cases(family)
     llm = LLM(model_dir, attention_backend=backend, attention_interpret=backend != "reference",
               tensor_parallel_size=tp, **ENGINE)
     runner = _runner(llm)
