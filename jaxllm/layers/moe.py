@@ -44,7 +44,6 @@ from jaxllm.errors import ParameterError
 
 GROUPED_MATMULS = ("ragged_dot", "megablox")
 _INIT_STD = 0.02  # dummy weights, as models/llama.py draws them
-_MAX_TILE = 128  # megablox tiles: rows, contraction and output columns
 
 _shard_map = getattr(jax, "shard_map", None)
 if _shard_map is None:  # jax < 0.7
@@ -68,11 +67,14 @@ class GroupedMatmul:
     callers mask them.
 
     `kernel`: "ragged_dot" (XLA) or "megablox" (the Pallas TPU kernel; `interpret` runs
-    it in Pallas interpret mode on any host).
+    it in Pallas interpret mode on any host). `tiling`: megablox's largest (rows,
+    contraction, output columns) tile, cut down to the problem where it is smaller
+    (rows in multiples of 16, bfloat16's sublane tile).
     """
 
     kernel: str = "ragged_dot"
     interpret: bool = False
+    tiling: tuple[int, int, int] = (128, 128, 128)
 
     def __post_init__(self):
         if self.kernel not in GROUPED_MATMULS:
@@ -94,13 +96,14 @@ class GroupedMatmul:
 
         m, k = lhs.shape
         n = rhs.shape[1]
+        rows, depth, cols = self.tiling
         # The kernel tiles rows by tm, which must divide M; pad rows (outside every group).
-        tm = min(_MAX_TILE, 8 * math.ceil(m / 8))
+        tm = min(rows, 16 * math.ceil(m / 16))
         padded = tm * math.ceil(m / tm)
         if padded != m:
             lhs = jnp.pad(lhs, ((0, padded - m), (0, 0)))
         out = gmm(lhs, rhs, group_sizes, preferred_element_type=jnp.float32,
-                  tiling=(tm, min(_MAX_TILE, k), min(_MAX_TILE, n)), transpose_rhs=True,
+                  tiling=(tm, min(depth, k), min(cols, n)), transpose_rhs=True,
                   interpret=self.interpret)
         return out[:m].astype(lhs.dtype)
 

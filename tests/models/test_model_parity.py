@@ -162,6 +162,24 @@ def test_ragged_prefill_and_decode_logits_match_transformers(case, tmp_path):
     np.testing.assert_allclose(got_decode, want_decode, rtol=0, atol=1e-4)
 
 
+@pytest.mark.slow
+@pytest.mark.parametrize("case", ["mixtral-4-experts-top2", "qwen3-moe-dense-and-sparse-layers"])
+def test_moe_logits_by_the_megablox_kernel_match_transformers(case, tmp_path):
+    """The routed experts by the Pallas TPU grouped matmul (interpret mode), as on TPU."""
+    from jaxllm.layers.moe import GroupedMatmul, SparseMoE
+
+    model_dir = make_tiny_checkpoint(tmp_path, **CASES[case])
+    model = load(model_dir)
+    moes = [layer.mlp for layer in model.layers if isinstance(layer.mlp, SparseMoE)]
+    assert moes and all(m.gmm.kernel == "ragged_dot" for m in moes)  # the CPU's default
+    for m in moes:
+        m.gmm = GroupedMatmul("megablox", interpret=True)
+    prompts, next_tokens = prompts_for(256, seed=5), [9, 99, 199]
+    got = run_prefill_and_decode(model, prompts, next_tokens)
+    for g, w in zip(got, hf_logits(model_dir, prompts, next_tokens), strict=True):
+        np.testing.assert_allclose(g, w, rtol=0, atol=1e-4)
+
+
 @pytest.mark.parametrize("case", ["llama-gqa-untied", "mistral-sliding-window",
                                   "qwen3-qk-norm"])
 def test_forward_rows_equals_the_full_forward_at_the_last_rows(case, tmp_path):
