@@ -10,9 +10,7 @@ sorted by expert (`expert_ffn`): gather each pair's token row, gate/up for each
 expert's run of rows, SiLU·mul, down, scale by the routing weight, then scatter-add
 back to the token. Shapes are fixed (T*k rows whatever the routing), so the step
 stays one compiled program; padding tokens are routed like any other and their
-rows dropped by the caller. The grouped matmul (`GroupedMatmul`) is
-`jax.lax.ragged_dot` (XLA, GPU and CPU) or the megablox Pallas kernel (TPU, or
-interpret mode anywhere).
+rows dropped by the caller. The grouped matmul is layers/grouped_matmul.py's.
 
 Weights keep Hugging Face's `[out, in]` orientation, stacked per expert:
 
@@ -31,9 +29,6 @@ all-reduce per layer a row-parallel dense MLP costs.
 
 from __future__ import annotations
 
-import dataclasses
-import math
-
 import jax
 import jax.numpy as jnp
 from flax import nnx
@@ -41,8 +36,8 @@ from jax.sharding import Mesh
 from jax.sharding import PartitionSpec as P
 
 from jaxllm.errors import ParameterError
+from jaxllm.layers.grouped_matmul import GroupedMatmul, default_grouped_matmul
 
-GROUPED_MATMULS = ("ragged_dot", "megablox")
 _INIT_STD = 0.02  # dummy weights, as models/llama.py draws them
 
 _shard_map = getattr(jax, "shard_map", None)
@@ -57,60 +52,6 @@ def route(logits: jax.Array, top_k: int, renormalize: bool) -> tuple[jax.Array, 
     if renormalize:
         weights = weights / jnp.sum(weights, axis=-1, keepdims=True)
     return weights, ids.astype(jnp.int32)
-
-
-@dataclasses.dataclass(frozen=True)
-class GroupedMatmul:
-    """`out[r] = lhs[r] @ rhs[g(r)].T` for rows sorted by group, `group_sizes[g]` rows each:
-    `lhs [M, K]`, `rhs [G, N, K]` (`[out, in]` per group), `group_sizes [G]` int32 summing
-    to at most M. Rows past the sum are unspecified (the kernel leaves them unwritten);
-    callers mask them.
-
-    `kernel`: "ragged_dot" (XLA) or "megablox" (the Pallas TPU kernel; `interpret` runs
-    it in Pallas interpret mode on any host). `tiling`: megablox's largest (rows,
-    contraction, output columns) tile, cut down to the problem where it is smaller
-    (rows in multiples of 16, bfloat16's sublane tile).
-    """
-
-    kernel: str = "ragged_dot"
-    interpret: bool = False
-    tiling: tuple[int, int, int] = (128, 128, 128)
-
-    def __post_init__(self):
-        if self.kernel not in GROUPED_MATMULS:
-            raise ParameterError("moe_kernel", f"must be one of {GROUPED_MATMULS}, "
-                                 f"got {self.kernel!r}")
-
-    def __call__(self, lhs: jax.Array, rhs: jax.Array, group_sizes: jax.Array) -> jax.Array:
-        if self.kernel == "megablox":
-            return self._megablox(lhs, rhs, group_sizes)
-        dims = jax.lax.RaggedDotDimensionNumbers(
-            dot_dimension_numbers=(([1], [2]), ([], [])),
-            lhs_ragged_dimensions=[0], rhs_group_dimensions=[0])
-        return jax.lax.ragged_dot_general(lhs, rhs, group_sizes, dims,
-                                          preferred_element_type=jnp.float32
-                                          ).astype(lhs.dtype)
-
-    def _megablox(self, lhs: jax.Array, rhs: jax.Array, group_sizes: jax.Array) -> jax.Array:
-        from jax.experimental.pallas.ops.tpu.megablox import gmm
-
-        m, k = lhs.shape
-        n = rhs.shape[1]
-        rows, depth, cols = self.tiling
-        # The kernel tiles rows by tm, which must divide M; pad rows (outside every group).
-        tm = min(rows, 16 * math.ceil(m / 16))
-        padded = tm * math.ceil(m / tm)
-        if padded != m:
-            lhs = jnp.pad(lhs, ((0, padded - m), (0, 0)))
-        out = gmm(lhs, rhs, group_sizes, preferred_element_type=jnp.float32,
-                  tiling=(tm, min(depth, k), min(cols, n)), transpose_rhs=True,
-                  interpret=self.interpret)
-        return out[:m].astype(lhs.dtype)
-
-
-def default_grouped_matmul() -> GroupedMatmul:
-    """The megablox kernel on TPU, `ragged_dot` elsewhere."""
-    return GroupedMatmul("megablox" if jax.devices()[0].platform == "tpu" else "ragged_dot")
 
 
 def expert_ffn(x: jax.Array, weights: jax.Array, ids: jax.Array, gate_up: jax.Array,

@@ -13,10 +13,12 @@ from flax import nnx
 
 from jaxllm.distributed.mesh import make_mesh, param_shardings
 from jaxllm.errors import ParameterError
-from jaxllm.layers.moe import GroupedMatmul, SparseMoE, expert_ffn, route
+from jaxllm.layers.grouped_matmul import GroupedMatmul, default_grouped_matmul
+from jaxllm.layers.moe import SparseMoE, expert_ffn, route
 from jaxllm.models.moe_weights import MoEArch
 
-KERNELS = [GroupedMatmul("ragged_dot"), GroupedMatmul("megablox", interpret=True)]
+KERNELS = [GroupedMatmul("ragged_dot"), GroupedMatmul("megablox", interpret=True),
+           GroupedMatmul("tiled")]
 
 
 def dense_reference(x, weights, ids, gate_up, down):
@@ -40,10 +42,11 @@ def _draw(t=24, e=8, k=2, h=32, i=48, seed=0):
 
 
 @pytest.mark.parametrize("gmm", KERNELS, ids=lambda g: g.kernel)
-@pytest.mark.parametrize("t,e,k", [(24, 8, 2), (5, 4, 4), (16, 6, 1)])
+@pytest.mark.parametrize("t,e,k", [(24, 8, 2), (5, 4, 4), (16, 6, 1), (1, 8, 2), (200, 4, 2)])
 def test_grouped_experts_equal_the_dense_per_expert_einsum(gmm, t, e, k):
     """Including tokens counts that are not a multiple of the kernel's row tile (5*4 rows),
-    experts no token picks (top 1 of 6 over 16 tokens) and every expert for every token."""
+    experts no token picks (top 1 of 6 over 16 tokens, one decode token), every expert
+    for every token, and groups of several tiles (400 rows over 4 experts)."""
     x, weights, ids, gate_up, down = _draw(t=t, e=e, k=k)
     got = jax.jit(lambda *a: expert_ffn(*a, gmm))(x, weights, ids, gate_up, down)
     want = dense_reference(x, weights, ids, gate_up, down)
@@ -118,9 +121,15 @@ def test_experts_not_divisible_by_tp_is_a_parameter_error():
                   renormalize=True, dtype=jnp.float32, rngs=nnx.Rngs(0), mesh=make_mesh(4))
 
 
-def test_unknown_grouped_matmul_is_a_parameter_error():
-    with pytest.raises(ParameterError, match="moe_kernel: must be one of"):
+def test_unknown_grouped_matmul_is_a_parameter_error(monkeypatch):
+    with pytest.raises(ParameterError, match="kernel: must be one of"):
         GroupedMatmul("cutlass")
+    assert default_grouped_matmul().kernel == "ragged_dot"  # on the CPU
+    monkeypatch.setenv("JAXLLM_MOE_KERNEL", "tiled")
+    assert default_grouped_matmul().kernel == "tiled"
+    monkeypatch.setenv("JAXLLM_MOE_KERNEL", "cutlass")
+    with pytest.raises(ParameterError, match="JAXLLM_MOE_KERNEL: must be one of"):
+        default_grouped_matmul()
 
 
 @pytest.mark.parametrize("step,dense", [(1, []), (1, [0, 2]), (2, []), (3, [5])])
