@@ -19,6 +19,7 @@ from typing import Any
 import numpy as np
 
 from jaxllm.errors import ParameterError
+from jaxllm.models.contract import WeightSource
 
 MOE_MODEL_TYPES = ("mixtral", "qwen3_moe")
 
@@ -60,23 +61,17 @@ class MoEArch:
                    block="mlp", names=("gate_proj", "up_proj", "down_proj"))
 
 
-@dataclass(frozen=True)
-class ExpertSource:
-    """One sparse-layer parameter and its checkpoint tensors (a `WeightSource`'s fields)."""
-
-    path: tuple[str | int, ...]
-    tensors: tuple[str, ...]
-    combine: Any
-
-
 def _only(ts: list[np.ndarray]) -> np.ndarray:
     return ts[0]
 
 
-def moe_weight_sources(moe: MoEArch, layer: int) -> list[ExpertSource]:
-    """Router, stacked gate/up `[E, 2, I, H]` and stacked down `[E, H, I]` of one sparse
-    layer, each from the per-expert tensors."""
-    pre = f"model.layers.{layer}.{moe.block}."
+def moe_weights(arch: Any, hf_prefix: str, path: tuple[str | int, ...]) -> list[WeightSource]:
+    """Router, stacked gate/up `[E, 2, I, H]` and stacked down `[E, H, I]` of the sparse
+    layer at `path` (`("layers", i, "mlp")`), each from the per-expert tensors.
+    `arch` is the `DecoderArch` (its `moe`); `hf_prefix` names the dense MLP's module,
+    which Mixtral's experts do not live under."""
+    moe: MoEArch = arch.moe
+    pre = f"model.layers.{path[1]}.{moe.block}."
     gate, up, down = moe.names
     experts = range(moe.num_experts)
 
@@ -87,11 +82,10 @@ def moe_weight_sources(moe: MoEArch, layer: int) -> list[ExpertSource]:
     def stack(ts: list[np.ndarray]) -> np.ndarray:
         return np.stack(ts, axis=0)
 
-    path = ("layers", layer, "mlp")
     return [
-        ExpertSource(path + ("router",), (pre + "gate.weight",), _only),
-        ExpertSource(path + ("gate_up_proj",), tuple(
+        WeightSource(path + ("router",), (pre + "gate.weight",), _only),
+        WeightSource(path + ("gate_up_proj",), tuple(
             f"{pre}experts.{e}.{n}.weight" for e in experts for n in (gate, up)), gate_up),
-        ExpertSource(path + ("down_proj",), tuple(
+        WeightSource(path + ("down_proj",), tuple(
             f"{pre}experts.{e}.{down}.weight" for e in experts), stack),
     ]

@@ -1,5 +1,5 @@
-"""Greedy tokens, sample logprobs and prompt logprobs of the whole engine equal
-transformers' (float32, CPU), for every supported family."""
+"""Greedy tokens, logprobs and prompt logprobs of the whole engine equal transformers'
+(float32, CPU), for every supported family."""
 
 from __future__ import annotations
 
@@ -20,6 +20,16 @@ CASES = {
     "mistral": dict(arch="mistral", num_key_value_heads=2),
     "qwen2-bias-tied": dict(arch="qwen2", num_key_value_heads=2, tie_word_embeddings=True),
     "qwen3-qknorm": dict(arch="qwen3", num_key_value_heads=2, tie_word_embeddings=False),
+    # Sliding windows shorter than the prompts; soft-caps low enough to change logits.
+    "gemma2-softcaps": dict(arch="gemma2", num_key_value_heads=2, sliding_window=8,
+                            attn_logit_softcapping=2.0, final_logit_softcapping=3.0,
+                            query_pre_attn_scalar=24, tie_word_embeddings=True),
+    "gemma3-local-global": dict(
+        arch="gemma3", num_key_value_heads=2, sliding_window=8,
+        layer_types=["sliding_attention", "full_attention"],
+        rope_parameters={"sliding_attention": dict(rope_type="default", rope_theta=10.0),
+                         "full_attention": dict(rope_type="linear", rope_theta=10000.0,
+                                                factor=4.0)}),
     "mixtral": dict(arch="mixtral", num_key_value_heads=2),
     "qwen3-moe-dense-layer-1": dict(arch="qwen3_moe", num_key_value_heads=2, num_experts=8,
                                     mlp_only_layers=[1]),
@@ -41,11 +51,12 @@ def test_greedy_tokens_top5_logprobs_and_prompt_logprobs_match_transformers(case
     outs = llm.generate([{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False)
     ref_tokens, ref_top = hf_greedy(model_dir, prompts, NEW_TOKENS)
     ref_prompt = hf_prompt_logprobs(model_dir, prompts)
-    for out, prompt, want_prompt in zip(outs, prompts, ref_prompt, strict=True):
+    for out, want, want_top, want_prompt, prompt in zip(outs, ref_tokens, ref_top, ref_prompt,
+                                                        prompts, strict=True):
         assert out.prompt_logprobs[0] is None
-        got = [lp[t].logprob for t, lp in zip(prompt[1:], out.prompt_logprobs[1:], strict=True)]
-        assert max(abs(g - w) for g, w in zip(got, want_prompt, strict=True)) < 1e-4
-    for out, want, want_top in zip(outs, ref_tokens, ref_top, strict=True):
+        got_prompt = [lp[t].logprob for t, lp in zip(prompt[1:], out.prompt_logprobs[1:],
+                                                     strict=True)]
+        assert max(abs(g - w) for g, w in zip(got_prompt, want_prompt, strict=True)) < 1e-4
         comp = out.outputs[0]
         assert comp.token_ids == want
         assert comp.finish_reason == "length"
