@@ -37,8 +37,7 @@ from jax.sharding import PartitionSpec as P
 
 from jaxllm.errors import ParameterError
 from jaxllm.layers.grouped_matmul import GroupedMatmul, default_grouped_matmul
-
-_INIT_STD = 0.02  # dummy weights, as models/llama.py draws them
+from jaxllm.layers.linear import make_param
 
 _shard_map = getattr(jax, "shard_map", None)
 if _shard_map is None:  # jax < 0.7
@@ -99,12 +98,13 @@ class SparseMoE(nnx.Module):
                                  f"divide the {e} experts (each device holds whole experts)")
         self.top_k, self.renormalize = top_k, renormalize
         self.gmm = gmm or default_grouped_matmul()
-        self.router = _param(rngs, (e, h), dtype, P(None, None))
-        self.gate_up_proj = _param(rngs, (e, 2, i, h), dtype, P("model", None, None, None))
-        self.down_proj = _param(rngs, (e, h, i), dtype, P("model", None, None))
+        self.router = make_param(rngs, (e, h), dtype, P(None, None))
+        self.gate_up_proj = make_param(rngs, (e, 2, i, h), dtype, P("model", None, None, None))
+        self.down_proj = make_param(rngs, (e, h, i), dtype, P("model", None, None))
 
-    def __call__(self, x: jax.Array, residual: jax.Array) -> jax.Array:
-        """`residual` plus the experts' weighted output for the normed input `x`."""
+    def __call__(self, x: jax.Array, residual: jax.Array | None) -> jax.Array:
+        """`residual` plus the experts' weighted output for the normed input `x` (the
+        output alone when `residual` is None), as the decoder calls every MLP."""
         logits = jnp.einsum("th,eh->te", x, self.router[...],
                             preferred_element_type=jnp.float32)
         weights, ids = route(logits, self.top_k, self.renormalize)
@@ -120,9 +120,6 @@ class SparseMoE(nnx.Module):
             experts = P("model")
             out = _shard_map(shard, mesh=self.mesh, in_specs=(P(), P(), P(), experts, experts),
                              out_specs=P(), check_vma=False)(x, weights, ids, gate_up, down)
-        return residual + out.astype(x.dtype)
+        out = out.astype(x.dtype)
+        return out if residual is None else residual + out
 
-
-def _param(rngs: nnx.Rngs, shape: tuple[int, ...], dtype: jnp.dtype, spec: P) -> nnx.Param:
-    value = (_INIT_STD * jax.random.normal(rngs.params(), shape, jnp.float32)).astype(dtype)
-    return nnx.Param(value, out_sharding=spec, eager_sharding=False)
