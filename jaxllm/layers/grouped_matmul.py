@@ -24,6 +24,7 @@ import os
 
 import jax
 import jax.numpy as jnp
+from jax.sharding import Mesh
 
 from jaxllm.errors import ParameterError
 
@@ -106,12 +107,15 @@ class GroupedMatmul:
         return out.astype(lhs.dtype)
 
 
-def default_grouped_matmul() -> GroupedMatmul:
-    """`JAXLLM_MOE_KERNEL` if set, else the megablox kernel on TPU and ragged_dot elsewhere."""
+def default_grouped_matmul(mesh: Mesh | None = None) -> GroupedMatmul:
+    """`JAXLLM_MOE_KERNEL` if set, else the megablox kernel on TPU and ragged_dot elsewhere
+    (the platform of `mesh`'s devices, which an ahead-of-time TPU compile lends a CPU
+    host; else of this process's)."""
     chosen = os.environ.get("JAXLLM_MOE_KERNEL")
     if chosen:
         if chosen not in GROUPED_MATMULS:
             raise ParameterError("JAXLLM_MOE_KERNEL", f"must be one of {GROUPED_MATMULS}, "
                                  f"got {chosen!r}")
         return GroupedMatmul(chosen)
-    return GroupedMatmul("megablox" if jax.devices()[0].platform == "tpu" else "ragged_dot")
+    device = mesh.devices.flat[0] if mesh is not None else jax.devices()[0]
+    return GroupedMatmul("megablox" if device.platform == "tpu" else "ragged_dot")

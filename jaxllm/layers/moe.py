@@ -92,12 +92,12 @@ class SparseMoE(nnx.Module):
         if not 1 <= top_k <= e:
             raise ParameterError("config.json:num_experts_per_tok",
                                  f"must be in [1, {e}] (the number of experts), got {top_k}")
+        self.gmm = gmm or default_grouped_matmul(mesh)
         self.mesh = mesh if mesh is not None and mesh.shape["model"] > 1 else None
         if self.mesh is not None and e % self.mesh.shape["model"]:
             raise ParameterError("tensor_parallel_size", f"{self.mesh.shape['model']} does not "
                                  f"divide the {e} experts (each device holds whole experts)")
         self.top_k, self.renormalize = top_k, renormalize
-        self.gmm = gmm or default_grouped_matmul()
         self.router = make_param(rngs, (e, h), dtype, P(None, None))
         self.gate_up_proj = make_param(rngs, (e, 2, i, h), dtype, P("model", None, None, None))
         self.down_proj = make_param(rngs, (e, h, i), dtype, P("model", None, None))

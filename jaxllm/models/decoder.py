@@ -23,6 +23,9 @@ Every weight declares its sharding over the mesh axes ('data', 'model'):
   down_proj       [hidden, inter]            (None, 'model')          row-parallel
   norms, biases of row-parallel outputs      replicated
 
+A "moe" layer's router and experts (Mixtral, Qwen3-MoE): layers/moe.py's table,
+each device holding whole experts.
+
 G = heads // kv_heads. The fused qkv weight groups, per kv head, its G query
 heads then its k head then its v head, so sharding the kv-head axis gives every
 'model' shard whole q, k and v heads that attend to each other (GQA stays local).
