@@ -322,3 +322,21 @@ def test_rope_inverse_frequencies_match_transformers(params):
     else:
         want = ROPE_INIT_FUNCTIONS[params["rope_type"]](cfg, "cpu")[0].numpy()
     np.testing.assert_allclose(np.asarray(rope.inv_freq), want, rtol=1e-6)
+
+
+@pytest.mark.parametrize("arch,expert_tensor", [
+    ("mixtral", "model.layers.1.block_sparse_moe.experts.3.w2.weight"),
+    ("qwen3_moe", "model.layers.1.mlp.experts.3.down_proj.weight")])
+def test_moe_checkpoints_load_from_the_hubs_per_expert_tensor_names(arch, expert_tensor,
+                                                                    tmp_path):
+    """transformers keeps fused 3-D experts in memory but saves the hub's per-expert
+    names, which real checkpoints use; those are the names the loader reads."""
+    from jaxllm.models.loader import SafetensorsCheckpoint
+
+    model_dir = make_tiny_checkpoint(tmp_path, arch=arch)
+    names = SafetensorsCheckpoint(model_dir).names()
+    assert expert_tensor in names and not any("gate_up_proj" in n for n in names)
+    model = load(model_dir)
+    down = load_file(os.path.join(model_dir, "model.safetensors"))[expert_tensor]
+    np.testing.assert_array_equal(np.asarray(model.layers[1].mlp.down_proj[...][3]),
+                                  down.numpy())
