@@ -164,3 +164,23 @@ def test_compiled_step_at_tp2_has_two_all_reduces_per_layer_and_no_kv_gather(
     gathered = _COLLECTIVE.findall(sample.compile().as_text())
     assert gathered and all(kind == "all-gather" and re.match(rf"[fs]32\[{s},2\]", shape)
                             for shape, kind in gathered), gathered
+
+
+@pytest.mark.slow
+def test_compiled_moe_step_at_tp2_all_reduces_like_a_dense_one_and_gathers_no_expert(
+        tmp_path):
+    """Expert parallel: the experts' partial outputs meet in one all-reduce per layer,
+    where a dense MLP's down projection has its own; no expert weight, activation or
+    routing is gathered (each device reads only its own experts)."""
+    model_dir = make_tiny_checkpoint(tmp_path, num_attention_heads=HEADS,
+                                     num_key_value_heads=KV_HEADS, num_hidden_layers=LAYERS,
+                                     **FAMILIES["mixtral"])
+    llm = LLM(model_dir, attention_backend="reference", tensor_parallel_size=2,
+              **{**ENGINE, "precompile": False})
+    runner = _runner(llm)
+    programs = runner.programs
+    args = (runner.state, runner.kv_cache, programs.dummy_inputs(16), runner._no_prev)
+    forward = programs.forward.lower(*args).compile().as_text()
+    assert _collectives(forward) == {"all-reduce": 2 * LAYERS + 1}
+    for shape, _ in _COLLECTIVE.findall(forward):
+        assert shape.startswith("f32[16,64]") or shape.startswith("f32[4,64]"), shape
