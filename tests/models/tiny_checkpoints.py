@@ -42,6 +42,8 @@ ARCHS = {
     "qwen3": (Qwen3Config, Qwen3ForCausalLM),
     "mixtral": (MixtralConfig, MixtralForCausalLM),
     "qwen3_moe": (Qwen3MoeConfig, Qwen3MoeForCausalLM),
+    "gemma2": (Gemma2Config, Gemma2ForCausalLM),
+    "gemma3": (Gemma3TextConfig, Gemma3ForCausalLM),
 }
 # Mixture-of-experts defaults: 4 experts, top 2 (Qwen3-MoE: experts half the dense MLP's
 # width, top-k weights renormalized).
@@ -49,8 +51,6 @@ ARCH_DEFAULTS = {
     "mixtral": dict(num_local_experts=4, num_experts_per_tok=2),
     "qwen3_moe": dict(num_experts=4, num_experts_per_tok=2, moe_intermediate_size=64,
                       norm_topk_prob=True),
-    "gemma2": (Gemma2Config, Gemma2ForCausalLM),
-    "gemma3": (Gemma3TextConfig, Gemma3ForCausalLM),
 }
 # Gemma's norms scale by 1 + weight: its random norm weights sit around 0.
 _OFFSET_NORMS = ("gemma2", "gemma3")
