@@ -3,6 +3,7 @@ transformers reads it; the classes and the loader agree on the KV cache's shape.
 
 from __future__ import annotations
 
+import jax
 import numpy as np
 import pytest
 from transformers import Gemma2Config, Gemma3TextConfig, LlamaConfig, Qwen3Config
@@ -60,3 +61,26 @@ def test_unsupported_gemma_activation_names_the_field():
 @pytest.mark.parametrize("tp", [1, 2, 4])
 def test_each_class_kv_cache_spec_equals_the_loaders(arch, cfg, tp):
     assert get_model_class(arch).kv_cache_spec(cfg, tp) == kv_cache_spec(cfg, tp)
+
+
+@pytest.mark.parametrize("arch,cfg,extra", [
+    ("LlamaForCausalLM", LlamaConfig(**SHAPE, num_hidden_layers=3), 4),
+    ("Qwen3ForCausalLM", Qwen3Config(**SHAPE, num_hidden_layers=3), 5),  # + qk_norms
+    ("Gemma2ForCausalLM", Gemma2Config(**SHAPE, num_hidden_layers=3), 3),  # tied
+])
+def test_a_layer_is_four_fused_weight_arrays_and_the_norms_are_stacked(arch, cfg, extra):
+    """What the jitted step takes: per layer qkv, o, gate/up and down; besides them
+    the embedding, the final norm, every layer's norms in one array (and q/k norms in
+    one), and the lm_head unless tied."""
+    from flax import nnx
+
+    from jaxllm.layers.attention import get_attention_backend
+
+    cls = get_model_class(arch)
+    model = nnx.eval_shape(lambda: cls(cfg, dtype="float32", rngs=nnx.Rngs(0),
+                                       attn_backend=get_attention_backend("reference")))
+    leaves = jax.tree.leaves(nnx.state(model))
+    assert len(leaves) == 4 * cfg.num_hidden_layers + extra
+    assert model.layer_norms.shape == (3, len(model.arch.norm_names), 64)
+    assert model.layers[0].self_attn.qkv_proj.weight.shape == (2, 4, 32, 64)
+    assert model.layers[0].mlp.gate_up_proj.weight.shape == (2, 96, 64)
