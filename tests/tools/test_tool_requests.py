@@ -163,7 +163,8 @@ def test_required_schema_is_a_nonempty_array_of_name_and_parameters_any_of_the_t
             {"name": "get_time", "parameters": {}}]
     jsonschema.validate(good, schema)
     for bad in ([], [{"name": "get_weather", "parameters": {}}],
-                [{"name": "other", "parameters": {}}], [{"parameters": {}}]):
+                [{"name": "other", "parameters": {}}], [{"parameters": {}}],
+                [{"name": "get_time", "parameters": {}, "extra": 1}]):
         with pytest.raises(jsonschema.ValidationError):
             jsonschema.validate(bad, schema)
     assert plan(auto=False, tools=TOOLS, tool_choice="required").constraint().json == schema

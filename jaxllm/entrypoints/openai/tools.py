@@ -113,10 +113,12 @@ def choice_schema(choice: ToolChoice, tools: list[dict[str, Any]]) -> dict[str, 
                 raise ParameterError(f"tools[{i}].function.parameters.$defs.{name}",
                                      "another tool defines it differently")
             defs[name] = schema
+        # Closed, unlike vLLM's: a call is its name and parameters, and an open object
+        # lets a weak model run on in made-up keys until max_tokens.
         variants.append({"properties": {"name": {"type": "string",
                                                  "enum": [tool["function"]["name"]]},
                                         "parameters": params},
-                         "required": ["name", "parameters"]})
+                         "required": ["name", "parameters"], "additionalProperties": False})
     schema: dict[str, Any] = {"type": "array", "minItems": 1,
                               "items": {"type": "object", "anyOf": variants}}
     if defs:
