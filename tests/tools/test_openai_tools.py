@@ -68,9 +68,13 @@ def whole(client, **kw) -> tuple[str | None, list[tuple[str, str]], str]:
     return msg.content, calls, resp.choices[0].finish_reason
 
 
+FRAGMENTS: dict[int, int] = {}  # the last stream's argument fragments per call
+
+
 def streamed(client, **kw) -> tuple[str, list[tuple[str, str]], str]:
     """The same, assembled from the stream's deltas (content, then tool_calls by index)."""
     content, names, args, finish = "", {}, {}, None
+    FRAGMENTS.clear()
     for chunk in client.chat.completions.create(model=MODEL, messages=MESSAGES,
                                                 temperature=0, max_tokens=200, stream=True,
                                                 **kw):
@@ -81,7 +85,9 @@ def streamed(client, **kw) -> tuple[str, list[tuple[str, str]], str]:
                     assert tc.id and tc.type == "function" and tc.function.name
                     names[tc.index] = tc.function.name
                     args[tc.index] = ""
-                args[tc.index] += (tc.function.arguments or "") if tc.function else ""
+                fragment = (tc.function.arguments or "") if tc.function else ""
+                args[tc.index] += fragment
+                FRAGMENTS[tc.index] = FRAGMENTS.get(tc.index, 0) + bool(fragment)
             finish = choice.finish_reason or finish
     assert sorted(names) == list(range(len(names)))
     return content, [(names[i], args[i]) for i in sorted(names)], finish
@@ -104,6 +110,7 @@ def check_named(client, tools: list[dict], name: str) -> None:
     jsonschema.validate(json.loads(arguments), params)
     s_content, s_calls, s_finish = streamed(client, tools=tools, tool_choice=named(name))
     assert (s_content, s_calls, s_finish) == ("", calls, finish)
+    assert FRAGMENTS[0] > 1  # the arguments stream as they are generated
 
 
 def check_required(client, tools: list[dict]) -> None:
@@ -115,6 +122,8 @@ def check_required(client, tools: list[dict]) -> None:
         jsonschema.validate(json.loads(arguments), schemas[name])
     s_content, s_calls, s_finish = streamed(client, tools=tools, tool_choice="required")
     assert (s_content, s_calls, s_finish) == ("", calls, finish)
+    # arguments stream as they are written (an empty object may come whole)
+    assert all(FRAGMENTS[i] > 1 for i, (_, a) in enumerate(calls) if len(a) > 2)
 
 
 @pytest.mark.parametrize("name", ["get_weather", "get_time"])

@@ -13,10 +13,13 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from jaxllm.entrypoints.openai.json_prefix import dump_prefix
 from jaxllm.entrypoints.openai.tool_parsers import (
+    CallDelta,
     Extracted,
     ParsedCall,
     RequiredToolParser,
+    StreamDelta,
     ToolStream,
     get_tool_parser,
 )
@@ -33,18 +36,36 @@ def hermes_block(obj: dict) -> str:
     return f"<tool_call>\n{json.dumps(obj)}\n</tool_call>"
 
 
+def assemble(steps: list[CallDelta]) -> list[ParsedCall]:
+    """Calls from their streamed steps: each opens with its name, in index order."""
+    names: dict[int, str] = {}
+    args: dict[int, str] = {}
+    for step in steps:
+        if step.name is not None:
+            assert step.index == len(names) and not step.arguments
+            names[step.index], args[step.index] = step.name, ""
+        else:
+            assert step.index in names and step.arguments
+            args[step.index] += step.arguments
+    return [ParsedCall(names[i], args[i]) for i in sorted(names)]
+
+
+def calls_of(delta: StreamDelta) -> list[ParsedCall]:
+    return assemble(delta.calls)
+
+
 def streamed(parser_name: str, text: str, cuts: list[int]) -> Extracted:
     """The stream's assembled (calls, content) for `text` cut at `cuts`."""
     parser = RequiredToolParser() if parser_name == "required" else get_tool_parser(parser_name)
     stream = ToolStream(parser)
-    content, calls = "", []
+    content, steps = "", []
     bounds = [0, *sorted({c for c in cuts if 0 < c < len(text)}), len(text)]
     for a, b in zip(bounds, bounds[1:], strict=False):
         part = stream.feed(text[a:b])
         content += part.content
-        calls += part.calls
+        steps += part.calls
     rest = stream.finish()
-    return Extracted(calls + rest.calls, content + rest.content)
+    return Extracted(assemble(steps + rest.calls), content + rest.content)
 
 
 def one_shot(parser_name: str, text: str) -> Extracted:
@@ -135,16 +156,18 @@ def test_hermes_stream_sends_content_before_the_call_arrives_and_each_call_as_it
     assert stream.feed("ing> a").content == "<tooling> a"
     first = hermes_block(WEATHER)
     assert stream.feed(first[:-3]).calls == []  # still open
-    assert stream.feed(first[-3:]).calls == [call(WEATHER)]
-    assert stream.feed(hermes_block(TIME)).calls == [call(TIME)]
-    assert stream.finish() == type(stream.finish())()
+    assert stream.feed(first[-3:]).calls == [
+        CallDelta(0, name="get_weather"), CallDelta(0, arguments=call(WEATHER).arguments)]
+    assert stream.feed(hermes_block(TIME)).calls == [
+        CallDelta(1, name="get_time"), CallDelta(1, arguments=call(TIME).arguments)]
+    assert stream.finish() == StreamDelta()
 
 
 def test_llama3_json_stream_is_content_when_the_output_does_not_open_with_a_call():
     # vLLM's streaming rule: calls only when the text starts with '{' or <|python_tag|>.
     stream = ToolStream(get_tool_parser("llama3_json"))
     assert stream.feed("<|python").content == ""
-    assert stream.feed("_tag|>" + json.dumps(WEATHER)).calls == [call(WEATHER)]
+    assert calls_of(stream.feed("_tag|>" + json.dumps(WEATHER))) == [call(WEATHER)]
     other = ToolStream(get_tool_parser("llama3_json"))
     assert other.feed("Hi ").content == "Hi "
 
@@ -170,10 +193,46 @@ def test_required_parse_reads_the_array_of_name_and_parameters():
 
 
 @settings(max_examples=40, deadline=None)
-@given(cuts=st.lists(st.integers(0, 120), max_size=10), full=st.booleans())
-def test_required_stream_assembles_to_the_one_shot_parse(cuts, full):
-    text = REQUIRED_TEXT if full else REQUIRED_TEXT[:-5]
-    _same(streamed("required", text, cuts), one_shot("required", text))
+@given(cuts=st.lists(st.integers(0, 120), max_size=10))
+def test_required_stream_assembles_to_the_one_shot_parse(cuts):
+    _same(streamed("required", REQUIRED_TEXT, cuts), one_shot("required", REQUIRED_TEXT))
+
+
+def test_required_stream_sends_arguments_as_they_are_written():
+    stream = ToolStream(RequiredToolParser())
+    text = '[{"name": "get_weather", "parameters": {"city": "Par'
+    assert stream.feed(text).calls == [CallDelta(0, name="get_weather"),
+                                       CallDelta(0, arguments='{"city": "Par')]
+    assert stream.feed('is",  "n":1').calls == [CallDelta(0, arguments='is", "n": ')]
+    assert stream.feed("}}]").calls == [CallDelta(0, arguments="1}")]
+    assert stream.finish() == StreamDelta()
+
+
+def test_required_stream_cut_inside_a_call_keeps_what_it_sent():
+    # max_tokens ran out in the second call: the one-shot parse has the first only
+    text = REQUIRED_TEXT[:-5]
+    got = streamed("required", text, [])
+    assert got.calls[0] == one_shot("required", text).calls[0]
+    assert got.calls[1].name == "get_time"
+
+
+_JSON_VALUES = st.recursive(
+    st.none() | st.booleans() | st.integers(-10**20, 10**20)
+    | st.floats(allow_nan=False, allow_infinity=False) | st.text(max_size=6),
+    lambda inner: st.lists(inner, max_size=3)
+    | st.dictionaries(st.text(max_size=4), inner, max_size=3),
+    max_leaves=8)
+
+
+@settings(max_examples=200, deadline=None)
+@given(value=_JSON_VALUES, ascii_escapes=st.booleans(), indent=st.sampled_from([None, 0, 2]),
+       data=st.data())
+def test_dump_prefix_of_every_prefix_begins_the_final_dump(value, ascii_escapes, indent, data):
+    text = json.dumps({"v": value}, ensure_ascii=ascii_escapes, indent=indent)
+    final = json.dumps(json.loads(text), ensure_ascii=False)
+    cut = data.draw(st.integers(0, len(text)))
+    assert final.startswith(dump_prefix(text[:cut]))
+    assert dump_prefix(text) == final
 
 
 def test_unknown_parser_name_is_an_error_listing_the_known_ones():

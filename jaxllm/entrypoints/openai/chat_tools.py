@@ -12,8 +12,8 @@ from typing import Any
 
 from jaxllm.entrypoints.openai.protocol import ChatCompletionRequest, DeltaMessage
 from jaxllm.entrypoints.openai.tool_parsers import (
-    ParsedCall,
     RequiredToolParser,
+    StreamDelta,
     ToolParser,
     ToolStream,
     get_tool_parser,
@@ -118,26 +118,27 @@ class ChoiceToolStream:
         self.plan = plan
         parser = plan.parser()
         self.stream = ToolStream(parser) if parser is not None else None
-        self.num_calls = 0
         self.named_started = False
 
     @property
     def called(self) -> bool:
-        return self.num_calls > 0
+        if self.plan.choice.mode == "named":
+            return self.named_started
+        return self.stream is not None and bool(self.stream.sent_names)
 
     def feed(self, text: str) -> list[DeltaMessage]:
         if self.plan.choice.mode == "named":
             return self._named(text)
         if self.stream is None:
             return [DeltaMessage(content=text)]
-        return self._deltas(self.stream.feed(text).content, self.stream.sent_calls)
+        return self._deltas(self.stream.feed(text))
 
     def finish(self) -> list[DeltaMessage]:
         if self.plan.choice.mode == "named":
             return self._named("", final=True)
         if self.stream is None:
             return []
-        return self._deltas(self.stream.finish().content, self.stream.sent_calls)
+        return self._deltas(self.stream.finish())
 
     def finish_reason(self, engine_reason: str | None) -> str | None:
         mode = self.plan.choice.mode
@@ -151,20 +152,21 @@ class ChoiceToolStream:
         out = []
         if not self.named_started and (text or final):
             self.named_started = True
-            self.num_calls = 1
             out.append(_header(0, self.plan.choice.name or ""))
         if text:
             out.append(_arguments(0, text))
         return out
 
-    def _deltas(self, content: str, calls: list[ParsedCall]) -> list[DeltaMessage]:
-        """The content, then a header and the arguments of every call not yet sent."""
-        out = [DeltaMessage(content=content)] if content else []
-        limit = len(calls) if self.plan.parallel else min(len(calls), 1)
-        for i in range(self.num_calls, limit):
-            out.append(_header(i, calls[i].name))
-            out.append(_arguments(i, calls[i].arguments))
-        self.num_calls = max(self.num_calls, limit)
+    def _deltas(self, step: StreamDelta) -> list[DeltaMessage]:
+        """The content, then each call's name and argument fragments, as DeltaMessages."""
+        out = [DeltaMessage(content=step.content)] if step.content else []
+        for call in step.calls:
+            if call.index > 0 and not self.plan.parallel:
+                continue
+            if call.name is not None:
+                out.append(_header(call.index, call.name))
+            if call.arguments:
+                out.append(_arguments(call.index, call.arguments))
         return out
 
 

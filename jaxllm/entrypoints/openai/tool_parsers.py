@@ -8,11 +8,15 @@ cannot read (malformed JSON, a missing key) leaves the whole output as content.
 
 Streaming (`ToolStream`) parses the growing text and hands out only what the
 one-shot parse of any continuation would also return: content up to the first
-possible call, and each call once its JSON has closed and checks out (its
-arguments then come in one fragment). At the end the one-shot parse of the
-whole text settles the rest, so the assembled stream equals it -- except when
-a call that was already sent is followed by a malformed one, which the
-one-shot parse turns into content (vLLM's streaming sends the calls too).
+possible call, and each hermes or llama3_json call once its JSON has closed and
+checks out (its arguments then come in one fragment: an open call may still
+turn out malformed, and then the one-shot parse makes it content). The output
+of `tool_choice: required` is held to its JSON shape by a grammar, so its
+arguments stream as they are written (see `json_prefix`). At the end the
+one-shot parse of the whole text settles the rest, so the assembled stream
+equals it -- except when a call that was already sent is followed by a
+malformed one (which the one-shot parse turns into content; vLLM's streaming
+sends the calls too), or a `required` array is cut by max_tokens in a call.
 """
 
 from __future__ import annotations
@@ -21,6 +25,8 @@ import json
 import re
 from dataclasses import dataclass, field
 from typing import ClassVar
+
+from jaxllm.entrypoints.openai.json_prefix import Malformed, members
 
 _DECODER = json.JSONDecoder()
 
@@ -37,12 +43,32 @@ class Extracted:
     content: str | None
 
 
+@dataclass(frozen=True)
+class PartialCall:
+    """A call as far as the text goes: its name once whole, the fixed beginning of its
+    arguments (all of them once `closed`)."""
+
+    name: str | None
+    arguments: str
+    closed: bool
+
+
+@dataclass(frozen=True)
+class CallDelta:
+    """One streamed step of call `index`: its name (first step only) or an arguments
+    fragment."""
+
+    index: int
+    name: str | None = None
+    arguments: str = ""
+
+
 @dataclass
 class StreamDelta:
-    """What one piece of streamed text adds: content text and newly completed calls."""
+    """What one piece of streamed text adds: content text and call steps."""
 
     content: str = ""
-    calls: list[ParsedCall] = field(default_factory=list)
+    calls: list[CallDelta] = field(default_factory=list)
 
 
 def _call(obj: object, args_keys: tuple[str, ...]) -> ParsedCall | None:
@@ -65,15 +91,19 @@ def _partial_suffix(text: str, tag: str) -> int:
 
 class ToolParser:
     """One parser kind. `extract` is the one-shot parse; `safe` is what streaming may send
-    of a partial text: the length of its certain content and the calls certain so far."""
+    of a partial text: the length of its certain content and the calls so far."""
 
     name: ClassVar[str]
 
     def extract(self, text: str) -> Extracted:
         raise NotImplementedError
 
-    def safe(self, text: str, known: list[ParsedCall]) -> tuple[int, list[ParsedCall]]:
+    def safe(self, text: str) -> tuple[int, list[PartialCall]]:
         raise NotImplementedError
+
+
+def _closed(calls: list[ParsedCall]) -> list[PartialCall]:
+    return [PartialCall(c.name, c.arguments, True) for c in calls]
 
 
 class HermesToolParser(ToolParser):
@@ -101,20 +131,21 @@ class HermesToolParser(ToolParser):
             calls.append(call)
         return Extracted(calls, text[:start] or None)
 
-    def safe(self, text: str, known: list[ParsedCall]) -> tuple[int, list[ParsedCall]]:
+    def __init__(self) -> None:
+        self._known: list[ParsedCall] = []  # closed blocks never change as text grows
+
+    def safe(self, text: str) -> tuple[int, list[PartialCall]]:
         start = text.find(self.START)
         if start < 0:
             return len(text) - _partial_suffix(text, self.START), []
-        # Closed blocks never change as text is appended; only count past those known.
-        calls = list(known)
         for i, m in enumerate(self._CLOSED.finditer(text, start)):
-            if i < len(known):
+            if i < len(self._known):
                 continue
             call = self._parse(m.group(1))
             if call is None:
                 break
-            calls.append(call)
-        return start, calls
+            self._known.append(call)
+        return start, _closed(self._known)
 
 
 class Llama3JsonToolParser(ToolParser):
@@ -147,10 +178,10 @@ class Llama3JsonToolParser(ToolParser):
             return Extracted([], text)
         return Extracted(calls, None)
 
-    def safe(self, text: str, known: list[ParsedCall]) -> tuple[int, list[ParsedCall]]:
+    def safe(self, text: str) -> tuple[int, list[PartialCall]]:
         # As vLLM's streaming: calls only when the output opens with one, else all content.
         if text.startswith(self.BOT) or text.startswith("{"):
-            return 0, self._objects(text, 0)[0]
+            return 0, _closed(self._objects(text, 0)[0])
         if self.BOT.startswith(text):
             return 0, []
         return len(text), []
@@ -164,23 +195,49 @@ class RequiredToolParser(ToolParser):
     name = "required"
 
     def extract(self, text: str) -> Extracted:
-        calls = self.safe(text, [])[1]
+        calls = [ParsedCall(c.name, c.arguments) for c in self.safe(text)[1]
+                 if c.closed and c.name is not None]
         return Extracted(calls, None) if calls else Extracted([], text)
 
-    def safe(self, text: str, known: list[ParsedCall]) -> tuple[int, list[ParsedCall]]:
-        calls = []
-        pos = text.find("{") if text.lstrip().startswith("[") else -1
-        while pos >= 0:
-            try:
-                obj, end = _DECODER.raw_decode(text, pos)
-            except (json.JSONDecodeError, RecursionError):
-                break
-            call = _call(obj, ("parameters",))
-            if call is None:
-                break
-            calls.append(call)
-            pos = text.find("{", end)
+    def safe(self, text: str) -> tuple[int, list[PartialCall]]:
+        calls: list[PartialCall] = []
+        i = text.find("[") if text.lstrip().startswith("[") else -1
+        if i < 0:
+            return 0, calls
+        i += 1
+        try:
+            while True:
+                while i < len(text) and text[i] in " \t\n\r,":
+                    i += 1
+                if i == len(text) or text[i] != "{":
+                    break
+                found, end = members(text, i)
+                call = self._element(text, i, found, end)
+                if call is None:
+                    break
+                calls.append(call)
+                if end is None:
+                    break
+                i = end
+        except Malformed:
+            pass
         return 0, calls
+
+    @staticmethod
+    def _element(text: str, start: int, found: list, end: int | None) -> PartialCall | None:
+        if end is not None:  # closed: the one-shot parse's own reading
+            try:
+                call = _call(json.loads(text[start:end]), ("parameters",))
+            except (json.JSONDecodeError, RecursionError):
+                return None
+            return None if call is None else PartialCall(call.name, call.arguments, True)
+        values = dict(found)
+        name = values.get("name")
+        named = None
+        if name is not None and name.end is not None and name.out.startswith('"'):
+            named = json.loads(name.out)
+        params = values.get("parameters")
+        return PartialCall(named, params.out if params is not None else "", False)
 
 
 TOOL_PARSERS: dict[str, type[ToolParser]] = {
@@ -203,17 +260,20 @@ class ToolStream:
         self.parser = parser
         self.text = ""
         self.sent_content = 0
-        self.sent_calls: list[ParsedCall] = []
+        self.sent_names: list[str] = []
+        self.sent_args: list[str] = []
 
     def feed(self, delta: str) -> StreamDelta:
         self.text += delta
-        content_end, calls = self.parser.safe(self.text, self.sent_calls)
+        content_end, calls = self.parser.safe(self.text)
         out = StreamDelta()
         if content_end > self.sent_content:
             out.content = self.text[self.sent_content:content_end]
             self.sent_content = content_end
-        out.calls = calls[len(self.sent_calls):]
-        self.sent_calls = calls
+        for index, call in enumerate(calls):
+            if call.name is None:
+                break  # calls are sent in order, each opening with its name
+            self._send(out, index, call.name, call.arguments)
         return out
 
     def finish(self) -> StreamDelta:
@@ -221,12 +281,24 @@ class ToolStream:
         final = self.parser.extract(self.text)
         sent = self.text[:self.sent_content]
         out = StreamDelta()
-        if final.calls and final.calls[:len(self.sent_calls)] == self.sent_calls \
-                and (final.content or "").startswith(sent):
+        extends = len(final.calls) >= len(self.sent_names) and all(
+            c.name == name and c.arguments.startswith(args)
+            for c, name, args in zip(final.calls, self.sent_names, self.sent_args, strict=False))
+        if final.calls and extends and (final.content or "").startswith(sent):
             out.content = (final.content or "")[len(sent):]
-            out.calls = final.calls[len(self.sent_calls):]
-        elif not final.calls and not self.sent_calls:
+            for index, call in enumerate(final.calls):
+                self._send(out, index, call.name, call.arguments)
+        elif not final.calls and not self.sent_names:
             out.content = self.text[self.sent_content:]
         self.sent_content = len(self.text)
-        self.sent_calls = self.sent_calls + out.calls
         return out
+
+    def _send(self, out: StreamDelta, index: int, name: str, arguments: str) -> None:
+        if index == len(self.sent_names):
+            self.sent_names.append(name)
+            self.sent_args.append("")
+            out.calls.append(CallDelta(index, name=name))
+        sent = self.sent_args[index]
+        if len(arguments) > len(sent) and arguments.startswith(sent):
+            out.calls.append(CallDelta(index, arguments=arguments[len(sent):]))
+            self.sent_args[index] = arguments
