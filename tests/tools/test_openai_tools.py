@@ -59,8 +59,8 @@ def client(server) -> openai.OpenAI:
 
 def whole(client, **kw) -> tuple[str | None, list[tuple[str, str]], str]:
     """(content, [(name, arguments)], finish_reason) of a greedy, non-streamed answer."""
-    resp = client.chat.completions.create(model=MODEL, messages=MESSAGES, temperature=0,
-                                          max_tokens=200, **kw)
+    kw.setdefault("max_tokens", 200)
+    resp = client.chat.completions.create(model=MODEL, messages=MESSAGES, temperature=0, **kw)
     msg = resp.choices[0].message
     calls = [(c.function.name, c.function.arguments) for c in msg.tool_calls or []]
     for c in msg.tool_calls or []:
@@ -210,3 +210,11 @@ def test_unknown_named_function_is_a_400_naming_the_field(client):
         client.chat.completions.create(model=MODEL, messages=MESSAGES, tools=[WEATHER],
                                        tool_choice=named("nope"))
     assert e.value.body["param"] == "tool_choice.function.name"
+
+
+def test_hermes_auto_keeps_special_tokens_in_the_parsed_text_as_vllm(client):
+    # id 3 is the tiny tokenizer's special <unk>; decoding drops it unless kept
+    forced = {"logit_bias": {3: 100}, "max_tokens": 2}
+    auto, _, _ = whole(client, tools=[WEATHER], **forced)
+    plain, _, _ = whole(client, tools=[WEATHER], tool_choice="none", **forced)
+    assert (auto, plain) == ("<unk><unk>", "")

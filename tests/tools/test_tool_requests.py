@@ -96,6 +96,14 @@ def test_required_and_named_cannot_be_combined_with_another_constraint():
     assert plan(tools=TOOLS, response_format={"type": "json_object"}).choice.mode == "auto"
 
 
+def test_hermes_auto_keeps_special_tokens_in_the_text_as_vllm():
+    assert plan(tools=TOOLS).keeps_special_tokens()
+    assert not plan(tools=TOOLS, tool_choice="none").keeps_special_tokens()
+    assert not plan(tools=TOOLS, tool_choice="required").keeps_special_tokens()
+    llama = ToolPlan.of(request(tools=TOOLS), ToolSettings(True, "llama3_json"))
+    assert not llama.keeps_special_tokens()
+
+
 def test_server_settings_need_a_known_parser():
     with pytest.raises(ValueError, match="unknown tool call parser"):
         ToolSettings(True, "nope")

@@ -82,6 +82,10 @@ class ToolPlan:
         schema = choice_schema(self.choice, self.tools)
         return None if schema is None else StructuredOutputsParams(json=schema)
 
+    def keeps_special_tokens(self) -> bool:
+        parser = self.parser()
+        return parser is not None and parser.keeps_special_tokens
+
     def parser(self) -> ToolParser | None:
         if self.choice.mode == "required":
             return RequiredToolParser()

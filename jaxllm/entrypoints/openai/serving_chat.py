@@ -93,6 +93,8 @@ class OpenAIServingChat(OpenAIServing):
         constraint = plan.constraint()
         if constraint is not None:
             params.structured_outputs = constraint
+        if plan.keeps_special_tokens():
+            params.skip_special_tokens = False
         request_id = random_id("chatcmpl")
         try:
             requests = self.add_requests(

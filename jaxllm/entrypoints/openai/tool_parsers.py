@@ -94,6 +94,9 @@ class ToolParser:
     of a partial text: the length of its certain content and the calls so far."""
 
     name: ClassVar[str]
+    # As vLLM's hermes parser: its tags are special tokens in some models, which
+    # decoding with skip_special_tokens would drop before the parser sees them.
+    keeps_special_tokens: ClassVar[bool] = False
 
     def extract(self, text: str) -> Extracted:
         raise NotImplementedError
@@ -108,6 +111,7 @@ def _closed(calls: list[ParsedCall]) -> list[PartialCall]:
 
 class HermesToolParser(ToolParser):
     name = "hermes"
+    keeps_special_tokens = True
     START, END = "<tool_call>", "</tool_call>"
     _BLOCK = re.compile(r"<tool_call>(.*?)</tool_call>|<tool_call>(.*)", re.DOTALL)
     _CLOSED = re.compile(r"<tool_call>(.*?)</tool_call>", re.DOTALL)
