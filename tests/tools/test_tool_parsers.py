@@ -192,10 +192,17 @@ def test_required_parse_reads_the_array_of_name_and_parameters():
     assert one_shot("required", cut[:20]) == Extracted([], cut[:20])
 
 
-@settings(max_examples=40, deadline=None)
-@given(cuts=st.lists(st.integers(0, 120), max_size=10))
-def test_required_stream_assembles_to_the_one_shot_parse(cuts):
-    _same(streamed("required", REQUIRED_TEXT, cuts), one_shot("required", REQUIRED_TEXT))
+REQUIRED_CASES = [
+    REQUIRED_TEXT,
+    ' [ {"parameters": {"x": [1, "\\u00e9\\n"]}, "name": "late_name"} ]',  # name after
+    '[{"name": "a", "parameters": {}}, {"name": 5, "parameters": {}}]',  # a bad element
+    "[]", "not an array"]
+
+
+@settings(max_examples=80, deadline=None)
+@given(text=st.sampled_from(REQUIRED_CASES), cuts=st.lists(st.integers(0, 120), max_size=10))
+def test_required_stream_assembles_to_the_one_shot_parse(text, cuts):
+    _same(streamed("required", text, cuts), one_shot("required", text))
 
 
 def test_required_stream_sends_arguments_as_they_are_written():

@@ -198,19 +198,27 @@ class RequiredToolParser(ToolParser):
 
     name = "required"
 
+    def __init__(self) -> None:
+        # Closed elements never change as text grows: a stream scans on from the last one.
+        self._done: list[PartialCall] = []
+        self._resume: int | None = None
+        self._ended = False  # a malformed element ends the calls
+
     def extract(self, text: str) -> Extracted:
-        calls = [ParsedCall(c.name, c.arguments) for c in self.safe(text)[1]
+        calls = [ParsedCall(c.name, c.arguments) for c in RequiredToolParser().safe(text)[1]
                  if c.closed and c.name is not None]
         return Extracted(calls, None) if calls else Extracted([], text)
 
     def safe(self, text: str) -> tuple[int, list[PartialCall]]:
-        calls: list[PartialCall] = []
-        i = text.find("[") if text.lstrip().startswith("[") else -1
-        if i < 0:
-            return 0, calls
-        i += 1
+        if self._ended:
+            return 0, list(self._done)
+        if self._resume is None:
+            if not text.lstrip().startswith("["):
+                return 0, []
+            self._resume = text.index("[") + 1
+        i, open_call = self._resume, []
         try:
-            while True:
+            while not open_call:
                 while i < len(text) and text[i] in " \t\n\r,":
                     i += 1
                 if i == len(text) or text[i] != "{":
@@ -218,14 +226,16 @@ class RequiredToolParser(ToolParser):
                 found, end = members(text, i)
                 call = self._element(text, i, found, end)
                 if call is None:
+                    self._ended = True
                     break
-                calls.append(call)
                 if end is None:
-                    break
-                i = end
+                    open_call = [call]
+                else:
+                    self._done.append(call)
+                    i = self._resume = end
         except Malformed:
-            pass
-        return 0, calls
+            self._ended = True
+        return 0, self._done + open_call
 
     @staticmethod
     def _element(text: str, start: int, found: list, end: int | None) -> PartialCall | None:
