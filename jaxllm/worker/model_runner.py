@@ -149,7 +149,7 @@ class ModelRunner:
                                                  self.mesh),
                                      list(self.mesh.devices.flat))
         self.programs = StepPrograms(graphdef, jax.tree.structure(state),
-                                     model.logits_head[...], type(model).head_logits, b, aot)
+                                     model.logits_head[...], model.head_logits, b, aot)
 
     @property
     def aot_cache(self) -> ExecutableCache | None:
