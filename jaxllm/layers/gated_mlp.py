@@ -14,6 +14,8 @@ mixture-of-experts MLP drops in beside this one.
 
 from __future__ import annotations
 
+import functools
+
 import jax
 import jax.numpy as jnp
 from flax import nnx
@@ -52,13 +54,13 @@ class GatedMLP(nnx.Module):
     def __call__(self, x: jax.Array, residual: jax.Array | None) -> jax.Array:
         """`residual + mlp(x)` (`mlp(x)` when `residual` is None) for the normed input `x`."""
         up = self.gate_up_proj
-        if self.activation == "silu" and up.lora is None:
+        if self.activation == "silu" and up.plain and up.lora is None:
             h = self.swiglu(x, up.weight[...], None if up.bias is None else up.bias[...])
-        else:  # GeGLU, or an adapter's term joining the gate/up product
+        else:  # GeGLU, a quantized weight, or an adapter's term joining the product
             gate_up = up(x)
-            act = (jax.nn.silu(gate_up[:, 0]) if self.activation == "silu"
-                   else jax.nn.gelu(gate_up[:, 0], approximate=True))
-            h = act * gate_up[:, 1]
+            act = jax.nn.silu if self.activation == "silu" else functools.partial(
+                jax.nn.gelu, approximate=True)
+            h = act(gate_up[:, 0]) * gate_up[:, 1]
         if residual is None:
             return self.down_proj(h)
         return self.down_proj.add(h, residual)

@@ -22,6 +22,8 @@ from flax import nnx
 from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
+from jaxllm.layers.linear import Linear
+
 # A fused projection's PEFT parts, in the order they sit along its part axis.
 LORA_PARTS = {"qkv_proj": ("q_proj", "k_proj", "v_proj"), "o_proj": ("o_proj",),
               "gate_up_proj": ("gate_proj", "up_proj"), "down_proj": ("down_proj",)}
@@ -71,7 +73,7 @@ def lora_linears(model: nnx.Module) -> list[tuple[int, str, nnx.Module]]:
     for i, layer in enumerate(model.layers):
         attn, mlp = layer.self_attn, layer.mlp
         out += [(i, "qkv_proj", attn.qkv_proj), (i, "o_proj", attn.o_proj)]
-        if hasattr(mlp, "gate_up_proj") and hasattr(mlp, "down_proj"):
+        if isinstance(getattr(mlp, "gate_up_proj", None), Linear):  # dense, not experts
             out += [(i, "gate_up_proj", mlp.gate_up_proj), (i, "down_proj", mlp.down_proj)]
     return out
 

@@ -11,12 +11,15 @@ from jaxllm.errors import ParameterError
 from jaxllm.models.bert import BertModel
 from jaxllm.models.gemma import GemmaForCausalLM
 from jaxllm.models.llama import LlamaForCausalLM
+from jaxllm.models.moe import MoEForCausalLM
 
 _MODELS: dict[str, type] = {
     "LlamaForCausalLM": LlamaForCausalLM,
     "MistralForCausalLM": LlamaForCausalLM,
     "Qwen2ForCausalLM": LlamaForCausalLM,
     "Qwen3ForCausalLM": LlamaForCausalLM,
+    "MixtralForCausalLM": MoEForCausalLM,
+    "Qwen3MoeForCausalLM": MoEForCausalLM,
     "Gemma2ForCausalLM": GemmaForCausalLM,
     "Gemma3ForCausalLM": GemmaForCausalLM,
     "BertModel": BertModel,

@@ -28,6 +28,12 @@ def adapter_tables(linears: list[tuple[int, str, nnx.Module]], adapter: PeftAdap
     per projection its A `[P, r, *in]` then each part's B `[*out_part, r]`; zeros
     where the adapter leaves a module out. Ranks below the tables' are zero-padded."""
     out = []
+    served = {(layer, m) for layer, proj, _ in linears for m in LORA_PARTS[proj]}
+    extra = sorted(set(adapter.weights) - served)
+    if extra:  # e.g. an MoE layer's expert MLP, which takes no adapter
+        layer, module = extra[0]
+        raise ValueError(f"LoRA adapter {name!r}: {module} of layer {layer} has no LoRA "
+                         "table in this model")
     for layer, proj, linear in linears:
         lora = linear.lora
         a = lora.a[...]

@@ -31,6 +31,7 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 import jaxllm
 from jaxllm.engine.async_llm import AsyncLLM
 from jaxllm.entrypoints.arg_utils import DEFAULT_MAX_REQUEST_BYTES, engine_args_from
+from jaxllm.entrypoints.openai.chat_tools import ToolSettings
 from jaxllm.entrypoints.openai.protocol import (
     ChatCompletionRequest,
     CompletionRequest,
@@ -71,6 +72,7 @@ class ServerOptions:
     access_log: bool = True
     enable_tokenizer_info_endpoint: bool = False
     engine_restarts: int = DEFAULT_ENGINE_RESTARTS  # 0: exit when the engine core dies
+    tools: ToolSettings = field(default_factory=ToolSettings)
     lora_modules: list[str] = field(default_factory=list)  # vLLM's `name=path` entries
 
 
@@ -164,7 +166,7 @@ def build_app(engine: AsyncLLM, options: ServerOptions,
               prometheus: PrometheusStatLogger) -> FastAPI:
     names = options.served_model_names or [engine.model_config.served_model_name]
     completion = OpenAIServingCompletion(engine, names, options.chat_template)
-    chat = OpenAIServingChat(engine, names, options.chat_template)
+    chat = OpenAIServingChat(engine, names, options.chat_template, tool_settings=options.tools)
     embedding = OpenAIServingEmbedding(engine, names)
     completion.loras = chat.loras = loras = LoRARegistry(engine.config.lora_config,
                                                          options.lora_modules)
@@ -221,9 +223,7 @@ def build_app(engine: AsyncLLM, options: ServerOptions,
     async def models() -> ModelList:
         mc = engine.model_config
         return ModelList(data=[ModelCard(id=n, root=mc.model, max_model_len=mc.max_model_len)
-                               for n in names] + [
-            ModelCard(id=a.lora_name, root=a.lora_path, parent=a.base_model_name or names[0])
-            for a in loras.adapters.values()])
+                               for n in names] + loras.model_cards(names[0]))
 
     add_lora_routes(app, loras)
 
@@ -379,6 +379,7 @@ def run_server(args: argparse.Namespace) -> int:
         access_log=not args.disable_uvicorn_access_log,
         enable_tokenizer_info_endpoint=args.enable_tokenizer_info_endpoint,
         engine_restarts=0 if args.exit_on_engine_death else args.engine_restarts,
+        tools=ToolSettings(args.enable_auto_tool_choice, args.tool_call_parser),
         lora_modules=list(args.lora_modules or []))
     # SamplingParams reads the bound on n (and best_of) here, as vLLM reads
     # VLLM_MAX_N_SEQUENCES; the engine core's process inherits it.

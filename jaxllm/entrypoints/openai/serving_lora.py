@@ -14,6 +14,7 @@ from fastapi import FastAPI
 from pydantic import BaseModel
 
 from jaxllm.config import LoRAConfig
+from jaxllm.entrypoints.openai.protocol import ModelCard
 from jaxllm.entrypoints.openai.serving_engine import HTTPError
 from jaxllm.errors import ParameterError
 from jaxllm.lora.peft import check_lora_request
@@ -72,6 +73,11 @@ class LoRARegistry:
 
     def get(self, name: str | None) -> LoRARequest | None:
         return self.adapters.get(name) if name else None
+
+    def model_cards(self, base_model: str) -> list[ModelCard]:
+        """`/v1/models` entries of the adapters (vLLM's: `parent` is the base model)."""
+        return [ModelCard(id=a.lora_name, root=a.lora_path, parent=a.base_model_name or base_model)
+                for a in self.adapters.values()]
 
 
 class LoadLoRAAdapterRequest(BaseModel):
