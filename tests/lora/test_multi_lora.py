@@ -9,7 +9,7 @@ from jaxllm import LLM, SamplingParams
 from jaxllm.errors import ParameterError
 from jaxllm.lora.request import LoRARequest
 from tests.compilations import recorded_compilations
-from tests.engine.hf_reference import hf_greedy, random_prompts
+from tests.engine.hf_reference import hf_greedy, hf_prompt_logprobs, random_prompts
 from tests.lora.peft_adapters import ADAPTERS, make_peft_adapter, merged_greedy
 from tests.models.tiny_checkpoints import checkpoint_vocab_size, make_tiny_checkpoint
 
@@ -128,3 +128,14 @@ def test_prefix_cache_never_serves_one_adapters_blocks_to_another_or_the_base(se
     assert run("qv_rslora") == 0
     assert run("all") == 24  # its own three full blocks
     assert run(None) == 24
+
+    # Prompt logprobs under an adapter (the 25-token step re-runs its last layer for
+    # every row) are the merged model's.
+    lora, _, merged = adapters["mlp_ko"]
+    params = SamplingParams(temperature=0.0, max_tokens=1, prompt_logprobs=1)
+    llm.reset_prefix_cache()
+    out = llm.generate([{"prompt_token_ids": prompt}], params, use_tqdm=False,
+                       lora_request=lora)[0]
+    got = [lp[t].logprob for t, lp in zip(prompt[1:], out.prompt_logprobs[1:], strict=True)]
+    want_lp = hf_prompt_logprobs(merged, [prompt])[0]
+    assert max(abs(g - w) for g, w in zip(got, want_lp, strict=True)) < 1e-4
