@@ -95,11 +95,20 @@ def test_lora_off_leaves_the_model_without_adapter_tables(setup):
 
 
 @pytest.mark.slow
-def test_adapter_rank_above_max_lora_rank_is_an_error_naming_the_field(setup):
+def test_rank_above_max_lora_rank_is_an_error_and_chat_takes_lora_request(setup):
     llm = LLM(setup[0], max_loras=1, **{**ENGINE, "max_lora_rank": 4})
     with pytest.raises(ParameterError, match="max_lora_rank"):
         llm.generate([{"prompt_token_ids": [5, 6, 7]}], GREEDY, use_tqdm=False,
                      lora_request=setup[2]["all"][0])
+    # A rank-4 adapter fits; chat runs it as generate does on the rendered prompt.
+    lora = setup[2]["qv_rslora"][0]
+    messages = [{"role": "user", "content": "hello"}]
+    chat = llm.chat(messages, GREEDY, use_tqdm=False, lora_request=lora)[0]
+    plain = llm.chat(messages, GREEDY, use_tqdm=False)[0]
+    direct = llm.generate([{"prompt_token_ids": chat.prompt_token_ids}], GREEDY,
+                          use_tqdm=False, lora_request=lora)[0]
+    assert chat.outputs[0].token_ids == direct.outputs[0].token_ids
+    assert chat.outputs[0].token_ids != plain.outputs[0].token_ids
 
 
 @pytest.mark.slow
