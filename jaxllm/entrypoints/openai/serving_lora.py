@@ -17,7 +17,7 @@ from jaxllm.config import LoRAConfig
 from jaxllm.entrypoints.openai.protocol import ModelCard
 from jaxllm.entrypoints.openai.serving_engine import HTTPError
 from jaxllm.errors import ParameterError
-from jaxllm.lora.peft import check_lora_request
+from jaxllm.lora.peft import check_lora_request, load_peft_adapter
 from jaxllm.lora.request import LoRARequest
 
 RUNTIME_UPDATE_VARS = ("JAXLLM_ALLOW_RUNTIME_LORA_UPDATING", "VLLM_ALLOW_RUNTIME_LORA_UPDATING")
@@ -63,6 +63,9 @@ class LoRARegistry:
                             "lora_name")
         lora = LoRARequest(name, next(self._ids), path, base_model_name)
         check_lora_request(lora, self.lora_config)
+        # Read it whole once here, so that a damaged adapter is a 400 now and not an
+        # engine error at its first request.
+        load_peft_adapter(path, self.lora_config.max_lora_rank)
         self.adapters[name] = lora
         return lora
 
