@@ -11,8 +11,8 @@ hidden state of every request (in a bucket larger than max_num_seqs its last
 layer runs for those rows alone), and samples on the device. A usual step is
 two dispatches (forward, then logits and sampling in one program) and one
 host-to-device transfer (the packed inputs; the sampling keys are made on the
-device); exactly one device-to-host transfer: the sampled ids (plus logprobs
-when asked).
+device; with LoRA on, the requests' adapter slots are a second, lora_slots.py);
+exactly one device-to-host transfer: the sampled ids (plus logprobs when asked).
 """
 
 from __future__ import annotations
