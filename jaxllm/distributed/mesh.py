@@ -8,8 +8,8 @@ module turns those declarations into `NamedSharding`s for a given mesh. A
 dimension whose size the mesh axis does not divide is replicated instead of
 sharded (always correct, just not split), so odd vocab sizes still load.
 
-The KV cache is sharded over kv heads on 'model'
-(replicated kv heads where there are fewer than shards).
+The KV cache is sharded over kv heads on 'model' (replicated kv heads where
+there are fewer than shards).
 """
 
 from __future__ import annotations

@@ -244,8 +244,12 @@ def run_engine_core(config: EngineConfig | None, addresses: dict[str, str],
     name = "EngineCore" if placement is None else f"EngineCore_DP{placement.rank}"
     logging.basicConfig(level=log_level,
                         format=f"%(levelname)s %(asctime)s [{name}] %(name)s: %(message)s")
+    placement_error: ParameterError | None = None
     if placement is not None:
-        restrict_visible_gpus(placement)
+        try:
+            restrict_visible_gpus(placement)
+        except ParameterError as e:  # answered through the handshake below
+            placement_error = e
     if spawned_at is not None:
         logger.info("engine core process running %.1fs after its spawn (interpreter, imports)",
                     time.time() - spawned_at)
@@ -274,6 +278,8 @@ def run_engine_core(config: EngineConfig | None, addresses: dict[str, str],
     codec = Codec()
     proc: EngineCoreProc | None = None
     try:
+        if placement_error is not None:
+            raise placement_error
         proc = EngineCoreProc(config, addresses["input"], addresses["output"], ctx)
         signal.signal(signal.SIGTERM, lambda *_: proc.request_stop())
         handshake.send(codec.encode(Handshake(

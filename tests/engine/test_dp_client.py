@@ -117,6 +117,14 @@ def test_each_core_takes_its_own_slice_of_the_devices(monkeypatch):
     with pytest.raises(ParameterError, match="needs 6 devices, but engine core 0 sees 4"):
         core_devices(2, 3, 0, devices[:4])
 
+    class Chip:
+        platform = "tpu"
+
+    # Two processes cannot share a host's chips without per-process chip bounds.
+    with pytest.raises(ParameterError, match="data_parallel_size=2 is not supported on TPU"):
+        core_devices(1, 2, 0, [Chip(), Chip()])
+    assert core_devices(1, 1, 0, [Chip()])[0].platform == "tpu"
+
     monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "4,5,6,7")
     restrict_visible_gpus(CorePlacement(1, 2, 2))
     assert os.environ["CUDA_VISIBLE_DEVICES"] == "6,7"
