@@ -4,6 +4,7 @@
 process (tests, simple offline use). `MPClient` starts the core's process
 (`core_launch.py`), talks to it over ZeroMQ and watches for its death;
 `SyncMPClient` (LLMEngine) and `AsyncMPClient` (AsyncLLM) read its outputs.
+Data parallelism holds one of these per core (dp_client.py).
 """
 
 from __future__ import annotations
