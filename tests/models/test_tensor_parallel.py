@@ -35,10 +35,16 @@ CASES = {
                                       num_key_value_heads=2)),
     "tp8-mqa-replicated-kv": (8, dict(arch="qwen2", num_attention_heads=8,
                                       num_key_value_heads=1, head_dim=16)),
+    # Expert parallel: each device holds 2 of the 4 experts (4 of 8 for Qwen3-MoE, whose
+    # layer 1 is a dense, column/row-parallel MLP).
+    "tp2-mixtral": (2, dict(arch="mixtral", num_attention_heads=4, num_key_value_heads=2)),
+    "tp2-qwen3-moe": (2, dict(arch="qwen3_moe", num_attention_heads=4, num_key_value_heads=2,
+                              num_experts=8, mlp_only_layers=[1])),
 }
 
 
-@pytest.mark.parametrize("case", list(CASES))
+@pytest.mark.parametrize("case", [pytest.param(c, marks=pytest.mark.slow) if "moe" in c
+                                  or "mixtral" in c else c for c in CASES])
 def test_tensor_parallel_logits_equal_single_device(case, tmp_path):
     tp, overrides = CASES[case]
     model_dir = make_tiny_checkpoint(tmp_path, **overrides)
@@ -53,22 +59,28 @@ def test_tensor_parallel_logits_equal_single_device(case, tmp_path):
         np.testing.assert_allclose(g, w, rtol=0, atol=1e-5)
 
     kv_heads = overrides["num_key_value_heads"]
-    qkv = sharded.layers[0].self_attn.qkv_proj[...]
+    qkv = sharded.layers[0].self_attn.qkv_proj.weight[...]
     assert qkv.sharding.spec == P("model", None, None, None)
     # Each device: max(1, kv_heads / tp) kv heads, with the q heads that read them.
     heads = overrides["num_attention_heads"]
     assert {s.data.shape[:2] for s in qkv.addressable_shards} == {
         (max(1, kv_heads // tp), heads // max(kv_heads, tp) + 2)}
     assert len({s.device for s in qkv.addressable_shards}) == tp
-    down = sharded.layers[0].mlp.down_proj[...]
-    assert down.addressable_shards[0].data.shape == (64, 128 // tp)
+    for kind, layer in zip(sharded.arch.mlp_kinds, sharded.layers, strict=True):
+        if kind == "moe":  # whole experts per device
+            down = layer.mlp.down_proj[...]
+            per_device = (down.shape[0] // tp, *down.shape[1:])
+            assert {s.data.shape for s in down.addressable_shards} == {per_device}
+        else:
+            down = layer.mlp.down_proj.weight[...]
+            assert down.addressable_shards[0].data.shape == (64, 128 // tp)
 
 
 def test_dummy_weights_do_not_depend_on_the_mesh(tmp_path):
     model_dir = make_tiny_checkpoint(tmp_path)
     one = nnx.to_pure_dict(nnx.state(load(model_dir, tp=1, load_format="dummy", seed=5)))
     two = nnx.to_pure_dict(nnx.state(load(model_dir, tp=2, load_format="dummy", seed=5)))
-    assert two["layers"][0]["self_attn"]["qkv_proj"].sharding.spec[0] == "model"
+    assert two["layers"][0]["self_attn"]["qkv_proj"]["weight"].sharding.spec[0] == "model"
     jax.tree.map(lambda a, b: np.testing.assert_array_equal(np.asarray(a), np.asarray(b)),
                  one, two)
 
@@ -113,7 +125,7 @@ def test_vocab_not_divisible_by_tp_is_replicated_and_logits_still_match(tmp_path
         attn_backend=get_attention_backend("reference"))))
     shardings = param_shardings(state, make_mesh(2))
     assert shardings["embed_tokens"].spec == P(None, None)
-    assert shardings["layers"][0]["mlp"]["gate_up_proj"].spec == P(None, "model", None)
+    assert shardings["layers"][0]["mlp"]["gate_up_proj"]["weight"].spec == P(None, "model", None)
     prompts = prompts_for(251, seed=2)
     want = run_prefill_and_decode(load(model_dir, tp=1), prompts, [1, 2, 3])
     got = run_prefill_and_decode(load(model_dir, tp=2), prompts, [1, 2, 3])
