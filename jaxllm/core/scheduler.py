@@ -29,7 +29,12 @@ import numpy as np
 from jaxllm.config import EngineConfig
 from jaxllm.core.block_hash import make_block_hasher
 from jaxllm.core.kv_cache_manager import KVCacheManager
-from jaxllm.core.messages import EngineCoreOutput, EngineCoreOutputs, SchedulerStats
+from jaxllm.core.messages import (
+    EngineCoreOutput,
+    EngineCoreOutputs,
+    SchedulerStats,
+    SpecDecodingStats,
+)
 from jaxllm.core.request import Request, RequestStatus
 from jaxllm.core.request_queue import SchedulingPolicy, create_request_queue
 from jaxllm.core.runner_output import ModelRunnerOutput
@@ -71,7 +76,12 @@ class Scheduler:
         self.running = RunningBatch(self.max_num_seqs, self.limits)
         # Plan steps and apply their results with array passes over the running
         # batch (off: one request at a time, the reference the tests compare with).
-        self.vectorized = True
+        self.vectorized = config.speculative_config is None
+        # Speculative decoding (spec_decode.py): drafts per request and step, 0 = off.
+        # Its requests take the per-request path: the array path plans one token each.
+        spec = config.speculative_config
+        self.num_spec_tokens = spec.num_speculative_tokens if spec is not None else 0
+        self._spec_stats: SpecDecodingStats | None = None
         # Verify the running batch's arrays against the requests after every
         # schedule and update (tests set JAXLLM_CHECK_INVARIANTS=1).
         self.check_invariants = os.environ.get("JAXLLM_CHECK_INVARIANTS") == "1"
@@ -159,6 +169,7 @@ class Scheduler:
         request.prompt_logprobs_from = max(request.prompt_logprobs_from, min(
             request.num_computed_tokens, request.num_prompt_tokens - 1))
         request.num_computed_tokens = 0
+        request.spec_token_ids = []
         request.num_preemptions += 1
         self.num_preemptions += 1
         self.waiting.prepend(request)
@@ -187,6 +198,7 @@ class Scheduler:
                 request.num_output_placeholders += 1
 
         kv = self.kv_cache_manager
+        spec_tokens: dict[str, list[int]] = {}
 
         # Running requests in priority order, so the preemption victim, always
         # the last of the batch, is the lowest-priority, latest-arrived one and
@@ -197,6 +209,8 @@ class Scheduler:
             running.sort(self._priority_key)
             self._running_unsorted = False
         i, num_prompt_tokens = 0, 0
+        drafting = self.num_spec_tokens > 0 and drafts_allowed(
+            running, self.waiting.peek() if self.waiting else None)
         if self.vectorized and running:
             (i, token_budget, num_prompt_tokens, ids, counts, samples,
              computed_before) = running.schedule_running(token_budget, kv, cached)
@@ -206,7 +220,10 @@ class Scheduler:
         while i < len(running) and token_budget > 0:
             request = running[i]
             num_new = self.limits.wanted_tokens(request, request.num_computed_tokens)
-            num_new = self.limits.fit_tokens(num_new, request.num_computed_tokens, token_budget)
+            drafts = (self._drafts(request) if drafting and num_new == 1
+                      and request.num_output_placeholders == 0 else ())
+            num_new = self.limits.fit_tokens(num_new + len(drafts), request.num_computed_tokens,
+                                             token_budget)
             if num_new <= 0:
                 i += 1
                 continue
@@ -221,6 +238,8 @@ class Scheduler:
                     break
             if new_blocks is None:
                 break  # the current request itself was preempted; nothing below fits
+            if num_new > 1 and drafts:
+                spec_tokens[request.request_id] = list(drafts[:num_new - 1])
             req_id, computed = request.request_id, request.num_computed_tokens
             running.num_blocks[i], running.num_cached_blocks[i] = kv.block_state(req_id)
             cached.req_ids.append(req_id)
@@ -239,6 +258,8 @@ class Scheduler:
             if len(running) >= self.max_num_seqs:
                 break
             request = self.waiting.peek()
+            if spec_tokens and not drafts_allowed((), request):
+                break  # it waits for a step without drafts (see drafts_allowed)
             hit_blocks, num_computed = kv.get_computed_blocks(request)
             num_new = self.limits.wanted_tokens(request, num_computed)
             # Without chunked prefill a prompt waits for a step with room for
@@ -280,7 +301,8 @@ class Scheduler:
             num_tokens=counts, samples=samples,
             total_num_scheduled_tokens=self.max_num_batched_tokens - token_budget,
             finished_req_ids=self.finished_req_ids,
-            preempted_req_ids={r.request_id for r in preempted})
+            preempted_req_ids={r.request_id for r in preempted},
+            scheduled_spec_decode_tokens=spec_tokens)
         self.finished_req_ids = set()
         self._last_num_prompt_tokens = num_prompt_tokens
         if self.check_invariants:
@@ -345,6 +367,12 @@ class Scheduler:
             request.num_output_placeholders -= 1
         index = runner.req_id_to_index.get(req_id)
         sampled = runner.tokens_of(index) if index is not None else ()
+        drafts = so.scheduled_spec_decode_tokens.get(req_id)
+        if drafts and sampled:
+            # The KV of rejected drafts is not the context: recomputed positions
+            # overwrite it. The last emitted token has no KV yet, as after any step.
+            request.num_computed_tokens -= len(drafts) + 1 - len(sampled)
+            self._record_spec(len(drafts), len(sampled) - 1)
 
         new_token_ids: list[int] = []
         for token_id in sampled:
@@ -355,6 +383,8 @@ class Scheduler:
         if row >= 0 and new_token_ids:
             self.running.num_output[row] += len(new_token_ids)
             self.running.num_tokens[row] += len(new_token_ids)
+        if runner.spec_token_ids is not None and index is not None:
+            request.spec_token_ids = runner.spec_token_ids[index]
 
         pooling_output = None
         if (request.pooling_params is not None
@@ -369,7 +399,8 @@ class Scheduler:
         if (new_token_ids and index is not None and runner.logprobs is not None
                 and request.sampling_params is not None
                 and request.sampling_params.logprobs is not None):
-            new_logprobs = runner.logprobs.slice(index, index + 1)
+            start = index if runner.logprob_rows is None else runner.logprob_rows[index]
+            new_logprobs = runner.logprobs.slice(start, start + len(new_token_ids))
         prompt_logprobs = (runner.prompt_logprobs.get(req_id) if runner.prompt_logprobs
                            else None)
         is_finished = request.status > RequestStatus.PREEMPTED
@@ -386,14 +417,50 @@ class Scheduler:
             finished.append((j, request))
         return len(new_token_ids)
 
+    # ------------------------------------------------------------- speculation
+
+    def _drafts(self, request: Request) -> list[int]:
+        """The request's drafts that may run now: no token past max_tokens or past what
+        the cache can ever hold for it."""
+        room = min(self.num_spec_tokens, request.max_tokens - request.num_output_tokens - 1,
+                   self.max_request_tokens - request.num_tokens)
+        return request.spec_token_ids[:max(room, 0)]
+
+    def _record_spec(self, num_drafts: int, num_accepted: int) -> None:
+        stats = self._spec_stats
+        if stats is None:
+            stats = self._spec_stats = SpecDecodingStats(
+                num_spec_tokens=self.num_spec_tokens,
+                num_accepted_tokens_per_pos=[0] * self.num_spec_tokens)
+        stats.num_drafts += 1
+        stats.num_draft_tokens += num_drafts
+        stats.num_accepted_tokens += num_accepted
+        for pos in range(num_accepted):
+            stats.num_accepted_tokens_per_pos[pos] += 1
+
     # ------------------------------------------------------------------- stats
 
     def make_stats(self) -> SchedulerStats:
         cache_stats = self.kv_cache_manager.prefix_cache_stats
+        spec, self._spec_stats = self._spec_stats, None  # each step's counts go out once
         return SchedulerStats(
             num_running_reqs=len(self.running), num_waiting_reqs=len(self.waiting),
             kv_cache_usage=self.kv_cache_manager.usage,
             prefix_cache_queries=cache_stats.queries, prefix_cache_hits=cache_stats.hits,
             num_preemptions=self.num_preemptions,
             num_prompt_tokens=self._last_num_prompt_tokens,
-            num_generation_tokens=self._last_num_generation_tokens)
+            num_generation_tokens=self._last_num_generation_tokens,
+            spec_decoding_stats=spec)
+
+
+
+def drafts_allowed(running: Iterable[Request], waiting_head: Request | None) -> bool:
+    """Whether a step may schedule drafts: not while a request scores prompt logprobs
+    (the verify forward gives no per-token states), nor while the next to admit
+    would (it is admitted in a step without drafts, so it never starves)."""
+    def scores_prompt(r: Request) -> bool:
+        params = r.sampling_params
+        return (params is not None and params.prompt_logprobs is not None
+                and r.num_computed_tokens < r.num_prompt_tokens)
+    return not any(map(scores_prompt, running)) and (
+        waiting_head is None or not scores_prompt(waiting_head))

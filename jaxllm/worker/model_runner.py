@@ -49,6 +49,7 @@ from jaxllm.worker.programs import (
     aot_context,
     enable_compilation_cache,
 )
+from jaxllm.worker.spec_verify import SpecVerifier, VerifyOutput, emitted_lists
 from jaxllm.worker.step_inputs import (
     StepInputs,
     prepare_step_inputs,
@@ -76,6 +77,10 @@ class StepHandle:
     prompt_lp: tuple | None  # (device (ids, logprobs, ranks), {req_id: slice})
     r_pad: int = 0  # the request bucket
     out_index: jax.Array | None = None  # the forward's output indices, for the sampler
+    # Speculative decoding: (drafts per request, their counts, the verify forward's
+    # hidden rows), and the verify sampler's output once dispatched.
+    verify: tuple | None = None
+    verified: VerifyOutput | None = None
 
 
 @dataclasses.dataclass(frozen=True)
@@ -116,6 +121,8 @@ class ModelRunner:
         self.buckets = b = Buckets.make(sc.max_num_batched_tokens, sc.max_num_seqs,
                                         mc.max_model_len, cc.block_size, config.token_buckets,
                                         config.request_buckets)
+        spec = config.speculative_config
+        k1 = spec.num_speculative_tokens + 1 if spec else 1  # logits rows per request
         self.num_layers, self.num_kv_heads, self.head_dim = kv_cache_spec(
             mc.hf_config, self.mesh.shape["model"])
         kv = PagedKVCache(self.attn_backend, self.mesh, self.num_layers, self.num_kv_heads,
@@ -123,7 +130,8 @@ class ModelRunner:
         # The caller hands this count to the scheduler (EngineCore).
         self.num_kv_blocks = kv.num_blocks(
             cc, sc.max_num_seqs, mc.max_model_len,
-            lambda: activation_reserve(mc.hf_config, b.token_buckets[-1], b.request_buckets[-1],
+            lambda: activation_reserve(mc.hf_config, b.token_buckets[-1],
+                                       b.request_buckets[-1] * k1,
                                        self.vocab_size, self.dtype, PROMPT_LOGPROBS_ROWS))
         self.kv_cache = kv.allocate(self.num_kv_blocks)
         self.input_batch = InputBatch(sc.max_num_seqs, mc.max_model_len, b.max_blocks_per_req,
@@ -150,6 +158,8 @@ class ModelRunner:
                                      list(self.mesh.devices.flat))
         self.programs = StepPrograms(graphdef, jax.tree.structure(state),
                                      model.logits_head[...], type(model).head_logits, b, aot)
+        self.spec = None if spec is None else SpecVerifier(
+            spec, graphdef, jax.tree.structure(state), type(model).head_logits, b)
 
     @property
     def aot_cache(self) -> ExecutableCache | None:
@@ -160,6 +170,10 @@ class ModelRunner:
         self.kv_cache = self.programs.precompile(self.state, self.kv_cache, self._no_prev,
                                                  self.vocab_size,
                                                  self.input_batch.sampling.device_put)
+        if self.spec is not None:
+            self.kv_cache = self.spec.precompile(
+                self.state, self.programs.head, self.kv_cache, self.programs.dummy_inputs,
+                self.vocab_size, self.input_batch.sampling.device_put)
 
     # ------------------------------------------------------------------- step
 
@@ -199,12 +213,26 @@ class ModelRunner:
         req_ids, nsched = so.req_ids, so.num_tokens
         n = len(req_ids)
         rows = self._rows_of(req_ids)
+        drafts = so.scheduled_spec_decode_tokens
+        verify = None
+        if drafts:  # the drafts are the step's tokens past each request's known ones
+            draft_lists = [drafts.get(r, []) for r in req_ids]
+            num_drafts = np.fromiter(map(len, draft_lists), np.int32, n)
+            ib.write_drafts(rows, draft_lists, num_drafts)
         inputs = prepare_step_inputs(ib, rows, nsched, self.buckets, self.block_size,
                                      self._arange)
         end = inputs.kv_lens
-        prev_tokens = self._last_sampled if inputs.reads_prev else self._no_prev
-        self.kv_cache, states, last_hidden, out_index = self.programs.run_forward(
-            self.state, self.kv_cache, inputs.packed, prev_tokens)
+        if drafts:
+            ib.num_tokens[rows] -= num_drafts
+            self.kv_cache, hidden = self.spec.forward(
+                self.state, self.kv_cache, inputs.packed,
+                self.spec.verify_rows(inputs.first, nsched, num_drafts))
+            verify, states, last_hidden, out_index = (draft_lists, num_drafts, hidden), None, \
+                None, None
+        else:
+            prev_tokens = self._last_sampled if inputs.reads_prev else self._no_prev
+            self.kv_cache, states, last_hidden, out_index = self.programs.run_forward(
+                self.state, self.kv_cache, inputs.packed, prev_tokens)
         prompt_lp = None
         if ib.wants_prompt_logprobs[:ib.num_reqs].any():  # none for most steps
             prompt_lp = self._dispatch_prompt_logprobs(req_ids, rows, nsched, inputs, states)
@@ -226,7 +254,7 @@ class ModelRunner:
                 if ib.pools[:ib.num_reqs].any() else [])
         return StepHandle(req_ids, rows, ib.layout_version, gen, None, last_hidden, pool,
                           [ib.pooling[rows[i]].normalize for i in pool], prompt_lp,
-                          self.buckets.pad_requests(n), out_index)
+                          self.buckets.pad_requests(n), out_index, verify)
 
     def _sample(self, h: StepHandle, grammar_bitmask: np.ndarray | None) -> None:
         """Launches the sampler of a step whose forward is dispatched."""
@@ -234,6 +262,9 @@ class ModelRunner:
         rows = h.rows
         if ib.layout_version != h.layout_version:  # rows moved since the forward
             rows = self._rows_of(h.req_ids)
+        if h.verify is not None:
+            self._sample_verify(h, rows, grammar_bitmask)
+            return
         smd = ib.sampling.make_metadata(rows, h.r_pad, self.seed, h.out_index)
         if grammar_bitmask is not None:  # structured outputs: only then a bitmask copy
             smd = dataclasses.replace(smd, token_bitmask=self._pad_bitmask(grammar_bitmask,
@@ -247,10 +278,32 @@ class ModelRunner:
                 if arr is not None:
                     arr.copy_to_host_async()
 
+    def _sample_verify(self, h: StepHandle, rows: np.ndarray,
+                       grammar_bitmask: np.ndarray | None) -> None:
+        """The sampler of a verify step (spec_verify.py): the rejection sampler, or
+        position 0 of every request where the step's sampling needs more."""
+        ib, spec = self.input_batch, self.spec
+        drafts, num_drafts, hidden = h.verify
+        out_index = np.zeros(self.buckets.max_num_seqs, np.int32)
+        out_index[:rows.size] = ib.num_tokens[rows] - ib.num_prompt_tokens[rows]
+        smd = ib.sampling.make_metadata(rows, h.r_pad, self.seed, out_index[:h.r_pad])
+        if grammar_bitmask is None and spec.verifiable(smd):
+            ids, counts = spec.draft_arrays(num_drafts, drafts, h.r_pad)
+            h.verified = spec.sample(self.programs.head, hidden, ids, counts, smd)
+            return
+        first, out_index = spec.first_rows(hidden, out_index)
+        smd = dataclasses.replace(smd, out_index=out_index)
+        if grammar_bitmask is not None:
+            smd = dataclasses.replace(smd, token_bitmask=self._pad_bitmask(grammar_bitmask,
+                                                                          h.r_pad))
+        h.sampled = self.programs.sample(first, smd)
+
     def collect(self, h: StepHandle | None) -> ModelRunnerOutput:
         """Waits for a dispatched step and records its sampled tokens on the host."""
         if h is None:
             return ModelRunnerOutput.empty()
+        if self.spec is not None:
+            return self._collect_spec(h)
         ib, n, out = self.input_batch, len(h.req_ids), h.sampled
         t0 = time.perf_counter()
         sampled = np.asarray(out.token_ids)[:n]
@@ -274,6 +327,34 @@ class ModelRunner:
                                  prompt_logprobs=self._collect_prompt_logprobs(h.prompt_lp),
                                  pooler_output=self._pool(h),
                                  sampled_array=np.where(h.gen, sampled, -1))
+
+    def _collect_spec(self, h: StepHandle) -> ModelRunnerOutput:
+        """`collect` with speculation on: every request's emitted tokens (one, or the
+        accepted drafts and one), then the next step's drafts."""
+        ib, n = self.input_batch, len(h.req_ids)
+        rows = np.fromiter((ib.req_id_to_row.get(r, -1) for r in h.req_ids), np.int32, n)
+        if h.verified is not None:
+            v = h.verified
+            tokens, counts = np.asarray(v.tokens)[:n], np.asarray(v.num_emitted)[:n]
+            lp = None if v.logprobs is None else [np.asarray(a) for a in v.logprobs]
+        else:
+            out = h.sampled
+            tokens, counts = np.asarray(out.token_ids)[:n, None], np.ones(n, np.int32)
+            lp = None if out.logprobs is None else [
+                np.asarray(a) for a in (out.logprob_token_ids, out.logprobs, out.ranks)]
+        counts = np.where(h.gen, counts, 0)
+        for j in range(tokens.shape[1]):  # each position, vectorized over requests
+            got = (counts > j) & (rows >= 0)
+            ib.append_sampled(rows[got], tokens[got, j])
+        sampled, logprobs, starts = emitted_lists(tokens, counts, lp)
+        live = [int(r) for r in rows[(rows >= 0) & (counts > 0)] if ib.can_draft[r]]
+        proposals = dict(zip(live, self.spec.propose(ib.token_ids, ib.num_tokens, live),
+                             strict=True))
+        return ModelRunnerOutput(
+            req_ids=h.req_ids, sampled_token_ids=sampled, logprobs=logprobs,
+            prompt_logprobs=self._collect_prompt_logprobs(h.prompt_lp),
+            pooler_output=self._pool(h), logprob_rows=starts,
+            spec_token_ids=[proposals.get(int(r), []) for r in rows])
 
     def _pad_bitmask(self, bitmask: np.ndarray, r_pad: int) -> np.ndarray:
         """The scheduler's `[n, words]` bitmask as the sampler takes it: `[r_pad,
@@ -317,7 +398,11 @@ class ModelRunner:
         if not h.pool_indices:
             return {}
         # Rare path: one host copy of the step's hidden states, no extra compilation.
-        vecs = np.asarray(h.last_hidden, np.float32)[h.pool_indices]
+        hidden = h.last_hidden
+        if h.verify is not None:  # a verify step: position 0 is a pooled request's last token
+            hidden = self.spec.first_rows(h.verify[2], np.zeros(self.buckets.max_num_seqs,
+                                                                np.int32))[0]
+        vecs = np.asarray(hidden, np.float32)[h.pool_indices]
         out = {}
         for v, i, normalize in zip(vecs, h.pool_indices, h.pool_normalize, strict=True):
             if normalize:
