@@ -234,7 +234,8 @@ class ModelRunner:
             self.kv_cache, states, last_hidden, out_index = self.programs.run_forward(
                 self.state, self.kv_cache, inputs.packed, prev_tokens)
         prompt_lp = None
-        if ib.wants_prompt_logprobs[:ib.num_reqs].any():  # none for most steps
+        # (A verify step scores no prompt: the scheduler drafts in no step that does.)
+        if verify is None and ib.wants_prompt_logprobs[:ib.num_reqs].any():  # rare
             prompt_lp = self._dispatch_prompt_logprobs(req_ids, rows, nsched, inputs, states)
         # The scheduler decides which requests reach their end this step (a prompt
         # chunk that stops short of the prompt's end does not); of those, the
