@@ -16,7 +16,7 @@ from dataclasses import dataclass
 
 import prometheus_client as prom
 
-from jaxllm.core.messages import SchedulerStats
+from jaxllm.core.messages import SchedulerStats, SpecDecodingStats
 
 logger = logging.getLogger("jaxllm.stats")
 
@@ -205,6 +205,8 @@ class PrometheusStatLogger(StatLogger):
                          for reason in FINISH_REASONS}  # every reason exported from the start
         self._success_families = success
         self._label_values = values
+        self._labels, self._twin = labels, twin
+        self._spec: tuple | None = None  # made on the first speculative step
         self.total_queries = 0
         self.total_hits = 0
 
@@ -222,6 +224,32 @@ class PrometheusStatLogger(StatLogger):
             self.prefix_hit_rate.set(self.total_hits / self.total_queries)
         self.preemptions.inc(self.cumulative.delta("preemptions", stats.num_preemptions))
         self.generation_tokens.inc(stats.num_generation_tokens)
+        if stats.spec_decoding_stats is not None:
+            self._record_spec(stats.spec_decoding_stats)
+
+    def _record_spec(self, spec: SpecDecodingStats) -> None:
+        """vLLM's spec_decode_* counters; acceptance per draft position is labelled
+        `position`."""
+        if self._spec is None:
+            def counter(name: str, doc: str) -> _Twin:
+                return self._twin(prom.Counter, (name, name), doc)
+
+            per_pos = [prom.Counter(p + "spec_decode_num_accepted_tokens_per_pos",
+                                    "Accepted draft tokens at each draft position.",
+                                    [*self._labels, "position"], registry=self.registry)
+                       for p in PREFIXES]
+            self._spec = (
+                counter("spec_decode_num_drafts", "Requests whose drafts were verified."),
+                counter("spec_decode_num_draft_tokens", "Draft tokens verified."),
+                counter("spec_decode_num_accepted_tokens", "Draft tokens accepted."),
+                [_Twin([c.labels(*self._label_values, str(i)) for c in per_pos])
+                 for i in range(spec.num_spec_tokens)])
+        drafts, draft_tokens, accepted, per_pos = self._spec
+        drafts.inc(spec.num_drafts)
+        draft_tokens.inc(spec.num_draft_tokens)
+        accepted.inc(spec.num_accepted_tokens)
+        for twin, n in zip(per_pos, spec.num_accepted_tokens_per_pos, strict=False):
+            twin.inc(n)
 
     def record_first_token(self, ttft: float, num_prompt_tokens: int) -> None:
         self.ttft.observe(ttft)

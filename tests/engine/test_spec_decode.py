@@ -149,12 +149,11 @@ def test_temperature_one_distribution_equals_no_speculation(tmp_path):
 
     A small, peaked model (vocabulary 64) and a prompt that repeats the model's
     own greedy continuation, so that drafts exist and are often accepted."""
+    import torch
     from transformers import AutoModelForCausalLM
 
     from tests.models.tiny_checkpoints import make_tiny_checkpoint
     from tests.spec_decode.chi_square import chi2_threshold, homogeneity
-
-    import torch
 
     model_dir = make_tiny_checkpoint(tmp_path, init_std=0.8, vocab_size=64)
     start = list(range(8, 24))

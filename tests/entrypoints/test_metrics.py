@@ -171,3 +171,25 @@ def test_every_update_reaches_the_vllm_names_with_model_name_and_engine_labels()
     for family in text_string_to_metric_families(logger.expose().decode()):
         for s in family.samples:
             assert s.labels["model_name"] == "m" and s.labels["engine"] == "0", s
+
+
+def test_speculative_decoding_counts_are_exported_under_vllm_names():
+    from jaxllm.core.messages import SpecDecodingStats
+
+    logger = PrometheusStatLogger("m")
+    logger.record_scheduler(SchedulerStats())
+    assert not any("spec_decode" in name for name in exported(logger))  # none until used
+    for drafts, tokens, accepted, per_pos in ((2, 6, 3, [2, 1, 0]), (1, 3, 3, [1, 1, 1])):
+        logger.record_scheduler(SchedulerStats(spec_decoding_stats=SpecDecodingStats(
+            num_spec_tokens=3, num_drafts=drafts, num_draft_tokens=tokens,
+            num_accepted_tokens=accepted, num_accepted_tokens_per_pos=per_pos)))
+    m = exported(logger)
+    for prefix in ("vllm:", "jaxllm:"):
+        assert m[prefix + "spec_decode_num_drafts_total"] == 3
+        assert m[prefix + "spec_decode_num_draft_tokens_total"] == 9
+        assert m[prefix + "spec_decode_num_accepted_tokens_total"] == 6
+    text = logger.expose().decode()
+    per_pos = {s.labels["position"]: s.value
+               for f in text_string_to_metric_families(text) for s in f.samples
+               if s.name == "vllm:spec_decode_num_accepted_tokens_per_pos_total"}
+    assert per_pos == {"0": 3, "1": 2, "2": 1}
