@@ -158,8 +158,9 @@ class ModelRunner:
                                      list(self.mesh.devices.flat))
         self.programs = StepPrograms(graphdef, jax.tree.structure(state),
                                      model.logits_head[...], type(model).head_logits, b, aot)
-        self.spec = None if spec is None else SpecVerifier(
-            spec, graphdef, jax.tree.structure(state), type(model).head_logits, b)
+        # What a verify program is built from (spec_verify.py; benchmarks make their own).
+        self.graph = (graphdef, jax.tree.structure(state), type(model).head_logits)
+        self.spec = None if spec is None else SpecVerifier(spec, *self.graph, b)
 
     @property
     def aot_cache(self) -> ExecutableCache | None:
