@@ -53,14 +53,16 @@ def write_safetensors(config_dir: str, out_dir: str, dtype: str) -> int:
     import ml_dtypes
     from transformers import AutoConfig
 
-    from jaxllm.models.llama_weights import LlamaArch, hf_weight_map
+    from jaxllm.models.registry import get_model_class
 
     cfg = AutoConfig.from_pretrained(config_dir)
-    arch = LlamaArch.from_hf_config(cfg)
+    model_cls = get_model_class(cfg.architectures[0])
+    arch = model_cls.arch_from_hf_config(cfg)
     np_dtype = np.dtype({"bfloat16": ml_dtypes.bfloat16, "float16": np.float16,
                          "float32": np.float32}[dtype])
     st_name = {"bfloat16": "BF16", "float16": "F16", "float32": "F32"}[dtype]
-    names = [n for src in hf_weight_map(arch) for n in src.tensors]
+    names = [n for src in model_cls.hf_weight_map(cfg)
+             for n in src.tensors]
     shards: dict[str, list[str]] = {}
     for n in names:
         key = n.split(".")[2] if n.startswith("model.layers.") else "other"

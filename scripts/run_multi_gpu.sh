@@ -17,9 +17,9 @@ B8="--model configs/llama-3-8b --load-format dummy --dtype bfloat16"
 B70="--model configs/llama-3-70b --load-format dummy --dtype bfloat16"
 NOPEER=(--hf-peer-batch-sizes "")  # the transformers peer is a one-GPU figure
 
-lat() { PYTHONPATH=. "$PY" scripts/bench_latency.py "$@"; }
-thr() { PYTHONPATH=. "$PY" scripts/bench_throughput.py "${NOPEER[@]}" "$@"; }
-srv() { PYTHONPATH=. "$PY" scripts/bench_serving.py "$@"; }
+lat() { PYTHONPATH=".${PYTHONPATH:+:$PYTHONPATH}" "$PY" scripts/bench_latency.py "$@"; }
+thr() { PYTHONPATH=".${PYTHONPATH:+:$PYTHONPATH}" "$PY" scripts/bench_throughput.py "${NOPEER[@]}" "$@"; }
+srv() { PYTHONPATH=".${PYTHONPATH:+:$PYTHONPATH}" "$PY" scripts/bench_serving.py "$@"; }
 
 STEPS=(8b-decode-tp1 8b-decode-tp2 8b-decode-tp4
        8b-throughput-tp1 8b-throughput-tp2 8b-throughput-tp4 8b-throughput-dp2

@@ -72,6 +72,35 @@ def measure_allreduce_seconds(devices: Any, nbytes: int) -> float:
     return t
 
 
+def measure_allreduce_chain_seconds(devices: Any, nbytes: int, chain: int = 64) -> float:
+    """Seconds of one psum of `nbytes` of bf16 inside a program, as a decode step pays it:
+    a jitted chain of `chain` dependent psums, less the same program without them,
+    over `chain`. A lone jitted psum (`measure_allreduce_seconds`) also times the
+    host's launch on every device, which a step pays once, not per all-reduce."""
+    from jax.sharding import Mesh, NamedSharding
+    from jax.sharding import PartitionSpec as P
+
+    devices = list(devices)
+    n = len(devices)
+    if n < 2:
+        raise ValueError(f"devices: an all-reduce needs at least 2, got {n}")
+    mesh = Mesh(np.asarray(devices), ("x",))
+    x = jax.jit(lambda: jnp.ones((n, max(nbytes // 2, 1)), jnp.bfloat16),
+                out_shardings=NamedSharding(mesh, P("x")))()
+
+    def program(links: int) -> Any:
+        def body(b: jax.Array) -> jax.Array:
+            for _ in range(links):  # each waits for the last: nothing to combine
+                b = jax.lax.psum(b, "x") * jnp.bfloat16(0.5)
+            return b
+        return jax.jit(jax.shard_map(body, mesh=mesh, in_specs=P("x"), out_specs=P("x")))
+
+    t = median_time(program(chain), x, iters=5, reps=5) - median_time(program(0), x,
+                                                                       iters=5, reps=5)
+    del x
+    return max(t, 0.0) / chain
+
+
 def measure_allreduce_bandwidth(devices: Any, gib: float = 1.0) -> float:
     """Bus bandwidth of a psum of `gib` GiB over `devices`: the bytes a ring all-reduce
     moves through each device, 2 (n - 1) / n of the buffer, per second (nccl-tests'

@@ -21,7 +21,7 @@ from jaxllm.benchmarks.common import (
     add_model_args,
     add_parallel_args,
     measure_allreduce_bandwidth,
-    measure_allreduce_seconds,
+    measure_allreduce_chain_seconds,
     measure_hbm_bandwidth,
     param_count,
     print_table,
@@ -105,8 +105,8 @@ def main(argv: list[str] | None = None) -> dict:
     floor_ms = step_floor(step, params, hf, bw, float("inf"), tp=tp, link_bw=link) * 1e3
     # A decode step's all-reduces are a few KiB, where a collective's fixed latency, not
     # the bus bandwidth, sets its time: a second floor takes each at the measured time
-    # of one psum of [batch, hidden] bf16, to tell that cost apart from the engine's.
-    small_s = (measure_allreduce_seconds(jax.devices()[:tp], b * hf.hidden_size * 2)
+    # of one in-program psum of [batch, hidden] bf16, to tell that cost apart from the engine's.
+    small_s = (measure_allreduce_chain_seconds(jax.devices()[:tp], b * hf.hidden_size * 2)
                if tp > 1 else 0.0)
     memory_ms = step_floor(step, params, hf, bw, float("inf"), tp=tp,
                            link_bw=float("inf")) * 1e3

@@ -1,8 +1,9 @@
-"""RMSNorm as the Llama family computes it: statistics in float32, scale in the model dtype.
+"""RMSNorm as Hugging Face computes it, statistics in float32.
 
-Hugging Face normalizes in float32, casts back to the input dtype and only then
-multiplies by the weight; doing the same keeps bf16 outputs bit-close to it.
-The weight is tiny and replicated on every device.
+Llama's: normalize in float32, cast back to the input dtype, then multiply by
+the weight. Gemma's (`offset=True`): multiply by `1 + weight` in float32, then
+cast; its checkpoints store the weight minus one. Doing the same as each keeps
+bf16 outputs bit-close to it. The weight is tiny and replicated on every device.
 """
 
 from __future__ import annotations
@@ -13,20 +14,25 @@ from flax import nnx
 from jax.sharding import PartitionSpec as P
 
 
-def rms_norm(x: jax.Array, weight: jax.Array, eps: float) -> jax.Array:
-    """Normalizes over the last axis of `x`; `weight` has that axis' size."""
+def rms_norm(x: jax.Array, weight: jax.Array, eps: float, offset: bool = False) -> jax.Array:
+    """Normalizes over the last axis of `x`; `weight` has that axis' size; `offset`:
+    Gemma's `1 + weight` scale."""
     x32 = x.astype(jnp.float32)
     x32 = x32 * jax.lax.rsqrt(jnp.mean(x32 * x32, axis=-1, keepdims=True) + eps)
+    if offset:
+        return (x32 * (1.0 + weight.astype(jnp.float32))).astype(x.dtype)
     return weight * x32.astype(x.dtype)
 
 
 class RMSNorm(nnx.Module):
-    """`weight * x / rms(x)` over the last axis (size `dim`)."""
+    """`weight * x / rms(x)` (`offset`: `(1 + weight) * ...`) over the last axis (size `dim`)."""
 
-    def __init__(self, dim: int, *, eps: float, dtype: jnp.dtype):
+    def __init__(self, dim: int, *, eps: float, dtype: jnp.dtype, offset: bool = False):
         self.eps = float(eps)
-        self.weight = nnx.Param(jnp.ones((dim,), dtype), out_sharding=P(None),
+        self.offset = offset
+        init = jnp.zeros if offset else jnp.ones
+        self.weight = nnx.Param(init((dim,), dtype), out_sharding=P(None),
                                 eager_sharding=False)
 
     def __call__(self, x: jax.Array) -> jax.Array:
-        return rms_norm(x, self.weight[...], self.eps)
+        return rms_norm(x, self.weight[...], self.eps, self.offset)

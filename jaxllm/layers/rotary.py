@@ -7,7 +7,9 @@ into the compiled step as a constant; angles, cos and sin are float32.
 
 Rope parameters are read as transformers 5 stores them (`config.rope_parameters`,
 a dict holding `rope_type`, `rope_theta` and the scaling keys); configs in the
-older form (`rope_theta` plus `rope_scaling`) are read too. Supported types:
+older form (`rope_theta` plus `rope_scaling`) are read too, and so is the
+per-layer-type form (Gemma 3: `{"sliding_attention": {...}, "full_attention":
+{...}}`, each layer reading its type's). Supported types:
 "default", "linear" and "llama3" (Llama 3.1's frequency-dependent scaling).
 """
 
@@ -26,8 +28,9 @@ from jaxllm.errors import ParameterError
 SUPPORTED_ROPE_TYPES = ("default", "linear", "llama3")
 
 
-def rope_parameters(hf_config: Any) -> dict[str, Any]:
-    """The flat rope parameter dict of `hf_config`, with `rope_type` and `rope_theta` set."""
+def rope_parameters(hf_config: Any, layer_type: str | None = None) -> dict[str, Any]:
+    """The flat rope parameter dict of `hf_config` (for a layer of `layer_type` where
+    the parameters are given per layer type), with `rope_type` and `rope_theta` set."""
     params = getattr(hf_config, "rope_parameters", None)
     if not params:
         params = dict(getattr(hf_config, "rope_scaling", None) or {})
@@ -35,9 +38,10 @@ def rope_parameters(hf_config: Any) -> dict[str, Any]:
             params.setdefault("rope_theta", hf_config.rope_theta)
     params = dict(params)
     if params and all(isinstance(v, dict) for v in params.values()):
-        # Per-layer-type rope (nested by layer type) belongs to other families.
-        raise ParameterError("rope_parameters",
-                             "per-layer-type rope parameters are not supported for this model")
+        if layer_type not in params:
+            raise ParameterError("rope_parameters", f"no rope parameters for layer type "
+                                 f"{layer_type!r}; the config has {sorted(params)}")
+        params = dict(params[layer_type])
     params["rope_type"] = params.get("rope_type", params.get("type", "default"))
     params.setdefault("rope_theta", 10000.0)
     if getattr(hf_config, "partial_rotary_factor", None) is not None:
@@ -54,8 +58,9 @@ class RotaryEmbedding:
     inv_freq: tuple[float, ...]  # [rotary_dim // 2]
 
     @classmethod
-    def from_hf_config(cls, hf_config: Any, head_dim: int) -> RotaryEmbedding:
-        params = rope_parameters(hf_config)
+    def from_hf_config(cls, hf_config: Any, head_dim: int,
+                       layer_type: str | None = None) -> RotaryEmbedding:
+        params = rope_parameters(hf_config, layer_type)
         rotary_dim = int(head_dim * params.get("partial_rotary_factor", 1.0))
         inv_freq = _inv_freq(params, rotary_dim, hf_config)
         return cls(head_dim, rotary_dim, tuple(float(f) for f in inv_freq))

@@ -23,7 +23,7 @@ import glob
 import json
 import os
 from collections.abc import Callable
-from typing import Any, NamedTuple
+from typing import Any
 
 import jax
 import jax.numpy as jnp
@@ -37,6 +37,7 @@ from jaxllm.config import ModelConfig
 from jaxllm.distributed.mesh import kv_head_replicas, param_shardings, validate_tensor_parallel
 from jaxllm.errors import ParameterError
 from jaxllm.layers.attention_sharded import shard_attention
+from jaxllm.models.contract import KVCacheSpec
 from jaxllm.models.orbax_io import ORBAX_DIR, is_orbax_checkpoint, load_orbax
 from jaxllm.models.registry import get_model_class
 
@@ -48,22 +49,11 @@ _ST_DTYPES = {
 }
 
 
-class KVCacheSpec(NamedTuple):
-    """What the runner needs to size and shape the KV cache (whole model, over every
-    'model' shard; `num_kv_heads` counts replicated kv heads, see models/llama.py)."""
-
-    num_layers: int
-    num_kv_heads: int
-    head_dim: int
-
-    def bytes_per_token(self, dtype: str | jnp.dtype) -> int:
-        """K and V of one token over all layers; per device divide by tensor_parallel_size."""
-        return 2 * self.num_layers * self.num_kv_heads * self.head_dim * jnp.dtype(dtype).itemsize
-
-
 def kv_cache_spec(hf_config: Any, tensor_parallel_size: int = 1) -> KVCacheSpec:
     """The cache's shape parameters; with fewer kv heads than `tensor_parallel_size`
-    the kv heads are replicated so that each shard holds one."""
+    the kv heads are replicated so that each shard holds one. (Read from the config
+    alone, so that tools size a cache for any decoder without its class; the
+    classes' `kv_cache_spec` agree, tests/models.)"""
     heads = int(hf_config.num_attention_heads)
     kv_heads = int(getattr(hf_config, "num_key_value_heads", None) or heads)
     return KVCacheSpec(

@@ -5,7 +5,7 @@ config and tokenizer (config.json, tokenizer files, generation_config.json), so
 config and tokenizer loading are unchanged, plus
 
   * `jaxllm_orbax/`: the module state (fused qkv, stacked gate/up, ... exactly
-    as models/llama.py holds it) saved by orbax-checkpoint; and
+    as models/decoder.py holds it) saved by orbax-checkpoint; and
   * `jaxllm_orbax.json`: the format version, the dtype and the tensor-parallel
     layout the weights were laid out for.
 
@@ -13,7 +13,7 @@ Restoring asks orbax for each array with its `NamedSharding` on the mesh, so
 every process reads only the shards its devices hold and no weight passes
 through a full host copy. The only layout that depends on the tensor-parallel
 size is the fused qkv when kv heads are replicated (fewer kv heads than
-shards, models/llama_weights.py): a checkpoint restores at any
+shards, models/decoder_weights.py): a checkpoint restores at any
 `tensor_parallel_size` whose kv-head replication equals the one it was
 converted for, and any other is a ParameterError (no re-layout).
 """
@@ -34,7 +34,7 @@ from jaxllm.errors import ParameterError
 
 ORBAX_DIR = "jaxllm_orbax"
 METADATA_FILE = "jaxllm_orbax.json"
-FORMAT_VERSION = 1
+FORMAT_VERSION = 2  # 2: projections are Linear modules ('qkv_proj/weight')
 # Files of the source directory that config and tokenizer loading read.
 _COPIED_SUFFIXES = (".json", ".model", ".txt", ".tiktoken", ".jinja")
 _NOT_COPIED = ("model.safetensors.index.json", METADATA_FILE)

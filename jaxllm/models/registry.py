@@ -1,16 +1,13 @@
 """Hugging Face architecture name -> the Flax NNX class that implements it.
 
-A model class takes `(hf_config, *, dtype, rngs, attn_backend, swiglu)` (swiglu: the
-MLP up-projection of jaxllm/layers/mlp.py, None for XLA's), is called as
-`model(input_ids, positions, kv_cache, md) -> (hidden, kv_cache)` (one cache
-array for all layers, see jaxllm/layers/attention.py), has
-`compute_logits(hidden)`, and tells the loader where its weights live in a
-checkpoint (`hf_weight_map`, `hf_ignored_tensor`).
+Every class implements the model contract (models/contract.py); today all are
+configurations of the generic decoder (models/decoder.py).
 """
 
 from __future__ import annotations
 
 from jaxllm.errors import ParameterError
+from jaxllm.models.gemma import GemmaForCausalLM
 from jaxllm.models.llama import LlamaForCausalLM
 
 _MODELS: dict[str, type] = {
@@ -18,6 +15,8 @@ _MODELS: dict[str, type] = {
     "MistralForCausalLM": LlamaForCausalLM,
     "Qwen2ForCausalLM": LlamaForCausalLM,
     "Qwen3ForCausalLM": LlamaForCausalLM,
+    "Gemma2ForCausalLM": GemmaForCausalLM,
+    "Gemma3ForCausalLM": GemmaForCausalLM,
 }
 
 

@@ -157,9 +157,9 @@ class ModelRunner:
                                                  self.mesh),
                                      list(self.mesh.devices.flat))
         self.programs = StepPrograms(graphdef, jax.tree.structure(state),
-                                     model.logits_head[...], type(model).head_logits, b, aot)
+                                     model.logits_head[...], model.head_logits, b, aot)
         # What a verify program is built from (spec_verify.py; benchmarks make their own).
-        self.graph = (graphdef, jax.tree.structure(state), type(model).head_logits)
+        self.graph = (graphdef, jax.tree.structure(state), model.head_logits)
         self.spec = None if spec is None else SpecVerifier(spec, *self.graph, b)
 
     @property

@@ -247,7 +247,7 @@ def compile_programs(config: EngineConfig, devices: Sequence[jax.Device], target
     aot = ExecutableCache.create(xla_cache_dir, aot_context(config, attn, swiglu, mesh),
                                  list(mesh.devices.flat))
     forward, sample_fn, logits_fn, prompt_logprobs = step_functions(
-        graphdef, jax.tree.structure(state), type(model).head_logits, b.max_num_seqs,
+        graphdef, jax.tree.structure(state), model.head_logits, b.max_num_seqs,
         b.max_blocks_per_req)
     replicated = NamedSharding(mesh, P())
     no_prev = jax.ShapeDtypeStruct((b.max_num_seqs,), jnp.int32, sharding=replicated)

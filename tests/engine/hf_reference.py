@@ -38,3 +38,17 @@ def random_prompts(vocab: int, lengths: list[int], seed: int = 0) -> list[list[i
     rng = np.random.default_rng(seed)
     # Stay clear of the special ids at the bottom of the tiny vocabularies.
     return [rng.integers(8, vocab, size=n).tolist() for n in lengths]
+
+
+def hf_prompt_logprobs(model_dir: str, prompts: list[list[int]]) -> list[list[float]]:
+    """Per prompt: the logprob transformers gives each prompt token after the first."""
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
+    out = []
+    with torch.no_grad():
+        for prompt in prompts:
+            logits = model(torch.tensor([prompt])).logits[0, :-1].double()
+            lp = torch.log_softmax(logits, -1)
+            out.append([float(lp[i, t]) for i, t in enumerate(prompt[1:])])
+    return out

@@ -1,11 +1,12 @@
-"""Greedy tokens and logprobs of the whole engine equal transformers' (float32, CPU)."""
+"""Greedy tokens, logprobs and prompt logprobs of the whole engine equal transformers'
+(float32, CPU), for every supported family."""
 
 from __future__ import annotations
 
 import pytest
 
 from jaxllm import LLM, SamplingParams
-from tests.engine.hf_reference import hf_greedy, random_prompts
+from tests.engine.hf_reference import hf_greedy, hf_prompt_logprobs, random_prompts
 from tests.models.tiny_checkpoints import make_tiny_checkpoint
 
 NEW_TOKENS = 32
@@ -19,6 +20,16 @@ CASES = {
     "mistral": dict(arch="mistral", num_key_value_heads=2),
     "qwen2-bias-tied": dict(arch="qwen2", num_key_value_heads=2, tie_word_embeddings=True),
     "qwen3-qknorm": dict(arch="qwen3", num_key_value_heads=2, tie_word_embeddings=False),
+    # Sliding windows shorter than the prompts; soft-caps low enough to change logits.
+    "gemma2-softcaps": dict(arch="gemma2", num_key_value_heads=2, sliding_window=8,
+                            attn_logit_softcapping=2.0, final_logit_softcapping=3.0,
+                            query_pre_attn_scalar=24, tie_word_embeddings=True),
+    "gemma3-local-global": dict(
+        arch="gemma3", num_key_value_heads=2, sliding_window=8,
+        layer_types=["sliding_attention", "full_attention"],
+        rope_parameters={"sliding_attention": dict(rope_type="default", rope_theta=10.0),
+                         "full_attention": dict(rope_type="linear", rope_theta=10000.0,
+                                                factor=4.0)}),
 }
 
 
@@ -26,16 +37,23 @@ pytestmark = pytest.mark.slow  # an engine and transformers per model
 
 
 @pytest.mark.parametrize("case", list(CASES))
-def test_greedy_tokens_and_top5_logprobs_match_transformers(case, tmp_path):
+def test_greedy_tokens_top5_logprobs_and_prompt_logprobs_match_transformers(case, tmp_path):
     overrides = dict(CASES[case])
     model_dir = make_tiny_checkpoint(tmp_path, **overrides)
     llm = LLM(model_dir, **ENGINE)
     vocab = llm.llm_engine.model_config.vocab_size
     prompts = random_prompts(vocab, LENGTHS, seed=len(case))
-    params = SamplingParams(temperature=0.0, max_tokens=NEW_TOKENS, ignore_eos=True, logprobs=5)
+    params = SamplingParams(temperature=0.0, max_tokens=NEW_TOKENS, ignore_eos=True, logprobs=5,
+                            prompt_logprobs=1)
     outs = llm.generate([{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False)
     ref_tokens, ref_top = hf_greedy(model_dir, prompts, NEW_TOKENS)
-    for out, want, want_top in zip(outs, ref_tokens, ref_top, strict=True):
+    ref_prompt = hf_prompt_logprobs(model_dir, prompts)
+    for out, want, want_top, want_prompt, prompt in zip(outs, ref_tokens, ref_top, ref_prompt,
+                                                        prompts, strict=True):
+        assert out.prompt_logprobs[0] is None
+        got_prompt = [lp[t].logprob for t, lp in zip(prompt[1:], out.prompt_logprobs[1:],
+                                                     strict=True)]
+        assert max(abs(g - w) for g, w in zip(got_prompt, want_prompt, strict=True)) < 1e-4
         comp = out.outputs[0]
         assert comp.token_ids == want
         assert comp.finish_reason == "length"

@@ -5,7 +5,9 @@ head, at tp 4 each kv head is replicated on two devices. The workload is chunked
 (a 16-token budget), shares a prefix, runs twice (prefix-cache hits) and fits a
 KV cache too small for all of it (preemption). Greedy tokens must be
 transformers' (float32) at every tp and on every body, with no compilation
-after start-up. The Pallas bodies run in interpret mode.
+after start-up. The Pallas bodies run in interpret mode. The Gemma families
+(sliding windows shorter than the prompts, attention and final soft-caps, local
+and global ropes) run the same workload at tp 2 on every body.
 """
 
 from __future__ import annotations
@@ -38,12 +40,29 @@ def model_dir(tmp_path_factory):
                                 num_hidden_layers=LAYERS)
 
 
-@pytest.fixture(scope="module")
-def prompts(model_dir):
+FAMILIES = {
+    "gemma2": dict(arch="gemma2", sliding_window=8, attn_logit_softcapping=2.0,
+                   final_logit_softcapping=3.0, query_pre_attn_scalar=24,
+                   tie_word_embeddings=True),
+    "gemma3": dict(arch="gemma3", sliding_window=8,
+                   layer_types=["sliding_attention", "full_attention"],
+                   rope_parameters={"sliding_attention": dict(rope_type="default",
+                                                              rope_theta=10.0),
+                                    "full_attention": dict(rope_type="linear",
+                                                           rope_theta=10000.0, factor=4.0)}),
+}
+
+
+def workload(model_dir: str) -> list[list[int]]:
     vocab = checkpoint_vocab_size(model_dir)
     shared = random_prompts(vocab, [24], seed=3)[0]
     tails = random_prompts(vocab, [16, 6, 5], seed=4)
     return [shared + tails[0], shared + tails[1], tails[2]]
+
+
+@pytest.fixture(scope="module")
+def prompts(model_dir):
+    return workload(model_dir)
 
 
 @pytest.fixture(scope="module")
@@ -64,7 +83,40 @@ def test_greedy_under_tensor_parallelism_matches_transformers_with_chunks_hits_a
     llm = LLM(model_dir, attention_backend=backend, attention_interpret=backend != "reference",
               tensor_parallel_size=tp, **ENGINE)
     runner = _runner(llm)
-    assert runner.mesh.shape["model"] == tp
+    _check_workload(llm, prompts, hf_tokens, tp)
+
+    # Each device holds its own kv heads: 1/tp of the one-device cache where the kv
+    # heads divide, one (replicated) head of the two where they do not.
+    shard = runner.kv_cache.addressable_shards[0].data
+    one_device = runner.kv_cache.nbytes * KV_HEADS // max(KV_HEADS, tp)
+    assert shard.nbytes == one_device // min(tp, KV_HEADS)
+
+
+@pytest.fixture(scope="module", params=list(FAMILIES))
+def family(request, tmp_path_factory) -> tuple[str, list[list[int]], list[list[int]]]:
+    """(checkpoint, prompts, transformers' greedy tokens) of a tiny model per family."""
+    model_dir = make_tiny_checkpoint(tmp_path_factory.mktemp(request.param),
+                                     num_attention_heads=HEADS, num_key_value_heads=KV_HEADS,
+                                     num_hidden_layers=LAYERS, **FAMILIES[request.param])
+    family_prompts = workload(model_dir)
+    return model_dir, family_prompts, hf_greedy(model_dir, family_prompts, NEW_TOKENS)[0]
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("backend", ["reference", "pallas_gpu", "pallas_tpu"])
+def test_other_families_at_tp2_match_transformers_with_chunks_hits_and_preemption(
+        backend, family):
+    model_dir, family_prompts, want = family
+    llm = LLM(model_dir, attention_backend=backend, attention_interpret=backend != "reference",
+              tensor_parallel_size=2, **ENGINE)
+    _check_workload(llm, family_prompts, want, 2)
+
+
+def _check_workload(llm: LLM, prompts: list[list[int]], hf_tokens: list[list[int]],
+                    tp: int) -> None:
+    """The workload twice: transformers' tokens both times, with prefix-cache hits and
+    preemptions on the way, and no compilation after start-up."""
+    assert _runner(llm).mesh.shape["model"] == tp
     with recorded_compilations() as compiles:
         runs = [llm.generate([{"prompt_token_ids": p} for p in prompts], GREEDY,
                              use_tqdm=False) for _ in range(2)]
@@ -73,12 +125,6 @@ def test_greedy_under_tensor_parallelism_matches_transformers_with_chunks_hits_a
     stats = llm.llm_engine.last_stats
     assert stats.num_preemptions > 0 and stats.prefix_cache_hits > 0
     assert compiles == []
-
-    # Each device holds its own kv heads: 1/tp of the one-device cache where the kv
-    # heads divide, one (replicated) head of the two where they do not.
-    shard = runner.kv_cache.addressable_shards[0].data
-    one_device = runner.kv_cache.nbytes * KV_HEADS // max(KV_HEADS, tp)
-    assert shard.nbytes == one_device // min(tp, KV_HEADS)
 
 
 def _collectives(hlo: str) -> Counter:

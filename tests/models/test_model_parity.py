@@ -46,6 +46,19 @@ CASES = {
     "mistral-sliding-window": dict(arch="mistral", sliding_window=4),
     "qwen2-bias-tied": dict(arch="qwen2", tie_word_embeddings=True),
     "qwen3-qk-norm": dict(arch="qwen3", head_dim=32),
+    # Gemma 2: a sliding layer then a global one, both logit soft-caps low enough to
+    # bite, an attention scale that is not head_dim's, tied embeddings.
+    "gemma2-softcaps-tied": dict(arch="gemma2", sliding_window=4, attn_logit_softcapping=2.0,
+                                 final_logit_softcapping=3.0, query_pre_attn_scalar=24,
+                                 tie_word_embeddings=True),
+    # Gemma 3: q/k norms, local and global rope bases, rope scaling on the global
+    # layers only, untied.
+    "gemma3-local-global-rope": dict(
+        arch="gemma3", sliding_window=4, query_pre_attn_scalar=24,
+        layer_types=["sliding_attention", "full_attention"],
+        rope_parameters={"sliding_attention": dict(rope_type="default", rope_theta=10.0),
+                         "full_attention": dict(rope_type="linear", rope_theta=10000.0,
+                                                factor=4.0)}),
 }
 
 
@@ -157,7 +170,8 @@ def test_ragged_prefill_and_decode_logits_match_transformers(case, tmp_path):
 
 
 @pytest.mark.parametrize("case", ["llama-gqa-untied", "mistral-sliding-window",
-                                  "qwen3-qk-norm"])
+                                  "qwen3-qk-norm", "gemma2-softcaps-tied",
+                                  "gemma3-local-global-rope"])
 def test_forward_rows_equals_the_full_forward_at_the_last_rows(case, tmp_path):
     """`forward_rows` (the last layer for each request's last token only) gives the
     full forward's hidden states there and the same cache; `finish_states` gives the
@@ -216,7 +230,7 @@ def test_bf16_checkpoint_loads_into_fused_layout_and_runs_in_either_dtype(tmp_pa
     want = hf_logits(model_dir, prompts, [1, 2, 3])  # bf16 weights, float32 compute
     for dtype, atol in (("float32", 1e-4), ("bfloat16", 0.1)):
         model = load(model_dir, dtype=dtype)
-        qkv = model.layers[1].self_attn.qkv_proj[...]
+        qkv = model.layers[1].self_attn.qkv_proj.weight[...]
         assert qkv.dtype == jnp.dtype(dtype)
         # kv head 1 holds q heads 2 and 3, then k head 1, then v head 1 (head_dim 16).
         pre = "model.layers.1.self_attn."
@@ -253,7 +267,8 @@ def test_dummy_weights_are_deterministic_from_the_seed(tmp_path):
 
 
 def test_unsupported_architecture_lists_the_supported_ones():
-    with pytest.raises(ParameterError, match="supported: LlamaForCausalLM"):
+    with pytest.raises(ParameterError, match="supported: Gemma2ForCausalLM, Gemma3ForCausalLM, "
+                                             "LlamaForCausalLM"):
         get_model_class("GPT2LMHeadModel")
 
 

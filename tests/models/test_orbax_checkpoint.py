@@ -56,7 +56,7 @@ def test_converted_checkpoint_restores_bit_identical_weights_in_the_mesh_shardin
         assert g.dtype == w.dtype and g.shape == w.shape, path
         np.testing.assert_array_equal(np.asarray(g).view(np.uint8), np.asarray(w).view(np.uint8))
         assert g.sharding == flat_sh[path], path
-    qkv = got["layers"][0]["self_attn"]["qkv_proj"]
+    qkv = got["layers"][0]["self_attn"]["qkv_proj"]["weight"]
     assert len({s.device for s in qkv.addressable_shards}) == tp
     assert {s.data.shape[0] for s in qkv.addressable_shards} == {2 // tp}
 
@@ -143,5 +143,5 @@ def test_a_config_that_no_longer_matches_the_checkpoint_names_the_weight(tmp_pat
     with open(cfg_path, "w") as f:
         json.dump(cfg, f)
     with pytest.raises(ParameterError, match="model: orbax checkpoint .* weight "
-                                             "'layers.0.mlp.down_proj' has shape"):
+                                             "'layers.0.mlp.down_proj.weight' has shape"):
         _weights(out, 1)

@@ -53,14 +53,14 @@ def test_tensor_parallel_logits_equal_single_device(case, tmp_path):
         np.testing.assert_allclose(g, w, rtol=0, atol=1e-5)
 
     kv_heads = overrides["num_key_value_heads"]
-    qkv = sharded.layers[0].self_attn.qkv_proj[...]
+    qkv = sharded.layers[0].self_attn.qkv_proj.weight[...]
     assert qkv.sharding.spec == P("model", None, None, None)
     # Each device: max(1, kv_heads / tp) kv heads, with the q heads that read them.
     heads = overrides["num_attention_heads"]
     assert {s.data.shape[:2] for s in qkv.addressable_shards} == {
         (max(1, kv_heads // tp), heads // max(kv_heads, tp) + 2)}
     assert len({s.device for s in qkv.addressable_shards}) == tp
-    down = sharded.layers[0].mlp.down_proj[...]
+    down = sharded.layers[0].mlp.down_proj.weight[...]
     assert down.addressable_shards[0].data.shape == (64, 128 // tp)
 
 
@@ -68,7 +68,7 @@ def test_dummy_weights_do_not_depend_on_the_mesh(tmp_path):
     model_dir = make_tiny_checkpoint(tmp_path)
     one = nnx.to_pure_dict(nnx.state(load(model_dir, tp=1, load_format="dummy", seed=5)))
     two = nnx.to_pure_dict(nnx.state(load(model_dir, tp=2, load_format="dummy", seed=5)))
-    assert two["layers"][0]["self_attn"]["qkv_proj"].sharding.spec[0] == "model"
+    assert two["layers"][0]["self_attn"]["qkv_proj"]["weight"].sharding.spec[0] == "model"
     jax.tree.map(lambda a, b: np.testing.assert_array_equal(np.asarray(a), np.asarray(b)),
                  one, two)
 
@@ -113,7 +113,7 @@ def test_vocab_not_divisible_by_tp_is_replicated_and_logits_still_match(tmp_path
         attn_backend=get_attention_backend("reference"))))
     shardings = param_shardings(state, make_mesh(2))
     assert shardings["embed_tokens"].spec == P(None, None)
-    assert shardings["layers"][0]["mlp"]["gate_up_proj"].spec == P(None, "model", None)
+    assert shardings["layers"][0]["mlp"]["gate_up_proj"]["weight"].spec == P(None, "model", None)
     prompts = prompts_for(251, seed=2)
     want = run_prefill_and_decode(load(model_dir, tp=1), prompts, [1, 2, 3])
     got = run_prefill_and_decode(load(model_dir, tp=2), prompts, [1, 2, 3])

@@ -16,6 +16,10 @@ import tempfile
 import torch
 from tokenizers import Regex, Tokenizer, decoders, models, pre_tokenizers, processors
 from transformers import (
+    Gemma2Config,
+    Gemma2ForCausalLM,
+    Gemma3ForCausalLM,
+    Gemma3TextConfig,
     LlamaConfig,
     LlamaForCausalLM,
     MistralConfig,
@@ -32,7 +36,11 @@ ARCHS = {
     "mistral": (MistralConfig, MistralForCausalLM),
     "qwen2": (Qwen2Config, Qwen2ForCausalLM),
     "qwen3": (Qwen3Config, Qwen3ForCausalLM),
+    "gemma2": (Gemma2Config, Gemma2ForCausalLM),
+    "gemma3": (Gemma3TextConfig, Gemma3ForCausalLM),
 }
+# Gemma's norms scale by 1 + weight: its random norm weights sit around 0.
+_OFFSET_NORMS = ("gemma2", "gemma3")
 SPECIAL_TOKENS = ["<pad>", "<s>", "</s>", "<unk>"]  # ids 0..3
 PAD_ID, BOS_ID, EOS_ID = 0, 1, 2
 CHAT_TEMPLATE = (
@@ -64,7 +72,7 @@ def make_tiny_checkpoint(tmp_path, arch: str = "llama", *, dtype: str = "float32
     with torch.no_grad():
         for name, p in model.named_parameters():
             if "norm" in name:
-                p.copy_(1.0 + 0.1 * torch.randn_like(p))
+                p.copy_((0.0 if arch in _OFFSET_NORMS else 1.0) + 0.1 * torch.randn_like(p))
             else:
                 p.normal_(0.0, init_std)
     model = model.to(_TORCH_DTYPES[dtype])

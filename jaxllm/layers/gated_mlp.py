@@ -1,0 +1,62 @@
+"""The gated MLP every dense family uses: `down(act(x @ gate.T) * (x @ up.T))`.
+
+SwiGLU (act = SiLU: Llama, Mistral, Qwen) and GeGLU (act = tanh-approximated
+GELU: Gemma). Gate and up are one fused `[2, I, H]` weight, column parallel over
+'model'; down is `[H, I]`, row parallel. SwiGLU's up-projection goes through the
+`SwiGLU` object (jaxllm/layers/mlp.py: XLA or the fused GPU kernel), its down
+projection through the `MatmulAdd` (residual add in the epilogue).
+
+An MLP module takes `(x, residual)` and returns `residual + mlp(x)`, or `mlp(x)`
+alone when `residual` is None (families that norm the MLP's output before the
+add). The decoder picks one MLP per layer (`models/decoder.py`'s factory), so a
+mixture-of-experts MLP drops in beside this one.
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+from flax import nnx
+from jax.sharding import PartitionSpec as P
+
+from jaxllm.errors import ParameterError
+from jaxllm.layers.linear import Linear
+from jaxllm.layers.mlp import SwiGLU
+
+# Hugging Face `hidden_act` / `hidden_activation` names -> the gate's activation.
+ACTIVATIONS = {
+    "silu": "silu", "swish": "silu",
+    "gelu_pytorch_tanh": "gelu_tanh", "gelu_tanh": "gelu_tanh",
+}
+
+
+def activation_name(hf_name: str, field: str = "config.json:hidden_act") -> str:
+    """The gate activation for a Hugging Face activation name, or a clear error."""
+    try:
+        return ACTIVATIONS[hf_name]
+    except KeyError:
+        raise ParameterError(field, f"{hf_name!r} is not supported; supported: "
+                             f"{', '.join(sorted(ACTIVATIONS))}") from None
+
+
+class GatedMLP(nnx.Module):
+    def __init__(self, hidden: int, inter: int, *, activation: str, bias: bool,
+                 dtype: jnp.dtype, rngs: nnx.Rngs, swiglu: SwiGLU):
+        self.activation = activation
+        self.swiglu = swiglu
+        self.gate_up_proj = Linear((2, inter), (hidden,), P(None, "model", None), dtype=dtype,
+                                   rngs=rngs, bias=bias)
+        self.down_proj = Linear((hidden,), (inter,), P(None, "model"), dtype=dtype, rngs=rngs,
+                                bias=bias, bias_spec=P(None), matmul_add=swiglu.matmul_add)
+
+    def __call__(self, x: jax.Array, residual: jax.Array | None) -> jax.Array:
+        """`residual + mlp(x)` (`mlp(x)` when `residual` is None) for the normed input `x`."""
+        up = self.gate_up_proj
+        if self.activation == "silu":
+            h = self.swiglu(x, up.weight[...], None if up.bias is None else up.bias[...])
+        else:
+            gate_up = up(x)
+            h = jax.nn.gelu(gate_up[:, 0], approximate=True) * gate_up[:, 1]
+        if residual is None:
+            return self.down_proj(h)
+        return self.down_proj.add(h, residual)

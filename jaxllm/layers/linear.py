@@ -1,0 +1,77 @@
+"""`Linear`: one projection's weight, its sharding, and the method that applies it.
+
+Weights keep Hugging Face's `[out..., in...]` orientation (loading is a reshape,
+never a transpose); a projection may have several output axes (the fused qkv
+weight `[kv_heads, G + 2, D, hidden]`) or several input axes (the output
+projection `[hidden, heads, D]`). The weight declares its sharding next to its
+definition. How the product is computed is the layer's `method`, a static
+object: `UnquantizedLinear` is the plain einsum; a quantized method (int8 / fp8
+weights with scales) replaces it without touching the model code.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import string
+
+import jax
+import jax.numpy as jnp
+from flax import nnx
+from jax.sharding import PartitionSpec as P
+
+from jaxllm.layers.mlp import MatmulAdd
+
+INIT_STD = 0.02  # dummy weights: small enough that activations stay finite
+
+
+def make_param(rngs: nnx.Rngs, shape: tuple[int, ...], dtype: jnp.dtype, spec: P,
+               init: str = "normal") -> nnx.Param:
+    """A parameter of `shape` declaring its sharding `spec` ("normal", "ones" or "zeros")."""
+    if init == "normal":
+        value = (INIT_STD * jax.random.normal(rngs.params(), shape, jnp.float32)).astype(dtype)
+    else:
+        value = (jnp.ones if init == "ones" else jnp.zeros)(shape, dtype)
+    # Placement happens in the loader (or a jitted init's out_shardings), not here.
+    return nnx.Param(value, out_sharding=spec, eager_sharding=False)
+
+
+@dataclasses.dataclass(frozen=True)
+class UnquantizedLinear:
+    """The plain product `x @ W.T` over the weight's trailing `in_dims` axes."""
+
+    def apply(self, x: jax.Array, w: jax.Array, in_dims: int) -> jax.Array:
+        letters = string.ascii_lowercase
+        ins, outs = letters[:in_dims], letters[in_dims:w.ndim]
+        return jnp.einsum(f"T{ins},{outs}{ins}->T{outs}", x, w)
+
+    def apply_add(self, matmul_add: MatmulAdd, x: jax.Array, w: jax.Array,
+                  residual: jax.Array, bias: jax.Array | None) -> jax.Array:
+        """`residual + x @ W.T (+ bias)` as one `[T, K] x [N, K]` product (a fused
+        kernel where `matmul_add` has one)."""
+        return matmul_add(x.reshape(x.shape[0], -1), w.reshape(w.shape[0], -1), residual, bias)
+
+
+class Linear(nnx.Module):
+    """`x [T, *in] -> [T, *out]` with weight `[*out, *in]` (+ bias `[*out]`)."""
+
+    def __init__(self, out_shape: tuple[int, ...], in_shape: tuple[int, ...], spec: P, *,
+                 dtype: jnp.dtype, rngs: nnx.Rngs, bias: bool = False,
+                 bias_spec: P | None = None, method: UnquantizedLinear | None = None,
+                 matmul_add: MatmulAdd | None = None):
+        self.in_dims = len(in_shape)
+        self.weight = make_param(rngs, (*out_shape, *in_shape), dtype, spec)
+        self.bias = (make_param(rngs, out_shape, dtype,
+                                bias_spec if bias_spec is not None else P(*spec[:len(out_shape)]),
+                                "zeros") if bias else None)
+        self.method = method or UnquantizedLinear()
+        self.matmul_add = matmul_add or MatmulAdd()
+
+    def __call__(self, x: jax.Array) -> jax.Array:
+        out = self.method.apply(x, self.weight[...], self.in_dims)
+        return out if self.bias is None else out + self.bias[...]
+
+    def add(self, x: jax.Array, residual: jax.Array) -> jax.Array:
+        """`residual + self(x)` for a projection with one output axis (the residual
+        add in the product's epilogue where the `MatmulAdd` has a kernel)."""
+        return self.method.apply_add(self.matmul_add, x, self.weight[...], residual,
+                                     None if self.bias is None else self.bias[...])

@@ -1,0 +1,261 @@
+"""The generic decoder: one forward, `forward_rows` and `finish_states` for every family.
+
+A family (models/llama.py, models/gemma.py) only reads its Hugging Face config
+into a `DecoderArch` (models/decoder_arch.py); this module builds the layers
+from it and implements the model contract (models/contract.py). What differs
+between families is configuration: biases, q/k norms, the MLP each layer picks
+(`MLP_FACTORIES`), per-layer sliding windows and ropes, two norms per layer or
+four (Gemma's norms on the attention's and MLP's outputs), Gemma's `1 + w`
+norms, scaled embedding, attention and final logit soft-caps and attention
+scale. Weights keep Hugging Face's `[out, in]` orientation, so loading is
+reshape/stack, never a transpose; projections are fused so a layer runs one
+qkv and one gate/up matmul.
+
+Every weight declares its sharding over the mesh axes ('data', 'model'):
+
+  weight          shape                      spec                     role
+  embed_tokens    [vocab, hidden]            ('model', None)          vocab-parallel
+  lm_head         [vocab, hidden]            ('model', None)          vocab-parallel logits
+  qkv_proj        [kv_heads, G+2, D, hidden] ('model', ...)           column-parallel
+  qkv_proj bias   [kv_heads, G+2, D]         ('model', ...)
+  o_proj          [hidden, heads, D]         (None, 'model', None)    row-parallel
+  gate_up_proj    [2, inter, hidden]         (None, 'model', None)    column-parallel
+  down_proj       [hidden, inter]            (None, 'model')          row-parallel
+  norms, biases of row-parallel outputs      replicated
+
+G = heads // kv_heads. The fused qkv weight groups, per kv head, its G query
+heads then its k head then its v head, so sharding the kv-head axis gives every
+'model' shard whole q, k and v heads that attend to each other (GQA stays local).
+With fewer kv heads than 'model' shards (tensor_parallel_size), each kv head is
+replicated tp / kv_heads times and its query heads dealt among the copies, so
+`kv_heads` above is then tp and every shard holds one kv head (as vLLM does).
+Tied embeddings reuse `embed_tokens` for the logits (both vocab-sharded). Every
+layer's norm weights sit in one stacked array (`layer_norms`, and `qk_norms`):
+a jitted step pays the host per array it takes.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+from flax import nnx
+from jax.sharding import PartitionSpec as P
+
+from jaxllm.layers.attention import AttentionBackend, AttentionMetadata
+from jaxllm.layers.gated_mlp import GatedMLP
+from jaxllm.layers.linear import Linear, make_param
+from jaxllm.layers.mlp import SwiGLU
+from jaxllm.layers.norm import RMSNorm, rms_norm
+from jaxllm.models.contract import KVCacheSpec, LogitsHead, WeightSource
+from jaxllm.models.decoder_arch import DecoderArch
+from jaxllm.models.decoder_weights import hf_weight_map
+
+
+def dense_mlp(arch: DecoderArch, layer: int, *, dtype: jnp.dtype, rngs: nnx.Rngs,
+              swiglu: SwiGLU) -> nnx.Module:
+    return GatedMLP(arch.hidden_size, arch.intermediate_size, activation=arch.activation,
+                    bias=arch.mlp_bias, dtype=dtype, rngs=rngs, swiglu=swiglu)
+
+
+# Per-layer MLP kind (`DecoderArch.mlp_kinds`) -> its module. An MLP is called as
+# `mlp(x, residual)` -> `residual + mlp(x)` (`mlp(x)` when residual is None);
+# its checkpoint tensors are decoder_weights.MLP_WEIGHTS[kind].
+MLP_FACTORIES: dict[str, Callable[..., nnx.Module]] = {"dense": dense_mlp}
+
+
+class DecoderAttention(nnx.Module):
+    def __init__(self, arch: DecoderArch, layer: int, *, dtype: jnp.dtype, rngs: nnx.Rngs,
+                 attn_backend: AttentionBackend, swiglu: SwiGLU):
+        kv, g, d, h = arch.num_kv_heads, arch.group, arch.head_dim, arch.hidden_size
+        self.group = g
+        self.qkv_proj = Linear((kv, g + 2, d), (h,), P("model", None, None, None), dtype=dtype,
+                               rngs=rngs, bias=arch.qkv_bias)
+        self.o_proj = Linear((h,), (arch.num_heads, d), P(None, "model", None), dtype=dtype,
+                             rngs=rngs, bias=arch.o_bias, bias_spec=P(None),
+                             matmul_add=swiglu.matmul_add)
+        self.qk_norm, self.eps, self.offset = arch.qk_norm, arch.rms_norm_eps, arch.norm_offset
+        self.rope = arch.ropes[layer]
+        self.sm_scale = arch.sm_scale
+        self.soft_cap = arch.attn_soft_cap
+        self.sliding_window = arch.sliding_windows[layer]
+        self.attn_backend = attn_backend
+        self.layer, self.num_layers = layer, arch.num_layers
+
+    def __call__(self, x: jax.Array, positions: jax.Array, kv_cache: jax.Array,
+                 md: AttentionMetadata, qk_norms: jax.Array | None, residual: jax.Array,
+                 post_norm: jax.Array | None = None, rows: jax.Array | None = None,
+                 write: bool = True) -> tuple[jax.Array, jax.Array]:
+        """`residual` plus the attention block's output (for the normed input `x`;
+        normed by `post_norm` first where given), and the updated cache.
+
+        `rows` (one per request, its last token): every token's K/V still goes to the
+        cache, but only those rows' outputs are computed and returned. `write=False`:
+        this step's K/V are in the cache already (`DecoderForCausalLM.finish_states`).
+        """
+        qkv = self.qkv_proj(x)
+        t, kv_heads, _, d = qkv.shape
+        q = qkv[:, :, :self.group].reshape(t, kv_heads * self.group, d)
+        k, v = qkv[:, :, self.group], qkv[:, :, self.group + 1]
+        if self.qk_norm:  # Qwen3, Gemma 3: RMSNorm over each head's q and k
+            q = rms_norm(q, qk_norms[0], self.eps, self.offset)
+            k = rms_norm(k, qk_norms[1], self.eps, self.offset)
+        q, k = self.rope(q, positions), self.rope(k, positions)
+        # The cache holds every layer's pages; this layer's come after the previous ones'.
+        page_offset = self.layer * (kv_cache.shape[0] // self.num_layers)
+        if write:
+            kv_cache = self.attn_backend.write_kv(kv_cache, k, v, md, page_offset)
+        if rows is not None:
+            q, residual, md = q[rows], residual[rows], md.last_queries()
+        o = self.attn_backend.attend(q, kv_cache, md, sm_scale=self.sm_scale,
+                                     sliding_window=self.sliding_window,
+                                     soft_cap=self.soft_cap, page_offset=page_offset)
+        if post_norm is None:
+            return self.o_proj.add(o, residual), kv_cache
+        return residual + rms_norm(self.o_proj(o), post_norm, self.eps, self.offset), kv_cache
+
+
+class DecoderLayer(nnx.Module):
+    def __init__(self, arch: DecoderArch, layer: int, *, dtype: jnp.dtype, rngs: nnx.Rngs,
+                 attn_backend: AttentionBackend, swiglu: SwiGLU):
+        self.self_attn = DecoderAttention(arch, layer, dtype=dtype, rngs=rngs,
+                                          attn_backend=attn_backend, swiglu=swiglu)
+        self.mlp = MLP_FACTORIES[arch.mlp_kinds[layer]](arch, layer, dtype=dtype, rngs=rngs,
+                                                        swiglu=swiglu)
+        self.eps, self.offset, self.sandwich = (arch.rms_norm_eps, arch.norm_offset,
+                                                arch.sandwich_norms)
+
+    def __call__(self, x: jax.Array, positions: jax.Array, kv_cache: jax.Array,
+                 md: AttentionMetadata, norms: jax.Array, qk_norms: jax.Array | None,
+                 rows: jax.Array | None = None, write: bool = True
+                 ) -> tuple[jax.Array, jax.Array]:
+        """`norms`: this layer's RMSNorm weights `[2 or 4, hidden]` in
+        `DecoderArch.norm_names` order; `rows`, `write`: as in `DecoderAttention`
+        (the output has `rows`' rows)."""
+        def norm(y: jax.Array, i: int) -> jax.Array:
+            return rms_norm(y, norms[i], self.eps, self.offset)
+
+        x, kv_cache = self.self_attn(norm(x, 0), positions, kv_cache, md, qk_norms, residual=x,
+                                     post_norm=norms[1] if self.sandwich else None,
+                                     rows=rows, write=write)
+        if self.sandwich:
+            return x + norm(self.mlp(norm(x, 2), None), 3), kv_cache
+        return self.mlp(norm(x, 1), x), kv_cache
+
+
+class DecoderForCausalLM(nnx.Module):
+    """A decoder-only causal LM over a ragged, paged batch; a family subclass sets
+    `arch_from_hf_config` (its config reader)."""
+
+    @staticmethod
+    def arch_from_hf_config(hf_config: Any, tensor_parallel_size: int = 1) -> DecoderArch:
+        raise NotImplementedError
+
+    def __init__(self, hf_config: Any, *, dtype: str | jnp.dtype, rngs: nnx.Rngs,
+                 attn_backend: AttentionBackend, swiglu: SwiGLU | None = None,
+                 tensor_parallel_size: int = 1):
+        arch = self.arch_from_hf_config(hf_config, tensor_parallel_size)
+        swiglu = swiglu or SwiGLU()
+        dtype = jnp.dtype(dtype)
+        self.arch = arch
+        self.dtype = dtype
+        self.embed_tokens = make_param(rngs, (arch.vocab_size, arch.hidden_size), dtype,
+                                       P("model", None))
+        self.layers = nnx.List([
+            DecoderLayer(arch, i, dtype=dtype, rngs=rngs, attn_backend=attn_backend,
+                         swiglu=swiglu)
+            for i in range(arch.num_layers)])
+        self.norm = RMSNorm(arch.hidden_size, eps=arch.rms_norm_eps, dtype=dtype,
+                            offset=arch.norm_offset)
+        norm_init = "zeros" if arch.norm_offset else "ones"  # identity norms for dummy weights
+        self.layer_norms = make_param(
+            rngs, (arch.num_layers, len(arch.norm_names), arch.hidden_size), dtype,
+            P(None, None, None), norm_init)
+        self.qk_norms = (make_param(rngs, (arch.num_layers, 2, arch.head_dim), dtype,
+                                    P(None, None, None), norm_init) if arch.qk_norm else None)
+        self.lm_head = (None if arch.tie_word_embeddings else
+                        make_param(rngs, (arch.vocab_size, arch.hidden_size), dtype,
+                                   P("model", None)))
+        self.head_logits = LogitsHead(arch.final_soft_cap)
+
+    def __call__(self, input_ids: jax.Array, positions: jax.Array, kv_cache: jax.Array,
+                 md: AttentionMetadata) -> tuple[jax.Array, jax.Array]:
+        """Hidden states after the final norm `[T, hidden]` and the updated KV cache.
+
+        `kv_cache` holds the pages of every layer, `num_layers` equal runs along
+        axis 0 (see jaxllm/layers/attention.py).
+        """
+        states, kv_cache = self._trunk(input_ids, positions, kv_cache, md)
+        x, kv_cache = self._layer(-1, states, positions, kv_cache, md)
+        return self.norm(x), kv_cache
+
+    def forward_rows(self, input_ids: jax.Array, positions: jax.Array, kv_cache: jax.Array,
+                     md: AttentionMetadata, rows: jax.Array
+                     ) -> tuple[jax.Array, jax.Array, jax.Array]:
+        """The forward for the rows whose hidden states are used: `rows` `[R]`, request
+        i's last token at row i (`md.cu_q_lens[1:] - 1`; a padding request's value is
+        ignored). Returns their hidden states after the final norm `[R, hidden]`, the
+        updated cache, and the residual stream entering the last layer `[T, hidden]`
+        (`finish_states` turns it into every row's hidden state).
+
+        Equal to `__call__` at those rows. Every token's K/V is still written in the
+        last layer too (later steps read it), and after the last layer's attention
+        nothing mixes rows. So the last layer's attention output, output projection
+        and MLP run for R rows instead of T, the work no sampled row needs.
+        """
+        states, kv_cache = self._trunk(input_ids, positions, kv_cache, md)
+        x, kv_cache = self._layer(-1, states, positions, kv_cache, md, rows=rows)
+        return self.norm(x), kv_cache, states
+
+    def finish_states(self, states: jax.Array, positions: jax.Array, kv_cache: jax.Array,
+                      md: AttentionMetadata) -> jax.Array:
+        """Every row's hidden state `[T, hidden]` from `forward_rows`' `states` and the
+        cache it returned (the rare steps that score prompt tokens)."""
+        x, _ = self._layer(-1, states, positions, kv_cache, md, write=False)
+        return self.norm(x)
+
+    def _trunk(self, input_ids: jax.Array, positions: jax.Array, kv_cache: jax.Array,
+               md: AttentionMetadata) -> tuple[jax.Array, jax.Array]:
+        """Embedding and every layer but the last."""
+        if kv_cache.shape[0] % len(self.layers):
+            raise ValueError(f"KV cache of {kv_cache.shape[0]} pages does not split into "
+                             f"{len(self.layers)} layers")
+        x = jnp.take(self.embed_tokens[...], input_ids, axis=0)
+        if self.arch.embed_scale:  # in the model dtype, as Hugging Face rounds it
+            x = x * jnp.asarray(self.arch.hidden_size ** 0.5, x.dtype)
+        for i in range(len(self.layers) - 1):
+            x, kv_cache = self._layer(i, x, positions, kv_cache, md)
+        return x, kv_cache
+
+    def _layer(self, i: int, x: jax.Array, positions: jax.Array, kv_cache: jax.Array,
+               md: AttentionMetadata, **kw: Any) -> tuple[jax.Array, jax.Array]:
+        i %= len(self.layers)
+        qk_norms = None if self.qk_norms is None else self.qk_norms[i]
+        return self.layers[i](x, positions, kv_cache, md, self.layer_norms[i], qk_norms, **kw)
+
+    @property
+    def logits_head(self) -> nnx.Param:
+        """The `[vocab, H]` matrix the logits come from (the embedding when tied)."""
+        return self.embed_tokens if self.lm_head is None else self.lm_head
+
+    def compute_logits(self, hidden: jax.Array) -> jax.Array:
+        return self.head_logits(self.logits_head[...], hidden)
+
+    @classmethod
+    def hf_weight_map(cls, hf_config: Any, tensor_parallel_size: int = 1) -> list[WeightSource]:
+        """Where each parameter comes from in a Hugging Face checkpoint (used by the loader)."""
+        return hf_weight_map(cls.arch_from_hf_config(hf_config, tensor_parallel_size))
+
+    @classmethod
+    def hf_ignored_tensor(cls, hf_config: Any, name: str) -> bool:
+        """Checkpoint tensors that are present but carry nothing this module needs."""
+        if name.endswith("rotary_emb.inv_freq"):  # rope buffers saved by old exporters
+            return True
+        return name == "lm_head.weight" and bool(getattr(hf_config, "tie_word_embeddings", False))
+
+    @classmethod
+    def kv_cache_spec(cls, hf_config: Any, tensor_parallel_size: int = 1) -> KVCacheSpec:
+        arch = cls.arch_from_hf_config(hf_config, tensor_parallel_size)
+        return KVCacheSpec(arch.num_layers, arch.num_kv_heads, arch.head_dim)

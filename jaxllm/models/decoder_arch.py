@@ -1,0 +1,130 @@
+"""`DecoderArch`: the static shape and per-layer settings of a decoder family's model.
+
+Each family reads its Hugging Face config into one `DecoderArch`
+(models/llama.py, models/gemma.py); the generic decoder (models/decoder.py)
+and its weight map (models/decoder_weights.py) read nothing else. Per-layer
+attention settings (sliding window, rope) are tuples with one entry per layer.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+from jaxllm.errors import ParameterError
+from jaxllm.layers.rotary import RotaryEmbedding
+
+# Per-layer HF norm names: Llama's two, and Gemma's four (around attention and MLP).
+PRE_NORMS = ("input_layernorm", "post_attention_layernorm")
+SANDWICH_NORMS = ("input_layernorm", "post_attention_layernorm", "pre_feedforward_layernorm",
+                  "post_feedforward_layernorm")
+
+
+@dataclass(frozen=True)
+class DecoderArch:
+    """The static shape of a decoder model, read once from its HF config."""
+
+    model_type: str
+    vocab_size: int
+    hidden_size: int
+    intermediate_size: int
+    num_layers: int
+    num_heads: int
+    num_kv_heads: int  # counts replicated copies (fewer kv heads than shards)
+    head_dim: int
+    rms_norm_eps: float
+    tie_word_embeddings: bool
+    qkv_bias: bool
+    o_bias: bool
+    mlp_bias: bool
+    qk_norm: bool
+    sliding_windows: tuple[int | None, ...]  # per layer
+    ropes: tuple[RotaryEmbedding, ...]  # per layer
+    kv_replicas: int = 1  # copies of each checkpoint kv head (fewer kv heads than shards)
+    mlp_kinds: tuple[str, ...] = ()  # per layer, a key of decoder.MLP_FACTORIES; () = dense
+    activation: str = "silu"  # the gated MLP's gate ("silu" or "gelu_tanh")
+    norm_names: tuple[str, ...] = PRE_NORMS  # per layer; four: norms after attn/MLP too
+    norm_offset: bool = False  # Gemma: RMSNorm scales by 1 + weight
+    embed_scale: bool = False  # Gemma: embeddings times sqrt(hidden), in the model dtype
+    attn_soft_cap: float | None = None
+    final_soft_cap: float | None = None
+    query_pre_attn_scalar: float | None = None  # the attention scale is its -1/2 power
+
+    def __post_init__(self):
+        if not self.mlp_kinds:
+            object.__setattr__(self, "mlp_kinds", ("dense",) * self.num_layers)
+
+    @property
+    def group(self) -> int:
+        return self.num_heads // self.num_kv_heads
+
+    @property
+    def sandwich_norms(self) -> bool:
+        """Norms on the attention's and the MLP's outputs before each residual add."""
+        return len(self.norm_names) == 4
+
+    @property
+    def sm_scale(self) -> float:
+        return (self.query_pre_attn_scalar or self.head_dim) ** -0.5
+
+
+def common_fields(cfg: Any, tensor_parallel_size: int) -> dict[str, Any]:
+    """The fields every family reads the same way. `tensor_parallel_size`: with fewer
+    kv heads than that, each kv head is replicated so that every shard holds one."""
+    heads = int(cfg.num_attention_heads)
+    kv_heads = int(getattr(cfg, "num_key_value_heads", None) or heads)
+    if heads % kv_heads:
+        raise ParameterError("config.json:num_key_value_heads",
+                             f"{kv_heads} does not divide num_attention_heads={heads}")
+    replicas = max(1, tensor_parallel_size // kv_heads)
+    head_dim = int(getattr(cfg, "head_dim", None) or cfg.hidden_size // heads)
+    layer_types = layer_types_of(cfg)
+    return dict(
+        model_type=getattr(cfg, "model_type", "llama"),
+        vocab_size=int(cfg.vocab_size),
+        hidden_size=int(cfg.hidden_size),
+        intermediate_size=int(cfg.intermediate_size),
+        num_layers=int(cfg.num_hidden_layers),
+        num_heads=heads,
+        num_kv_heads=kv_heads * replicas,
+        head_dim=head_dim,
+        rms_norm_eps=float(cfg.rms_norm_eps),
+        tie_word_embeddings=bool(getattr(cfg, "tie_word_embeddings", False)),
+        sliding_windows=sliding_windows(cfg, layer_types),
+        ropes=layer_ropes(cfg, head_dim, layer_types),
+        kv_replicas=replicas,
+    )
+
+
+def layer_types_of(cfg: Any) -> tuple[str, ...] | None:
+    """Each layer's attention type ("sliding_attention" / "full_attention"), or None
+    where the config does not say (one window, or none, for every layer)."""
+    layer_types = getattr(cfg, "layer_types", None)
+    if layer_types is None:
+        return None
+    n = int(cfg.num_hidden_layers)
+    if len(layer_types) != n:
+        raise ParameterError("config.json:layer_types",
+                             f"has {len(layer_types)} entries for {n} layers")
+    return tuple(layer_types)
+
+
+def sliding_windows(cfg: Any, layer_types: tuple[str, ...] | None) -> tuple[int | None, ...]:
+    window = getattr(cfg, "sliding_window", None)
+    if layer_types is None:  # Mistral: one window for every layer (None: full attention)
+        return (int(window) if window else None,) * int(cfg.num_hidden_layers)
+    return tuple(int(window) if t == "sliding_attention" and window else None
+                 for t in layer_types)
+
+
+def layer_ropes(cfg: Any, head_dim: int,
+                layer_types: tuple[str, ...] | None) -> tuple[RotaryEmbedding, ...]:
+    """Each layer's rope; per layer type where the config nests its rope parameters
+    by layer type (Gemma 3's local and global bases)."""
+    params = getattr(cfg, "rope_parameters", None) or {}
+    nested = bool(params) and all(isinstance(v, dict) for v in params.values())
+    n = int(cfg.num_hidden_layers)
+    if not nested or layer_types is None:
+        return (RotaryEmbedding.from_hf_config(cfg, head_dim),) * n
+    by_type = {t: RotaryEmbedding.from_hf_config(cfg, head_dim, t) for t in set(layer_types)}
+    return tuple(by_type[t] for t in layer_types)

@@ -1,0 +1,94 @@
+"""Where each parameter of the generic decoder comes from in a Hugging Face checkpoint.
+
+The fused layouts are models/decoder.py's: qkv grouped by kv head (its G query
+heads, then its k and v heads), kv heads replicated when there are fewer than
+tensor-parallel shards; gate/up stacked; o_proj split by head; every layer's
+norms stacked into one array (`DecoderArch.norm_names` says which, in order).
+"""
+
+from __future__ import annotations
+
+import numpy as np
+
+from jaxllm.models.contract import WeightSource
+from jaxllm.models.decoder_arch import DecoderArch
+
+
+def _only(ts: list[np.ndarray]) -> np.ndarray:
+    return ts[0]
+
+
+def hf_weight_map(arch: DecoderArch) -> list[WeightSource]:
+    """Every parameter of the module with the HF tensors it comes from."""
+    kv, g, d, h = arch.num_kv_heads, arch.group, arch.head_dim, arch.hidden_size
+    copies = arch.kv_replicas
+
+    def fuse_qkv(ts: list[np.ndarray]) -> np.ndarray:
+        # q rows are head-major (head = kv * G + g), so grouping by kv head is a reshape;
+        # copy c of checkpoint kv head j is kv head j * copies + c, and reads the c-th
+        # run of j's query heads.
+        q, k, v = ts
+        tail = q.shape[1:]  # (hidden,) for weights, () for biases
+
+        def kv_heads(t: np.ndarray) -> np.ndarray:
+            t = t.reshape(kv // copies, 1, d, *tail)
+            return t if copies == 1 else np.repeat(t, copies, axis=0)
+
+        return np.concatenate([q.reshape(kv, g, d, *tail), kv_heads(k), kv_heads(v)], axis=1)
+
+    def o_heads(ts: list[np.ndarray]) -> np.ndarray:
+        return ts[0].reshape(h, arch.num_heads, d)
+
+    def by_layer(ts: list[np.ndarray]) -> np.ndarray:
+        stacked = np.stack(ts, axis=0)
+        return stacked.reshape(arch.num_layers, -1, *stacked.shape[1:])
+
+    layers = range(arch.num_layers)
+    out = [WeightSource(("embed_tokens",), ("model.embed_tokens.weight",), _only),
+           WeightSource(("norm", "weight"), ("model.norm.weight",), _only),
+           WeightSource(("layer_norms",), tuple(
+               f"model.layers.{i}.{n}.weight" for i in layers
+               for n in arch.norm_names), by_layer)]
+    if arch.qk_norm:
+        out.append(WeightSource(("qk_norms",), tuple(
+            f"model.layers.{i}.self_attn.{n}_norm.weight" for i in layers for n in "qk"),
+            by_layer))
+    if not arch.tie_word_embeddings:
+        out.append(WeightSource(("lm_head",), ("lm_head.weight",), _only))
+    for i in range(arch.num_layers):
+        at, path = f"model.layers.{i}.self_attn.", ("layers", i, "self_attn")
+        out += [
+            WeightSource(path + ("qkv_proj", "weight"),
+                         tuple(f"{at}{p}_proj.weight" for p in "qkv"), fuse_qkv),
+            WeightSource(path + ("o_proj", "weight"), (at + "o_proj.weight",), o_heads),
+        ]
+        if arch.qkv_bias:
+            out.append(WeightSource(path + ("qkv_proj", "bias"),
+                                    tuple(f"{at}{p}_proj.bias" for p in "qkv"), fuse_qkv))
+        if arch.o_bias:
+            out.append(WeightSource(path + ("o_proj", "bias"), (at + "o_proj.bias",), _only))
+        out += MLP_WEIGHTS[arch.mlp_kinds[i]](arch, f"model.layers.{i}.mlp.",
+                                              ("layers", i, "mlp"))
+    return out
+
+
+def gated_mlp_weights(arch: DecoderArch, hf_prefix: str,
+                      path: tuple[str | int, ...]) -> list[WeightSource]:
+    """The dense gated MLP's (layers/gated_mlp.py) parameters."""
+
+    def stack(ts: list[np.ndarray]) -> np.ndarray:
+        return np.stack(ts, axis=0)
+
+    out = [WeightSource(path + ("gate_up_proj", "weight"),
+                        (hf_prefix + "gate_proj.weight", hf_prefix + "up_proj.weight"), stack),
+           WeightSource(path + ("down_proj", "weight"), (hf_prefix + "down_proj.weight",), _only)]
+    if arch.mlp_bias:
+        out += [WeightSource(path + ("gate_up_proj", "bias"),
+                             (hf_prefix + "gate_proj.bias", hf_prefix + "up_proj.bias"), stack),
+                WeightSource(path + ("down_proj", "bias"), (hf_prefix + "down_proj.bias",), _only)]
+    return out
+
+
+# Per-layer MLP kind (`DecoderArch.mlp_kinds`) -> its parameters' sources (the MLP
+# modules themselves: models/decoder.py's MLP_FACTORIES).
+MLP_WEIGHTS = {"dense": gated_mlp_weights}
