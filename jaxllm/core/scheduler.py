@@ -29,17 +29,14 @@ import numpy as np
 from jaxllm.config import EngineConfig
 from jaxllm.core.block_hash import make_block_hasher
 from jaxllm.core.kv_cache_manager import KVCacheManager
-from jaxllm.core.messages import (
-    EngineCoreOutput,
-    EngineCoreOutputs,
-    SchedulerStats,
-    SpecDecodingStats,
-)
+from jaxllm.core.messages import EngineCoreOutput, EngineCoreOutputs, SchedulerStats
 from jaxllm.core.request import Request, RequestStatus
 from jaxllm.core.request_queue import SchedulingPolicy, create_request_queue
+from jaxllm.core.request_update import update_request
 from jaxllm.core.runner_output import ModelRunnerOutput
 from jaxllm.core.running_batch import RunningBatch, StepLimits
 from jaxllm.core.sched_output import CachedRequestData, NewRequestData, SchedulerOutput
+from jaxllm.core.spec_schedule import DraftPlanner
 
 logger = logging.getLogger(__name__)
 
@@ -77,11 +74,10 @@ class Scheduler:
         # Plan steps and apply their results with array passes over the running
         # batch (off: one request at a time, the reference the tests compare with).
         self.vectorized = config.speculative_config is None
-        # Speculative decoding (spec_decode.py): drafts per request and step, 0 = off.
-        # Its requests take the per-request path: the array path plans one token each.
+        # Speculative decoding (spec_schedule.py) takes the per-request path: the
+        # array path plans one token per request.
         spec = config.speculative_config
-        self.num_spec_tokens = spec.num_speculative_tokens if spec is not None else 0
-        self._spec_stats: SpecDecodingStats | None = None
+        self.spec = spec and DraftPlanner(spec.num_speculative_tokens, self.max_request_tokens)
         # Verify the running batch's arrays against the requests after every
         # schedule and update (tests set JAXLLM_CHECK_INVARIANTS=1).
         self.check_invariants = os.environ.get("JAXLLM_CHECK_INVARIANTS") == "1"
@@ -209,8 +205,8 @@ class Scheduler:
             running.sort(self._priority_key)
             self._running_unsorted = False
         i, num_prompt_tokens = 0, 0
-        drafting = self.num_spec_tokens > 0 and drafts_allowed(
-            running, self.waiting.peek() if self.waiting else None)
+        drafting = self.spec and self.spec.allowed(running, self.waiting.peek()
+                                                   if self.waiting else None)
         if self.vectorized and running:
             (i, token_budget, num_prompt_tokens, ids, counts, samples,
              computed_before) = running.schedule_running(token_budget, kv, cached)
@@ -220,7 +216,7 @@ class Scheduler:
         while i < len(running) and token_budget > 0:
             request = running[i]
             num_new = self.limits.wanted_tokens(request, request.num_computed_tokens)
-            drafts = (self._drafts(request) if drafting and num_new == 1
+            drafts = (self.spec.drafts(request) if drafting and num_new == 1
                       and request.num_output_placeholders == 0 else ())
             num_new = self.limits.fit_tokens(num_new + len(drafts), request.num_computed_tokens,
                                              token_budget)
@@ -258,8 +254,8 @@ class Scheduler:
             if len(running) >= self.max_num_seqs:
                 break
             request = self.waiting.peek()
-            if spec_tokens and not drafts_allowed((), request):
-                break  # it waits for a step without drafts (see drafts_allowed)
+            if spec_tokens and not DraftPlanner.allowed((), request):
+                break  # it waits for a step without drafts
             hit_blocks, num_computed = kv.get_computed_blocks(request)
             num_new = self.limits.wanted_tokens(request, num_computed)
             # Without chunked prefill a prompt waits for a step with room for
@@ -327,8 +323,8 @@ class Scheduler:
                 scheduler_output, runner, self.requests, self._block_hasher, outputs, finished)
         for j in rest:
             try:
-                num_generated += self._update_request(j, req_ids[j], scheduler_output, runner,
-                                                      outputs, finished)
+                num_generated += update_request(self, j, req_ids[j], scheduler_output, runner,
+                                                outputs, finished)
             except Exception:  # one request's failure ends that request, never the core
                 logger.exception("request %s failed in the scheduler's update", req_ids[j])
                 request = self.requests[req_ids[j]]
@@ -355,94 +351,10 @@ class Scheduler:
                                  scheduler_stats=self.make_stats(), timestamp=time.time(),
                                  token_req_ids=compact[0] or None, token_ids=compact[1] or None)
 
-    def _update_request(self, j: int, req_id: str, so: SchedulerOutput,
-                        runner: ModelRunnerOutput, outputs: list[EngineCoreOutput | None],
-                        finished: list[tuple[int, Request]]) -> int:
-        """`update_from_output` for the request at position `j` of the step, one at a time."""
-        request = self.requests.get(req_id)
-        if request is None or request.status > RequestStatus.PREEMPTED:
-            return 0  # finished or aborted while the step ran
-        row = request.batch_index
-        if so.samples[j]:
-            request.num_output_placeholders -= 1
-        index = runner.req_id_to_index.get(req_id)
-        sampled = runner.tokens_of(index) if index is not None else ()
-        drafts = so.scheduled_spec_decode_tokens.get(req_id)
-        if drafts and sampled:
-            # The KV of rejected drafts is not the context: recomputed positions
-            # overwrite it. The last emitted token has no KV yet, as after any step.
-            request.num_computed_tokens -= len(drafts) + 1 - len(sampled)
-            self._record_spec(len(drafts), len(sampled) - 1)
-
-        new_token_ids: list[int] = []
-        for token_id in sampled:
-            request.append_output_token_ids(token_id)
-            new_token_ids.append(token_id)
-            if request.check_stop(self.max_request_tokens):
-                break
-        if row >= 0 and new_token_ids:
-            self.running.num_output[row] += len(new_token_ids)
-            self.running.num_tokens[row] += len(new_token_ids)
-        if runner.spec_token_ids is not None and index is not None:
-            request.spec_token_ids = runner.spec_token_ids[index]
-
-        pooling_output = None
-        if (request.pooling_params is not None
-                and request.num_computed_tokens >= request.num_prompt_tokens):
-            pooling_output = runner.pooler_output.get(req_id)
-            # A finished prompt without pooled output would never be
-            # scheduled again; fail it rather than hang the engine.
-            request.status = (RequestStatus.FINISHED_STOPPED if pooling_output is not None
-                              else RequestStatus.FINISHED_ERROR)
-
-        new_logprobs = None
-        if (new_token_ids and index is not None and runner.logprobs is not None
-                and request.sampling_params is not None
-                and request.sampling_params.logprobs is not None):
-            start = index if runner.logprob_rows is None else runner.logprob_rows[index]
-            new_logprobs = runner.logprobs.slice(start, start + len(new_token_ids))
-        prompt_logprobs = (runner.prompt_logprobs.get(req_id) if runner.prompt_logprobs
-                           else None)
-        is_finished = request.status > RequestStatus.PREEMPTED
-
-        if (new_token_ids or pooling_output is not None or prompt_logprobs is not None
-                or is_finished):
-            outputs[j] = EngineCoreOutput(
-                request_id=req_id, new_token_ids=new_token_ids, new_logprobs=new_logprobs,
-                new_prompt_logprobs=prompt_logprobs, pooling_output=pooling_output,
-                finish_reason=request.status.finish_reason() if is_finished else None,
-                stop_reason=request.stop_reason,
-                num_cached_tokens=max(0, request.num_cached_tokens))
-        if is_finished:
-            finished.append((j, request))
-        return len(new_token_ids)
-
-    # ------------------------------------------------------------- speculation
-
-    def _drafts(self, request: Request) -> list[int]:
-        """The request's drafts that may run now: no token past max_tokens or past what
-        the cache can ever hold for it."""
-        room = min(self.num_spec_tokens, request.max_tokens - request.num_output_tokens - 1,
-                   self.max_request_tokens - request.num_tokens)
-        return request.spec_token_ids[:max(room, 0)]
-
-    def _record_spec(self, num_drafts: int, num_accepted: int) -> None:
-        stats = self._spec_stats
-        if stats is None:
-            stats = self._spec_stats = SpecDecodingStats(
-                num_spec_tokens=self.num_spec_tokens,
-                num_accepted_tokens_per_pos=[0] * self.num_spec_tokens)
-        stats.num_drafts += 1
-        stats.num_draft_tokens += num_drafts
-        stats.num_accepted_tokens += num_accepted
-        for pos in range(num_accepted):
-            stats.num_accepted_tokens_per_pos[pos] += 1
-
     # ------------------------------------------------------------------- stats
 
     def make_stats(self) -> SchedulerStats:
         cache_stats = self.kv_cache_manager.prefix_cache_stats
-        spec, self._spec_stats = self._spec_stats, None  # each step's counts go out once
         return SchedulerStats(
             num_running_reqs=len(self.running), num_waiting_reqs=len(self.waiting),
             kv_cache_usage=self.kv_cache_manager.usage,
@@ -450,17 +362,5 @@ class Scheduler:
             num_preemptions=self.num_preemptions,
             num_prompt_tokens=self._last_num_prompt_tokens,
             num_generation_tokens=self._last_num_generation_tokens,
-            spec_decoding_stats=spec)
+            spec_decoding_stats=self.spec and self.spec.take_stats())
 
-
-
-def drafts_allowed(running: Iterable[Request], waiting_head: Request | None) -> bool:
-    """Whether a step may schedule drafts: not while a request scores prompt logprobs
-    (the verify forward gives no per-token states), nor while the next to admit
-    would (it is admitted in a step without drafts, so it never starves)."""
-    def scores_prompt(r: Request) -> bool:
-        params = r.sampling_params
-        return (params is not None and params.prompt_logprobs is not None
-                and r.num_computed_tokens < r.num_prompt_tokens)
-    return not any(map(scores_prompt, running)) and (
-        waiting_head is None or not scores_prompt(waiting_head))

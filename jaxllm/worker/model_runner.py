@@ -49,7 +49,7 @@ from jaxllm.worker.programs import (
     aot_context,
     enable_compilation_cache,
 )
-from jaxllm.worker.spec_verify import SpecVerifier, VerifyOutput, emitted_lists
+from jaxllm.worker.spec_verify import SpecVerifier, VerifyOutput
 from jaxllm.worker.step_inputs import (
     StepInputs,
     prepare_step_inputs,
@@ -265,7 +265,7 @@ class ModelRunner:
         if ib.layout_version != h.layout_version:  # rows moved since the forward
             rows = self._rows_of(h.req_ids)
         if h.verify is not None:
-            self._sample_verify(h, rows, grammar_bitmask)
+            self.spec.dispatch_sample(self, h, rows, grammar_bitmask)
             return
         smd = ib.sampling.make_metadata(rows, h.r_pad, self.seed, h.out_index)
         if grammar_bitmask is not None:  # structured outputs: only then a bitmask copy
@@ -280,32 +280,12 @@ class ModelRunner:
                 if arr is not None:
                     arr.copy_to_host_async()
 
-    def _sample_verify(self, h: StepHandle, rows: np.ndarray,
-                       grammar_bitmask: np.ndarray | None) -> None:
-        """The sampler of a verify step (spec_verify.py): the rejection sampler, or
-        position 0 of every request where the step's sampling needs more."""
-        ib, spec = self.input_batch, self.spec
-        drafts, num_drafts, hidden = h.verify
-        out_index = np.zeros(self.buckets.max_num_seqs, np.int32)
-        out_index[:rows.size] = ib.num_tokens[rows] - ib.num_prompt_tokens[rows]
-        smd = ib.sampling.make_metadata(rows, h.r_pad, self.seed, out_index[:h.r_pad])
-        if grammar_bitmask is None and spec.verifiable(smd):
-            ids, counts = spec.draft_arrays(num_drafts, drafts, h.r_pad)
-            h.verified = spec.sample(self.programs.head, hidden, ids, counts, smd)
-            return
-        first, out_index = spec.first_rows(hidden, out_index)
-        smd = dataclasses.replace(smd, out_index=out_index)
-        if grammar_bitmask is not None:
-            smd = dataclasses.replace(smd, token_bitmask=self._pad_bitmask(grammar_bitmask,
-                                                                          h.r_pad))
-        h.sampled = self.programs.sample(first, smd)
-
     def collect(self, h: StepHandle | None) -> ModelRunnerOutput:
         """Waits for a dispatched step and records its sampled tokens on the host."""
         if h is None:
             return ModelRunnerOutput.empty()
         if self.spec is not None:
-            return self._collect_spec(h)
+            return self.spec.collect(self, h)
         ib, n, out = self.input_batch, len(h.req_ids), h.sampled
         t0 = time.perf_counter()
         sampled = np.asarray(out.token_ids)[:n]
@@ -329,34 +309,6 @@ class ModelRunner:
                                  prompt_logprobs=self._collect_prompt_logprobs(h.prompt_lp),
                                  pooler_output=self._pool(h),
                                  sampled_array=np.where(h.gen, sampled, -1))
-
-    def _collect_spec(self, h: StepHandle) -> ModelRunnerOutput:
-        """`collect` with speculation on: every request's emitted tokens (one, or the
-        accepted drafts and one), then the next step's drafts."""
-        ib, n = self.input_batch, len(h.req_ids)
-        rows = np.fromiter((ib.req_id_to_row.get(r, -1) for r in h.req_ids), np.int32, n)
-        if h.verified is not None:
-            v = h.verified
-            tokens, counts = np.asarray(v.tokens)[:n], np.asarray(v.num_emitted)[:n]
-            lp = None if v.logprobs is None else [np.asarray(a) for a in v.logprobs]
-        else:
-            out = h.sampled
-            tokens, counts = np.asarray(out.token_ids)[:n, None], np.ones(n, np.int32)
-            lp = None if out.logprobs is None else [
-                np.asarray(a) for a in (out.logprob_token_ids, out.logprobs, out.ranks)]
-        counts = np.where(h.gen, counts, 0)
-        for j in range(tokens.shape[1]):  # each position, vectorized over requests
-            got = (counts > j) & (rows >= 0)
-            ib.append_sampled(rows[got], tokens[got, j])
-        sampled, logprobs, starts = emitted_lists(tokens, counts, lp)
-        live = [int(r) for r in rows[(rows >= 0) & (counts > 0)] if ib.can_draft[r]]
-        proposals = dict(zip(live, self.spec.propose(ib.token_ids, ib.num_tokens, live),
-                             strict=True))
-        return ModelRunnerOutput(
-            req_ids=h.req_ids, sampled_token_ids=sampled, logprobs=logprobs,
-            prompt_logprobs=self._collect_prompt_logprobs(h.prompt_lp),
-            pooler_output=self._pool(h), logprob_rows=starts,
-            spec_token_ids=[proposals.get(int(r), []) for r in rows])
 
     def _pad_bitmask(self, bitmask: np.ndarray, r_pad: int) -> np.ndarray:
         """The scheduler's `[n, words]` bitmask as the sampler takes it: `[r_pad,

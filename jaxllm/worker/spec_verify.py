@@ -19,8 +19,8 @@ proposer drafts the next step's tokens from every request's context on the host.
 
 from __future__ import annotations
 
+import dataclasses
 import functools
-from dataclasses import dataclass
 from typing import Any
 
 import jax
@@ -29,18 +29,18 @@ import numpy as np
 from flax import nnx
 
 from jaxllm.config import SpeculativeConfig
+from jaxllm.core.runner_output import ModelRunnerOutput
 from jaxllm.sample.logprobs import LogprobsLists
 from jaxllm.sample.metadata import SamplingMetadata, variant_metadata
 from jaxllm.sample.rejection_sampler import rejection_sample
 from jaxllm.sample.sampler import gather_logprobs
-from jaxllm.sample.staged import is_plain
 from jaxllm.sampling_params import MAX_LOGPROBS
 from jaxllm.spec_decode.ngram import propose_ngram
 from jaxllm.worker.buckets import Buckets
 from jaxllm.worker.step_inputs import unpack_step_inputs
 
 
-@dataclass
+@dataclasses.dataclass
 class VerifyOutput:
     """The verify sampler's device results, padded to the request bucket."""
 
@@ -120,6 +120,56 @@ class SpecVerifier:
 
     # ---- device side -------------------------------------------------------
 
+    # `runner` is the ModelRunner and `h` its StepHandle (model_runner.py imports this
+    # module, so they are not named here).
+    def dispatch_sample(self, runner: Any, h: Any, rows: np.ndarray,
+                        grammar_bitmask: np.ndarray | None) -> None:
+        """The runner's sampler for a verify step: the rejection sampler, or the usual
+        sampler at position 0 of every request where the step's sampling needs more."""
+        ib, spec = runner.input_batch, self
+        drafts, num_drafts, hidden = h.verify
+        out_index = np.zeros(runner.buckets.max_num_seqs, np.int32)
+        out_index[:rows.size] = ib.num_tokens[rows] - ib.num_prompt_tokens[rows]
+        smd = ib.sampling.make_metadata(rows, h.r_pad, runner.seed, out_index[:h.r_pad])
+        if grammar_bitmask is None and spec.verifiable(smd):
+            ids, counts = spec.draft_arrays(num_drafts, drafts, h.r_pad)
+            h.verified = spec.sample(runner.programs.head, hidden, ids, counts, smd)
+            return
+        first, out_index = spec.first_rows(hidden, out_index)
+        smd = dataclasses.replace(smd, out_index=out_index)
+        if grammar_bitmask is not None:
+            smd = dataclasses.replace(smd, token_bitmask=runner._pad_bitmask(grammar_bitmask,
+                                                                          h.r_pad))
+        h.sampled = runner.programs.sample(first, smd)
+
+    def collect(self, runner: Any, h: Any) -> ModelRunnerOutput:
+        """`collect` with speculation on: every request's emitted tokens (one, or the
+        accepted drafts and one), then the next step's drafts."""
+        ib, n = runner.input_batch, len(h.req_ids)
+        rows = np.fromiter((ib.req_id_to_row.get(r, -1) for r in h.req_ids), np.int32, n)
+        if h.verified is not None:
+            v = h.verified
+            tokens, counts = np.asarray(v.tokens)[:n], np.asarray(v.num_emitted)[:n]
+            lp = None if v.logprobs is None else [np.asarray(a) for a in v.logprobs]
+        else:
+            out = h.sampled
+            tokens, counts = np.asarray(out.token_ids)[:n, None], np.ones(n, np.int32)
+            lp = None if out.logprobs is None else [
+                np.asarray(a) for a in (out.logprob_token_ids, out.logprobs, out.ranks)]
+        counts = np.where(h.gen, counts, 0)
+        for j in range(tokens.shape[1]):  # each position, vectorized over requests
+            got = (counts > j) & (rows >= 0)
+            ib.append_sampled(rows[got], tokens[got, j])
+        sampled, logprobs, starts = emitted_lists(tokens, counts, lp)
+        live = [int(r) for r in rows[(rows >= 0) & (counts > 0)] if ib.can_draft[r]]
+        proposals = dict(zip(live, self.propose(ib.token_ids, ib.num_tokens, live),
+                             strict=True))
+        return ModelRunnerOutput(
+            req_ids=h.req_ids, sampled_token_ids=sampled, logprobs=logprobs,
+            prompt_logprobs=runner._collect_prompt_logprobs(h.prompt_lp),
+            pooler_output=runner._pool(h), logprob_rows=starts,
+            spec_token_ids=[proposals.get(int(r), []) for r in rows])
+
     def sample(self, head: jax.Array, hidden: jax.Array, draft_ids: np.ndarray,
                num_drafts: np.ndarray, md: SamplingMetadata) -> VerifyOutput:
         return VerifyOutput(*self.sample_fn(head, hidden, draft_ids, num_drafts, md))
@@ -127,8 +177,7 @@ class SpecVerifier:
     @staticmethod
     def verifiable(md: SamplingMetadata) -> bool:
         """Whether the verify sampler takes this step (else position 0 is sampled)."""
-        return is_plain(md) or (md.penalties is None and md.logit_adjust is None
-                                and md.token_bitmask is None)
+        return md.penalties is None and md.logit_adjust is None and md.token_bitmask is None
 
     def precompile(self, state: list, head: jax.Array, kv_cache: jax.Array,
                    packed_of: Any, vocab_size: int, device_put: Any) -> jax.Array:
