@@ -88,6 +88,7 @@ class LoggingStatLogger(StatLogger):
         self.cumulative = _Cumulative()
         self.queries = 0
         self.hits = 0
+        self.draft_tokens = self.accepted_tokens = 0  # speculative decoding, this interval
         self._logged_idle = False
 
     def record_scheduler(self, stats: SchedulerStats) -> None:
@@ -95,6 +96,9 @@ class LoggingStatLogger(StatLogger):
         self.generation_tokens += stats.num_generation_tokens
         self.queries += self.cumulative.delta("queries", stats.prefix_cache_queries)
         self.hits += self.cumulative.delta("hits", stats.prefix_cache_hits)
+        if stats.spec_decoding_stats is not None:
+            self.draft_tokens += stats.spec_decoding_stats.num_draft_tokens
+            self.accepted_tokens += stats.spec_decoding_stats.num_accepted_tokens
 
     def record_first_token(self, ttft: float, num_prompt_tokens: int) -> None:
         self.prompt_tokens += num_prompt_tokens
@@ -115,10 +119,14 @@ class LoggingStatLogger(StatLogger):
                 f"Running: {s.num_running_reqs} reqs, Waiting: {s.num_waiting_reqs} reqs, "
                 f"KV cache usage: {100 * s.kv_cache_usage:.1f}%, "
                 f"Prefix cache hit rate: {100 * hit_rate:.1f}%")
+        if self.draft_tokens:
+            line += (f", Draft acceptance rate: "
+                     f"{100 * self.accepted_tokens / self.draft_tokens:.1f}%")
         logger.info(line)
         self.last_log = now
         self.prompt_tokens = self.generation_tokens = 0
         self.queries = self.hits = 0
+        self.draft_tokens = self.accepted_tokens = 0
         return line
 
 

@@ -179,3 +179,22 @@ def test_temperature_one_distribution_equals_no_speculation(tmp_path):
         a, b = (np.bincount(outs[k][:, pos], minlength=64) for k in ("plain", "spec"))
         stat, df = homogeneity(a, b)
         assert df >= 3 and stat < chi2_threshold(df), (pos, stat, df)
+
+
+def test_constrained_and_penalized_requests_share_steps_with_drafting_ones(model_dir, prompts):
+    """A structured-output request and one with penalties never draft; in a step with
+    drafts they are sampled as without speculation (every draft of that step rejected)."""
+    from jaxllm.sampling_params import StructuredOutputsParams
+
+    params = [SamplingParams(temperature=0.0, max_tokens=30, ignore_eos=True),
+              SamplingParams(temperature=0.0, max_tokens=12,
+                             structured_outputs=StructuredOutputsParams(
+                                 choice=["alpha beta", "gamma"])),
+              SamplingParams(temperature=0.0, max_tokens=20, ignore_eos=True,
+                             repetition_penalty=1.3, presence_penalty=0.4),
+              SamplingParams(temperature=0.0, max_tokens=30, ignore_eos=True)]
+    want = _run(LLM(model_dir, **BASE), prompts[:4], params)
+    llm = LLM(model_dir, **BASE, speculative_config=SPEC)
+    stats = _record_spec_stats(llm)
+    _assert_same(_run(llm, prompts[:4], params), want)
+    assert _totals(stats)[0] > 0

@@ -193,3 +193,16 @@ def test_speculative_decoding_counts_are_exported_under_vllm_names():
                for f in text_string_to_metric_families(text) for s in f.samples
                if s.name == "vllm:spec_decode_num_accepted_tokens_per_pos_total"}
     assert per_pos == {"0": 3, "1": 2, "2": 1}
+
+
+def test_the_periodic_log_line_reports_the_draft_acceptance_rate():
+    from jaxllm.core.messages import SpecDecodingStats
+    from jaxllm.metrics.loggers import LoggingStatLogger
+
+    logger = LoggingStatLogger()
+    logger.record_scheduler(SchedulerStats(num_running_reqs=1, num_generation_tokens=4))
+    assert "Draft acceptance" not in logger.log()
+    spec = SpecDecodingStats(num_spec_tokens=4, num_drafts=2, num_draft_tokens=8,
+                             num_accepted_tokens=6, num_accepted_tokens_per_pos=[2, 2, 1, 1])
+    logger.record_scheduler(SchedulerStats(num_running_reqs=1, spec_decoding_stats=spec))
+    assert logger.log().endswith("Draft acceptance rate: 75.0%")

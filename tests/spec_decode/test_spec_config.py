@@ -45,3 +45,15 @@ def test_bad_speculative_config_names_the_field(raw, field):
     with pytest.raises(ParameterError) as e:
         SpeculativeConfig.from_dict(raw)
     assert e.value.field == field
+
+
+def test_spec_decoding_counts_cross_the_engine_core_socket_intact():
+    from jaxllm.core.messages import EngineCoreOutputs, SchedulerStats, SpecDecodingStats
+    from jaxllm.engine.codec import Codec
+
+    codec = Codec()
+    outs = EngineCoreOutputs(scheduler_stats=SchedulerStats(
+        num_running_reqs=2, spec_decoding_stats=SpecDecodingStats(
+            num_spec_tokens=3, num_drafts=2, num_draft_tokens=6, num_accepted_tokens=4,
+            num_accepted_tokens_per_pos=[2, 1, 1])))
+    assert codec.outputs_decoder.decode(codec.encode(outs)) == outs
