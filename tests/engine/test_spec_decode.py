@@ -198,3 +198,26 @@ def test_constrained_and_penalized_requests_share_steps_with_drafting_ones(model
     stats = _record_spec_stats(llm)
     _assert_same(_run(llm, prompts[:4], params), want)
     assert _totals(stats)[0] > 0
+
+
+def test_a_stop_string_inside_an_accepted_run_drops_the_tokens_after_it(model_dir, prompts):
+    greedy = SamplingParams(temperature=0.0, max_tokens=40, ignore_eos=True)
+    ref = LLM(model_dir, **BASE)
+    texts = [o.outputs[0].text for o in ref.generate(
+        [{"prompt_token_ids": p} for p in prompts], greedy, use_tqdm=False)]
+    # Late in the text, where the outputs repeat themselves and drafts are accepted.
+    params = [SamplingParams(temperature=0.0, max_tokens=40, ignore_eos=True,
+                             stop=[t[-6:-4]] if len(t) > 8 else None) for t in texts]
+
+    def run(llm):
+        outs = llm.generate([{"prompt_token_ids": p} for p in prompts], params,
+                            use_tqdm=False)
+        return [(o.outputs[0].token_ids, o.outputs[0].text, o.outputs[0].finish_reason,
+                 o.outputs[0].stop_reason) for o in outs]
+
+    want = run(ref)
+    assert sum(w[2] == "stop" for w in want) >= 3  # the stop strings really end requests
+    llm = LLM(model_dir, **BASE, speculative_config=SPEC)
+    stats = _record_spec_stats(llm)
+    assert run(llm) == want
+    assert _totals(stats)[2] > 0
