@@ -14,6 +14,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from jaxllm.benchmarks.moe_counts import expert_counts, last_layer_mlp_params
 from jaxllm.distributed.mesh import kv_head_replicas
 
 
@@ -171,28 +172,38 @@ def step_floor(rec: Any, params: int, hf_config: Any, bw: float, peak: float,
     `bw` and `peak` are one device's HBM bandwidth and matmul peak; `link_bw` is the
     all-reduce bus bandwidth (bytes each device moves per second, as
     measure_allreduce_bandwidth reports it), needed when tp > 1. Each device reads its
-    1/tp of the weights and its share of the KV cache.
+    1/tp of the weights and its share of the KV cache. A mixture of experts counts the
+    experts the step's tokens are routed to (benchmarks/moe_counts.py); its experts
+    split over the devices, each reads 1/tp of those.
     """
     head_dim = getattr(hf_config, "head_dim", None) or (
         hf_config.hidden_size // hf_config.num_attention_heads)
     # Weight matmuls: 2 FLOPs per parameter per token (the embedding lookup is not a matmul,
     # but the lm_head is, and only for the sampled rows).
     embed = hf_config.vocab_size * hf_config.hidden_size
-    flops = 2 * (params - 2 * embed) * rec.num_tokens + 2 * embed * rec.num_reqs
+    # Mixture of experts: a token multiplies by its top_k experts only, and the step
+    # reads the experts its tokens picked (benchmarks/moe_counts.py).
+    flop_params, read_params = params, float(params)
+    counts = expert_counts(hf_config)
+    if counts is not None:
+        flop_params = params - counts.all_expert_params + counts.routed_params
+        read_params = (params - counts.all_expert_params
+                       + counts.read_params(rec.num_tokens, rec.num_reqs))
+    flops = 2 * (flop_params - 2 * embed) * rec.num_tokens + 2 * embed * rec.num_reqs
     # The last layer needs every token's K/V but its q, attention output, output
     # projection and MLP only at each request's last token (the model's forward_rows).
     hidden, heads = hf_config.hidden_size, hf_config.num_attention_heads
-    rows_only = 2 * heads * head_dim * hidden + 3 * hidden * hf_config.intermediate_size
+    rows_only = 2 * heads * head_dim * hidden + last_layer_mlp_params(hf_config)
     flops -= 2 * rows_only * max(rec.num_tokens - rec.num_reqs, 0)
     flops += 4 * heads * head_dim * (
         (hf_config.num_hidden_layers - 1) * rec.attn_pairs + rec.kv_tokens)
     if tp == 1:
-        nbytes = itemsize * params + rec.kv_tokens * kv_bytes_per_token(hf_config, itemsize)
+        nbytes = itemsize * read_params + rec.kv_tokens * kv_bytes_per_token(hf_config, itemsize)
         return max(flops / peak, nbytes / bw)
     if link_bw is None or link_bw <= 0:
         raise ValueError(f"link_bw: tp={tp} needs the measured all-reduce bandwidth, "
                          f"got {link_bw}")
-    nbytes = (itemsize * params / tp
+    nbytes = (itemsize * read_params / tp
               + rec.kv_tokens * kv_bytes_per_device_token(hf_config, tp, itemsize))
     comm = allreduce_bytes_per_device(rec, hf_config, tp, itemsize) / link_bw
     return max(flops / (tp * peak), nbytes / bw) + comm

@@ -13,6 +13,7 @@ from typing import Any
 
 from jaxllm.errors import ParameterError
 from jaxllm.layers.rotary import RotaryEmbedding
+from jaxllm.models.moe_weights import MoEArch
 
 # Per-layer HF norm names: Llama's two, and Gemma's four (around attention and MLP).
 PRE_NORMS = ("input_layernorm", "post_attention_layernorm")
@@ -49,6 +50,7 @@ class DecoderArch:
     attn_soft_cap: float | None = None
     final_soft_cap: float | None = None
     query_pre_attn_scalar: float | None = None  # the attention scale is its -1/2 power
+    moe: MoEArch | None = None  # the routed experts of the "moe" layers (models/moe.py)
 
     def __post_init__(self):
         if not self.mlp_kinds:
