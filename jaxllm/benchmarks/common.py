@@ -179,7 +179,8 @@ def step_floor(rec: Any, params: int, hf_config: Any, bw: float, peak: float,
     head_dim = getattr(hf_config, "head_dim", None) or (
         hf_config.hidden_size // hf_config.num_attention_heads)
     # Weight matmuls: 2 FLOPs per parameter per token (the embedding lookup is not a matmul,
-    # but the lm_head is, and only for the sampled rows).
+    # but the lm_head is, and only for the sampled rows). Tied embeddings (Gemma) count
+    # the one [vocab, hidden] matrix once in `params`.
     embed = hf_config.vocab_size * hf_config.hidden_size
     # Mixture of experts: a token multiplies by its top_k experts only, and the step
     # reads the experts its tokens picked (benchmarks/moe_counts.py).
@@ -189,12 +190,15 @@ def step_floor(rec: Any, params: int, hf_config: Any, bw: float, peak: float,
         flop_params = params - counts.all_expert_params + counts.routed_params
         read_params = (params - counts.all_expert_params
                        + counts.read_params(rec.num_tokens, rec.num_reqs))
-    flops = 2 * (flop_params - 2 * embed) * rec.num_tokens + 2 * embed * rec.num_reqs
+    tables = 1 if getattr(hf_config, "tie_word_embeddings", False) else 2
+    flops = 2 * (flop_params - tables * embed) * rec.num_tokens + 2 * embed * rec.num_reqs
     # The last layer needs every token's K/V but its q, attention output, output
     # projection and MLP only at each request's last token (the model's forward_rows).
     hidden, heads = hf_config.hidden_size, hf_config.num_attention_heads
     rows_only = 2 * heads * head_dim * hidden + last_layer_mlp_params(hf_config)
     flops -= 2 * rows_only * max(rec.num_tokens - rec.num_reqs, 0)
+    # Sliding-window layers (Gemma, Mistral) are counted as full attention: exact while
+    # every context fits the window, an over-count beyond it.
     flops += 4 * heads * head_dim * (
         (hf_config.num_hidden_layers - 1) * rec.attn_pairs + rec.kv_tokens)
     if tp == 1:

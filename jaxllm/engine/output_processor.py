@@ -170,9 +170,15 @@ class OutputProcessor:
         stop_str = None
         new_logprobs = out.new_logprobs
         if state.detokenizer is not None and new_ids:
-            stop_str = state.detokenizer.update(new_ids)
+            text_ids = new_ids
+            if out.finish_reason == FinishReason.STOP and not state.detokenizer.include_stop:
+                # The EOS or stop token that ended the request is not part of the text,
+                # as in vLLM (it shows with skip_special_tokens=False otherwise).
+                text_ids = new_ids[:-1]
+            stop_str = state.detokenizer.update(text_ids) if text_ids else None
             if stop_str is not None and state.detokenizer.consumed < len(new_ids):
-                # Tokens after the one that completed a stop string are dropped.
+                # Tokens after the one that completed a stop string are dropped (a step
+                # may emit several: speculative decoding).
                 new_ids = new_ids[:state.detokenizer.consumed]
                 if new_logprobs is not None:
                     new_logprobs = new_logprobs.slice(0, len(new_ids))

@@ -14,6 +14,8 @@ mixture-of-experts MLP drops in beside this one.
 
 from __future__ import annotations
 
+import functools
+
 import jax
 import jax.numpy as jnp
 from flax import nnx
@@ -52,11 +54,13 @@ class GatedMLP(nnx.Module):
     def __call__(self, x: jax.Array, residual: jax.Array | None) -> jax.Array:
         """`residual + mlp(x)` (`mlp(x)` when `residual` is None) for the normed input `x`."""
         up = self.gate_up_proj
-        if self.activation == "silu":
+        if self.activation == "silu" and up.plain:
             h = self.swiglu(x, up.weight[...], None if up.bias is None else up.bias[...])
         else:
             gate_up = up(x)
-            h = jax.nn.gelu(gate_up[:, 0], approximate=True) * gate_up[:, 1]
+            act = jax.nn.silu if self.activation == "silu" else functools.partial(
+                jax.nn.gelu, approximate=True)
+            h = act(gate_up[:, 0]) * gate_up[:, 1]
         if residual is None:
             return self.down_proj(h)
         return self.down_proj.add(h, residual)

@@ -4,17 +4,25 @@ from __future__ import annotations
 
 import pytest
 import torch
-from transformers import LlamaConfig, LlamaForCausalLM
+from transformers import Gemma2Config, Gemma2ForCausalLM, LlamaConfig, LlamaForCausalLM
 
 from jaxllm.benchmarks.common import step_floor
 from jaxllm.worker.model_runner import StepRecord
 
+SHAPE = dict(vocab_size=512, hidden_size=128, intermediate_size=512, num_hidden_layers=3,
+             num_attention_heads=4, num_key_value_heads=2, head_dim=32)
+FAMILIES = {
+    "llama-untied": lambda: (LlamaConfig(**SHAPE, tie_word_embeddings=False), LlamaForCausalLM),
+    # Tied embeddings: the parameter count holds the [vocab, hidden] matrix once.
+    "gemma2-tied": lambda: (Gemma2Config(**SHAPE, tie_word_embeddings=True), Gemma2ForCausalLM),
+}
 
-def test_step_floor_counts_the_last_layer_at_the_sampled_rows_only():
-    cfg = LlamaConfig(vocab_size=512, hidden_size=64, intermediate_size=160, num_hidden_layers=3,
-                      num_attention_heads=4, num_key_value_heads=2, tie_word_embeddings=False)
+
+@pytest.mark.parametrize("family", list(FAMILIES))
+def test_step_floor_counts_the_last_layer_at_the_sampled_rows_only(family):
+    cfg, model_cls = FAMILIES[family]()
     torch.manual_seed(0)
-    model = LlamaForCausalLM(cfg)
+    model = model_cls(cfg)
     params = sum(p.numel() for p in model.parameters())
     sizes = {n: p.numel() for n, p in model.named_parameters()}
 
@@ -31,18 +39,19 @@ def test_step_floor_counts_the_last_layer_at_the_sampled_rows_only():
     want += 2 * linear(last, "self_attn.k_proj", "self_attn.v_proj") * 64
     want += 2 * linear(last, "self_attn.q_proj", "self_attn.o_proj", "mlp.gate_proj",
                        "mlp.up_proj", "mlp.down_proj") * 2
-    want += 2 * sizes["lm_head.weight"] * 2
+    head_size = cfg.vocab_size * cfg.hidden_size  # lm_head, or the tied embedding
+    want += 2 * head_size * 2
     head_dim = cfg.hidden_size // cfg.num_attention_heads
     # QK^T and PV: 4 FLOPs per (query, key) pair and head dimension, per head.
     want += 4 * cfg.num_attention_heads * head_dim * (last * rec.attn_pairs + rec.kv_tokens)
     # bandwidth out of the way: the FLOPs decide. The step_floor formula also counts
-    # the RMSNorm weights as matmul parameters (0.2% of this model): hence approx.
+    # the RMSNorm weights as matmul parameters (under 0.5% of these models): hence approx.
     got = step_floor(rec, params, cfg, bw=1e30, peak=1.0)
     assert got == pytest.approx(want, rel=5e-3)
     # A decode step (one token per request) has nothing to skip.
     dec = StepRecord(num_tokens=2, padded_tokens=8, num_reqs=2, kv_tokens=66, attn_pairs=66)
     want_dec = sum(2 * linear(i, *everything) * 2 for i in range(cfg.num_hidden_layers))
-    want_dec += 2 * sizes["lm_head.weight"] * 2
+    want_dec += 2 * head_size * 2
     want_dec += 4 * cfg.num_attention_heads * head_dim * cfg.num_hidden_layers * 66
     assert step_floor(dec, params, cfg, bw=1e30, peak=1.0) == pytest.approx(want_dec, rel=5e-3)
 
