@@ -124,6 +124,7 @@ class _FakeEngine:
         served_model_name = "m"
         max_model_len = 64
         generation_defaults: dict = {}
+        supported_tasks = ("generate",)
 
     def get_tokenizer(self):
         return None
