@@ -57,6 +57,16 @@ class EngineCoreOutput(msgspec.Struct, array_like=True, omit_defaults=True,  # t
         return self.finish_reason is not None
 
 
+class SpecDecodingStats(msgspec.Struct, gc=False):  # type: ignore[call-arg]
+    """One step's speculative decoding, under vLLM's names."""
+
+    num_spec_tokens: int = 0  # drafts a request may get per step (k)
+    num_drafts: int = 0  # requests that had drafts verified
+    num_draft_tokens: int = 0
+    num_accepted_tokens: int = 0
+    num_accepted_tokens_per_pos: list[int] = []  # [k]: accepted at draft position i
+
+
 class SchedulerStats(msgspec.Struct, omit_defaults=True, gc=False):  # type: ignore[call-arg]
     num_running_reqs: int = 0
     num_waiting_reqs: int = 0
@@ -66,6 +76,7 @@ class SchedulerStats(msgspec.Struct, omit_defaults=True, gc=False):  # type: ign
     num_preemptions: int = 0  # cumulative
     num_prompt_tokens: int = 0  # scheduled this step
     num_generation_tokens: int = 0  # sampled this step
+    spec_decoding_stats: SpecDecodingStats | None = None  # this step's, when speculating
 
 
 class EngineCoreOutputs(msgspec.Struct, omit_defaults=True, gc=False):  # type: ignore[call-arg]
@@ -82,6 +93,8 @@ class EngineCoreOutputs(msgspec.Struct, omit_defaults=True, gc=False):  # type: 
     # take `all_outputs()`, which makes the objects on their side.
     token_req_ids: list[str] | None = None
     token_ids: list[int] | None = None
+    # Which data-parallel engine core sent these (set by the frontend as they arrive).
+    engine_index: int = 0
 
     def all_outputs(self) -> list[EngineCoreOutput]:
         """`outputs` plus one EngineCoreOutput per compact token (made once, in place)."""

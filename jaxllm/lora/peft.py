@@ -17,8 +17,8 @@ import re
 
 import numpy as np
 
-from jaxllm.config import LoRAConfig
 from jaxllm.errors import ParameterError
+from jaxllm.lora.config import LoRAConfig
 from jaxllm.lora.request import LoRARequest
 
 # The projections an adapter may target (PEFT module names of the decoders).

@@ -12,12 +12,17 @@ from __future__ import annotations
 
 import collections
 import math
+from typing import Any
 
 import jax
 import numpy as np
 from flax import nnx
+from jax.sharding import NamedSharding
+from jax.sharding import PartitionSpec as P
 
-from jaxllm.lora.layers import LORA_PARTS, lora_linears
+from jaxllm.core.sched_output import SchedulerOutput
+from jaxllm.lora.config import LoRAConfig
+from jaxllm.lora.layers import LORA_PARTS, attach_lora, lora_linears
 from jaxllm.lora.peft import PeftAdapter, load_peft_adapter
 from jaxllm.lora.request import LoRARequest
 
@@ -72,8 +77,32 @@ class LoRASlots:
     """The slot table of one runner; writes adapters into `state` (the runner's weight
     list, updated in place)."""
 
+    @staticmethod
+    def attach(model: nnx.Module, mesh: jax.sharding.Mesh, config: LoRAConfig | None) -> None:
+        """Gives the loaded model its (zero) adapter tables when LoRA is on."""
+        if config is not None:
+            attach_lora(model, mesh, config.max_loras, config.max_lora_rank)
+
+    @classmethod
+    def create(cls, model: nnx.Module, state: list[jax.Array], config: LoRAConfig | None,
+               programs: Any) -> LoRASlots | None:
+        """The slot table of a runner whose model has tables (None when LoRA is off); it
+        gives the step programs their LoRA argument for precompiling (no adapter) and
+        compiles its slot write now, so that serving never compiles."""
+        if config is None:
+            return None
+        slots = cls(model, state, config.max_loras, config.max_lora_rank,
+                    programs.buckets.max_num_seqs)
+        mesh = state[slots.indices[0]].sharding.mesh
+        programs.lora_args = (jax.device_put(np.full(slots.num_rows, -1, np.int32),
+                                             NamedSharding(mesh, P())),)
+        slots.precompile()
+        return slots
+
     def __init__(self, model: nnx.Module, state: list[jax.Array], max_loras: int,
-                 max_lora_rank: int):
+                 max_lora_rank: int, num_rows: int):
+        self.num_rows = num_rows
+        self.last_args: tuple = ()  # the last step's program argument (prompt logprobs)
         self.linears = lora_linears(model)
         self.max_loras, self.max_lora_rank = max_loras, max_lora_rank
         self.state = state
@@ -93,12 +122,18 @@ class LoRASlots:
         self._store([np.zeros(self.state[i].shape[1:], self.state[i].dtype)
                      for i in self.indices], 0)
 
-    def add_request(self, req_id: str, lora: LoRARequest | None) -> None:
-        if lora is not None:
-            self.req_lora[req_id] = lora
-
-    def remove_request(self, req_id: str) -> None:
-        self.req_lora.pop(req_id, None)
+    def step_args(self, so: SchedulerOutput, mesh: jax.sharding.Mesh) -> tuple:
+        """The forward's LoRA argument for step `so`: each request's slot `[num_rows]`
+        (placed like the step's other inputs), its adapters loaded first. Also follows
+        the requests that start and end."""
+        for req_id in so.finished_req_ids | so.preempted_req_ids:
+            self.req_lora.pop(req_id, None)
+        for new in so.scheduled_new_reqs:
+            if new.lora_request is not None:
+                self.req_lora[new.req_id] = new.lora_request
+        slots = self.step_slots(so.req_ids, self.num_rows)
+        self.last_args = (jax.device_put(slots, NamedSharding(mesh, P())),)
+        return self.last_args
 
     def remove_adapter(self, lora_int_id: int) -> None:
         """Forgets an unloaded adapter (its slot becomes free; its host copy goes)."""
@@ -144,3 +179,8 @@ class LoRASlots:
         tables = [self.state[i] for i in self.indices]
         for i, t in zip(self.indices, self._write(tables, values, np.int32(slot)), strict=True):
             self.state[i] = t
+
+
+def lora_args(slots: LoRASlots | None) -> tuple:
+    """The last step's LoRA program argument; none when LoRA is off."""
+    return () if slots is None else slots.last_args

@@ -11,8 +11,8 @@ hidden state of every request (in a bucket larger than max_num_seqs its last
 layer runs for those rows alone), and samples on the device. A usual step is
 two dispatches (forward, then logits and sampling in one program) and one
 host-to-device transfer (the packed inputs; the sampling keys are made on the
-device; with LoRA on, the requests' adapter slots are a second, lora_slots.py);
-exactly one device-to-host transfer: the sampled ids (plus logprobs when asked).
+device; with LoRA on, the adapter slots too); exactly one device-to-host
+transfer: the sampled ids (plus logprobs when asked).
 """
 
 from __future__ import annotations
@@ -33,10 +33,10 @@ from jax.sharding import PartitionSpec as P
 from jaxllm.config import EngineConfig
 from jaxllm.core.runner_output import ModelRunnerOutput
 from jaxllm.core.sched_output import SchedulerOutput
+from jaxllm.distributed.dp_devices import core_devices
 from jaxllm.distributed.mesh import make_mesh
 from jaxllm.layers.attention import get_attention_backend
 from jaxllm.layers.mlp import get_swiglu
-from jaxllm.lora.layers import attach_lora
 from jaxllm.models.loader import kv_cache_spec, load_model
 from jaxllm.sample.logprobs import LogprobsLists
 from jaxllm.sample.sampler import SamplerOutput
@@ -44,13 +44,14 @@ from jaxllm.worker.aot_cache import ExecutableCache
 from jaxllm.worker.buckets import Buckets
 from jaxllm.worker.input_batch import InputBatch
 from jaxllm.worker.kv_cache import PagedKVCache, activation_reserve
-from jaxllm.worker.lora_slots import LoRASlots
+from jaxllm.worker.lora_slots import LoRASlots, lora_args
 from jaxllm.worker.programs import (
     PROMPT_LOGPROBS_ROWS,
     StepPrograms,
     aot_context,
     enable_compilation_cache,
 )
+from jaxllm.worker.spec_verify import SpecVerifier, VerifyOutput
 from jaxllm.worker.step_inputs import (
     StepInputs,
     prepare_step_inputs,
@@ -78,6 +79,10 @@ class StepHandle:
     prompt_lp: tuple | None  # (device (ids, logprobs, ranks), {req_id: slice})
     r_pad: int = 0  # the request bucket
     out_index: jax.Array | None = None  # the forward's output indices, for the sampler
+    # Speculative decoding: (drafts per request, their counts, the verify forward's
+    # hidden rows), and the verify sampler's output once dispatched.
+    verify: tuple | None = None
+    verified: VerifyOutput | None = None
 
 
 @dataclasses.dataclass(frozen=True)
@@ -99,8 +104,9 @@ class ModelRunner:
                                                   config.attention_interpret)
         xla_cache_dir = enable_compilation_cache(config.compilation_cache_dir)
         self.dtype = _DTYPES[mc.dtype]
-        self.mesh = make_mesh(config.parallel_config.tensor_parallel_size,
-                              config.parallel_config.data_parallel_size)
+        pc = config.parallel_config
+        self.mesh = make_mesh(pc.tensor_parallel_size, core_devices(
+            pc.tensor_parallel_size, pc.data_parallel_size, pc.data_parallel_rank))
         self.block_size = cc.block_size
         self.max_model_len = mc.max_model_len
         self.vocab_size = mc.vocab_size
@@ -110,19 +116,17 @@ class ModelRunner:
         self.swiglu = get_swiglu(config.mlp_backend, config.mlp_interpret, dtype=self.dtype,
                                  mesh=self.mesh)
         model = load_model(mc, self.mesh, self.attn_backend, self.swiglu)
-        lc = config.lora_config
-        if lc is not None:
-            attach_lora(model, self.mesh, lc.max_loras, lc.max_lora_rank)
+        LoRASlots.attach(model, self.mesh, config.lora_config)  # adapter tables, if LoRA is on
         graphdef, state = nnx.split(model)
         # The weights as a flat list of arrays (see programs.step_functions).
         self.state = jax.tree.leaves(state)
-        self.lora = (None if lc is None else
-                     LoRASlots(model, self.state, lc.max_loras, lc.max_lora_rank))
         logger.info("loaded %s in %.1fs", mc.model, time.perf_counter() - t0)
 
         self.buckets = b = Buckets.make(sc.max_num_batched_tokens, sc.max_num_seqs,
                                         mc.max_model_len, cc.block_size, config.token_buckets,
                                         config.request_buckets)
+        spec = config.speculative_config
+        k1 = spec.num_speculative_tokens + 1 if spec else 1  # logits rows per request
         self.num_layers, self.num_kv_heads, self.head_dim = kv_cache_spec(
             mc.hf_config, self.mesh.shape["model"])
         kv = PagedKVCache(self.attn_backend, self.mesh, self.num_layers, self.num_kv_heads,
@@ -130,7 +134,8 @@ class ModelRunner:
         # The caller hands this count to the scheduler (EngineCore).
         self.num_kv_blocks = kv.num_blocks(
             cc, sc.max_num_seqs, mc.max_model_len,
-            lambda: activation_reserve(mc.hf_config, b.token_buckets[-1], b.request_buckets[-1],
+            lambda: activation_reserve(mc.hf_config, b.token_buckets[-1],
+                                       b.request_buckets[-1] * k1,
                                        self.vocab_size, self.dtype, PROMPT_LOGPROBS_ROWS))
         self.kv_cache = kv.allocate(self.num_kv_blocks)
         self.input_batch = InputBatch(sc.max_num_seqs, mc.max_model_len, b.max_blocks_per_req,
@@ -157,8 +162,10 @@ class ModelRunner:
                                      list(self.mesh.devices.flat))
         self.programs = StepPrograms(graphdef, jax.tree.structure(state),
                                      model.logits_head[...], model.head_logits, b, aot)
-        if self.lora is not None:
-            self.programs.lora_args = (self._lora_slots([]),)
+        self.lora = LoRASlots.create(model, self.state, config.lora_config, self.programs)
+        # What a verify program is built from (spec_verify.py; benchmarks make their own).
+        self.graph = (graphdef, jax.tree.structure(state), model.head_logits)
+        self.spec = None if spec is None else SpecVerifier(spec, *self.graph, b)
 
     @property
     def aot_cache(self) -> ExecutableCache | None:
@@ -166,11 +173,13 @@ class ModelRunner:
 
     def precompile(self) -> None:
         """Compiles every bucket now, so that serving never compiles."""
-        if self.lora is not None:
-            self.lora.precompile()
         self.kv_cache = self.programs.precompile(self.state, self.kv_cache, self._no_prev,
                                                  self.vocab_size,
                                                  self.input_batch.sampling.device_put)
+        if self.spec is not None:
+            self.kv_cache = self.spec.precompile(
+                self.state, self.programs.head, self.kv_cache, self.programs.dummy_inputs,
+                self.vocab_size, self.input_batch.sampling.device_put)
 
     # ------------------------------------------------------------------- step
 
@@ -204,23 +213,37 @@ class ModelRunner:
         still in flight) is taken from that step's device output.
         """
         self._update_states(so)
+        lora = self.lora.step_args(so, self.mesh) if self.lora else ()  # adapters' slots
         if so.total_num_scheduled_tokens == 0:
             return None
         ib = self.input_batch
         req_ids, nsched = so.req_ids, so.num_tokens
         n = len(req_ids)
         rows = self._rows_of(req_ids)
+        drafts = so.scheduled_spec_decode_tokens
+        verify = None
+        if drafts:  # the drafts are the step's tokens past each request's known ones
+            draft_lists = [drafts.get(r, []) for r in req_ids]
+            num_drafts = np.fromiter(map(len, draft_lists), np.int32, n)
+            ib.write_drafts(rows, draft_lists, num_drafts)
         inputs = prepare_step_inputs(ib, rows, nsched, self.buckets, self.block_size,
                                      self._arange)
         end = inputs.kv_lens
-        prev_tokens = self._last_sampled if inputs.reads_prev else self._no_prev
-        lora = () if self.lora is None else (self._lora_slots(req_ids),)
-        self.kv_cache, states, last_hidden, out_index = self.programs.run_forward(
-            self.state, self.kv_cache, inputs.packed, prev_tokens, *lora)
+        if drafts:
+            ib.num_tokens[rows] -= num_drafts
+            self.kv_cache, hidden = self.spec.forward(
+                self.state, self.kv_cache, inputs.packed,
+                self.spec.verify_rows(inputs.first, nsched, num_drafts))
+            verify, states, last_hidden, out_index = (draft_lists, num_drafts, hidden), None, \
+                None, None
+        else:
+            prev_tokens = self._last_sampled if inputs.reads_prev else self._no_prev
+            self.kv_cache, states, last_hidden, out_index = self.programs.run_forward(
+                self.state, self.kv_cache, inputs.packed, prev_tokens, *lora)
         prompt_lp = None
-        if ib.wants_prompt_logprobs[:ib.num_reqs].any():  # none for most steps
-            prompt_lp = self._dispatch_prompt_logprobs(req_ids, rows, nsched, inputs, states,
-                                                       lora)
+        # (A verify step scores no prompt: the scheduler drafts in no step that does.)
+        if verify is None and ib.wants_prompt_logprobs[:ib.num_reqs].any():  # rare
+            prompt_lp = self._dispatch_prompt_logprobs(req_ids, rows, nsched, inputs, states)
         # The scheduler decides which requests reach their end this step (a prompt
         # chunk that stops short of the prompt's end does not); of those, the
         # generating ones sample a token and the pooling ones are pooled.
@@ -240,7 +263,7 @@ class ModelRunner:
         knobs = [(p.normalize, p.dimensions) for p in (ib.pooling[rows[i]] for i in pool)]
         return StepHandle(req_ids, rows, ib.layout_version, gen, None, last_hidden, pool,
                           knobs, prompt_lp,
-                          self.buckets.pad_requests(n), out_index)
+                          self.buckets.pad_requests(n), out_index, verify)
 
     def _sample(self, h: StepHandle, grammar_bitmask: np.ndarray | None) -> None:
         """Launches the sampler of a step whose forward is dispatched."""
@@ -248,6 +271,9 @@ class ModelRunner:
         rows = h.rows
         if ib.layout_version != h.layout_version:  # rows moved since the forward
             rows = self._rows_of(h.req_ids)
+        if h.verify is not None:
+            self.spec.dispatch_sample(self, h, rows, grammar_bitmask)
+            return
         smd = ib.sampling.make_metadata(rows, h.r_pad, self.seed, h.out_index)
         if grammar_bitmask is not None:  # structured outputs: only then a bitmask copy
             smd = dataclasses.replace(smd, token_bitmask=self._pad_bitmask(grammar_bitmask,
@@ -265,6 +291,8 @@ class ModelRunner:
         """Waits for a dispatched step and records its sampled tokens on the host."""
         if h is None:
             return ModelRunnerOutput.empty()
+        if self.spec is not None:
+            return self.spec.collect(self, h)
         ib, n, out = self.input_batch, len(h.req_ids), h.sampled
         t0 = time.perf_counter()
         sampled = np.asarray(out.token_ids)[:n]
@@ -309,22 +337,13 @@ class ModelRunner:
         self._rows_memo = (ib.layout_version, list(req_ids), rows)
         return rows
 
-    def _lora_slots(self, req_ids: list[str]) -> jax.Array:
-        """Each step request's adapter slot, placed like the step's other inputs."""
-        slots = self.lora.step_slots(req_ids, self.buckets.max_num_seqs)
-        return jax.device_put(slots, NamedSharding(self.mesh, P()))
-
     def _update_states(self, so: SchedulerOutput) -> None:
         ib = self.input_batch
         for req_id in so.finished_req_ids | so.preempted_req_ids:
             ib.remove(req_id)
-            if self.lora is not None:
-                self.lora.remove_request(req_id)
         for new in so.scheduled_new_reqs:
             ib.remove(new.req_id)  # a resumed request is rebuilt from scratch
             ib.add(new)
-            if self.lora is not None:
-                self.lora.add_request(new.req_id, new.lora_request)
         cached = so.scheduled_cached_reqs
         if not cached.req_ids:
             return
@@ -340,7 +359,11 @@ class ModelRunner:
         if not h.pool_indices:
             return {}
         # Rare path: one host copy of the step's hidden states, no extra compilation.
-        vecs = np.asarray(h.last_hidden, np.float32)[h.pool_indices]
+        hidden = h.last_hidden
+        if h.verify is not None:  # a verify step: position 0 is a pooled request's last token
+            hidden = self.spec.first_rows(h.verify[2], np.zeros(self.buckets.max_num_seqs,
+                                                                np.int32))[0]
+        vecs = np.asarray(hidden, np.float32)[h.pool_indices]
         out = {}
         for v, i, (normalize, dim) in zip(vecs, h.pool_indices, h.pool_normalize, strict=True):
             v = v if dim is None else v[:dim]  # matryoshka dimensions
@@ -351,14 +374,14 @@ class ModelRunner:
 
     def _dispatch_prompt_logprobs(self, req_ids: list[str], rows: np.ndarray,
                                   nsched: np.ndarray, inputs: StepInputs,
-                                  states: jax.Array, lora: tuple = ()) -> tuple | None:
+                                  states: jax.Array) -> tuple | None:
         pending = prompt_logprobs_targets(self.input_batch, req_ids, rows, nsched, inputs,
                                           states.shape[0])
         if pending is None:
             return None
         targets, spans = pending
         scored = self.programs.run_prompt_logprobs(self.state, self.kv_cache, inputs.packed,
-                                                   states, targets, *lora)
+                                                   states, targets, *lora_args(self.lora))
         return scored, spans
 
     @staticmethod

@@ -321,7 +321,9 @@ async def serve(engine: AsyncLLM, options: ServerOptions, ready: Any = None) -> 
 
     prometheus = PrometheusStatLogger(options.served_model_names[0]
                                       if options.served_model_names
-                                      else engine.model_config.served_model_name)
+                                      else engine.model_config.served_model_name,
+                                      num_engines=engine.config.parallel_config
+                                      .data_parallel_size)
     log_stats = LoggingStatLogger(options.log_stats_interval)
     engine.stat_loggers.append(prometheus)
     if options.log_stats:

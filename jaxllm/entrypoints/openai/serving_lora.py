@@ -13,10 +13,10 @@ from collections.abc import Sequence
 from fastapi import FastAPI
 from pydantic import BaseModel
 
-from jaxllm.config import LoRAConfig
 from jaxllm.entrypoints.openai.protocol import ModelCard
 from jaxllm.entrypoints.openai.serving_engine import HTTPError
 from jaxllm.errors import ParameterError
+from jaxllm.lora.config import LoRAConfig
 from jaxllm.lora.peft import check_lora_request, load_peft_adapter
 from jaxllm.lora.request import LoRARequest
 
