@@ -168,8 +168,7 @@ def build_app(engine: AsyncLLM, options: ServerOptions,
     completion = OpenAIServingCompletion(engine, names, options.chat_template)
     chat = OpenAIServingChat(engine, names, options.chat_template, tool_settings=options.tools)
     embedding = OpenAIServingEmbedding(engine, names)
-    completion.loras = chat.loras = loras = LoRARegistry(engine.config.lora_config,
-                                                         options.lora_modules)
+    loras = LoRARegistry(engine.config.lora_config, options.lora_modules)
     app = FastAPI(title="jaxllm OpenAI-compatible server", version=jaxllm.__version__)
     app.state.engine = engine
 
@@ -225,8 +224,7 @@ def build_app(engine: AsyncLLM, options: ServerOptions,
         return ModelList(data=[ModelCard(id=n, root=mc.model, max_model_len=mc.max_model_len)
                                for n in names] + loras.model_cards(names[0]))
 
-    add_lora_routes(app, loras)
-
+    add_lora_routes(app, loras, [completion, chat])
     add_info_routes(app, engine, completion.check_model, options.chat_template,
                     options.enable_tokenizer_info_endpoint)
 

@@ -9,6 +9,7 @@ import itertools
 import json
 import os
 from collections.abc import Sequence
+from typing import Any
 
 from fastapi import FastAPI
 from pydantic import BaseModel
@@ -93,8 +94,11 @@ class UnloadLoRAAdapterRequest(BaseModel):
     lora_int_id: int | None = None
 
 
-def add_lora_routes(app: FastAPI, registry: LoRARegistry) -> None:
-    """Registers the runtime load/unload routes, where runtime updates are allowed."""
+def add_lora_routes(app: FastAPI, registry: LoRARegistry, servings: Sequence[Any] = ()) -> None:
+    """Hands `registry` to the generating endpoints (`servings`: a request's `model` may
+    name an adapter) and registers the runtime load/unload routes, where allowed."""
+    for serving in servings:
+        serving.loras = registry
     if not runtime_updates_allowed():
         return
 
