@@ -12,7 +12,7 @@ import pytest
 
 from jaxllm import config_cache
 from jaxllm.config import EngineArgs, portable_config
-from jaxllm.engine import core_client
+from jaxllm.engine import core_client, dp_client
 from jaxllm.engine.async_llm import AsyncLLM
 
 
@@ -62,7 +62,7 @@ def test_stored_config_round_trips_and_is_keyed_by_its_inputs(args, monkeypatch)
 
 @pytest.mark.slow
 def test_a_restart_hands_the_stored_config_to_the_core(args, monkeypatch):
-    monkeypatch.setattr(core_client, "AsyncMPClient", FakeClient)
+    monkeypatch.setattr(dp_client, "AsyncMPClient", FakeClient)  # where AsyncLLM makes it
     FakeClient.started = []
     AsyncLLM.from_engine_args(args)
     (first,) = FakeClient.started
@@ -78,7 +78,7 @@ def test_a_restart_hands_the_stored_config_to_the_core(args, monkeypatch):
 
 @pytest.mark.slow
 def test_a_stale_stored_config_starts_the_core_again_with_the_new_one(args, monkeypatch):
-    monkeypatch.setattr(core_client, "AsyncMPClient", FakeClient)
+    monkeypatch.setattr(dp_client, "AsyncMPClient", FakeClient)  # where AsyncLLM makes it
     built = args.create_engine_config()
     stale = dataclasses.replace(built, scheduler_config=dataclasses.replace(
         built.scheduler_config, max_num_seqs=99))
