@@ -14,6 +14,8 @@ mixture-of-experts MLP drops in beside this one.
 
 from __future__ import annotations
 
+from typing import Any
+
 import jax
 import jax.numpy as jnp
 from flax import nnx
@@ -41,22 +43,25 @@ def activation_name(hf_name: str, field: str = "config.json:hidden_act") -> str:
 
 class GatedMLP(nnx.Module):
     def __init__(self, hidden: int, inter: int, *, activation: str, bias: bool,
-                 dtype: jnp.dtype, rngs: nnx.Rngs, swiglu: SwiGLU):
+                 dtype: jnp.dtype, rngs: nnx.Rngs, swiglu: SwiGLU, method: Any = None):
         self.activation = activation
         self.swiglu = swiglu
         self.gate_up_proj = Linear((2, inter), (hidden,), P(None, "model", None), dtype=dtype,
-                                   rngs=rngs, bias=bias)
+                                   rngs=rngs, bias=bias, method=method)
         self.down_proj = Linear((hidden,), (inter,), P(None, "model"), dtype=dtype, rngs=rngs,
-                                bias=bias, bias_spec=P(None), matmul_add=swiglu.matmul_add)
+                                bias=bias, bias_spec=P(None), matmul_add=swiglu.matmul_add,
+                                method=method)
 
     def __call__(self, x: jax.Array, residual: jax.Array | None) -> jax.Array:
         """`residual + mlp(x)` (`mlp(x)` when `residual` is None) for the normed input `x`."""
         up = self.gate_up_proj
-        if self.activation == "silu":
+        if self.activation == "silu" and up.weight_scale is None:
             h = self.swiglu(x, up.weight[...], None if up.bias is None else up.bias[...])
         else:
             gate_up = up(x)
-            h = jax.nn.gelu(gate_up[:, 0], approximate=True) * gate_up[:, 1]
+            act = (jax.nn.silu if self.activation == "silu"
+                   else lambda g: jax.nn.gelu(g, approximate=True))
+            h = act(gate_up[:, 0]) * gate_up[:, 1]
         if residual is None:
             return self.down_proj(h)
         return self.down_proj.add(h, residual)

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import dataclasses
 import string
+from typing import Any
 
 import jax
 import jax.numpy as jnp
@@ -56,22 +57,48 @@ class Linear(nnx.Module):
 
     def __init__(self, out_shape: tuple[int, ...], in_shape: tuple[int, ...], spec: P, *,
                  dtype: jnp.dtype, rngs: nnx.Rngs, bias: bool = False,
-                 bias_spec: P | None = None, method: UnquantizedLinear | None = None,
+                 bias_spec: P | None = None, method: Any = None,
                  matmul_add: MatmulAdd | None = None):
         self.in_dims = len(in_shape)
-        self.weight = make_param(rngs, (*out_shape, *in_shape), dtype, spec)
+        self.method = method or UnquantizedLinear()
+        if isinstance(self.method, UnquantizedLinear):
+            self.weight = make_param(rngs, (*out_shape, *in_shape), dtype, spec)
+            self.weight_scale = None
+        else:  # quantized (layers/quant.py): dummy weights are quantized random ones
+            w = make_param(rngs, (*out_shape, *in_shape), jnp.float32, spec)
+            q, scale = _quantize_traced(self.method, w[...], self.in_dims)
+            self.weight = nnx.Param(q, out_sharding=spec, eager_sharding=False)
+            self.weight_scale = nnx.Param(scale, out_sharding=P(*spec[:len(out_shape)]),
+                                          eager_sharding=False)
         self.bias = (make_param(rngs, out_shape, dtype,
                                 bias_spec if bias_spec is not None else P(*spec[:len(out_shape)]),
                                 "zeros") if bias else None)
-        self.method = method or UnquantizedLinear()
         self.matmul_add = matmul_add or MatmulAdd()
 
     def __call__(self, x: jax.Array) -> jax.Array:
-        out = self.method.apply(x, self.weight[...], self.in_dims)
+        if self.weight_scale is None:
+            out = self.method.apply(x, self.weight[...], self.in_dims)
+        else:
+            out = self.method.apply(x, self.weight[...], self.weight_scale[...], self.in_dims)
         return out if self.bias is None else out + self.bias[...]
 
     def add(self, x: jax.Array, residual: jax.Array) -> jax.Array:
         """`residual + self(x)` for a projection with one output axis (the residual
         add in the product's epilogue where the `MatmulAdd` has a kernel)."""
+        if self.weight_scale is not None:  # the fused kernel takes float weights only
+            return residual + self(x)
         return self.method.apply_add(self.matmul_add, x, self.weight[...], residual,
                                      None if self.bias is None else self.bias[...])
+
+
+def _quantize_traced(method: Any, w: jax.Array, in_dims: int) -> tuple[jax.Array, jax.Array]:
+    """Per-output-channel quantization of a (traced) float weight, as
+    layers/quant.py's host quantizer does it (for dummy weights)."""
+    in_axes = tuple(range(w.ndim - in_dims, w.ndim))
+    qmax = 127.0 if method.weight_dtype == jnp.int8 else 448.0
+    amax = jnp.max(jnp.abs(w), axis=in_axes)
+    scale = jnp.where(amax > 0, amax / qmax, 1.0)
+    scaled = w / scale.reshape(scale.shape + (1,) * in_dims)
+    if method.weight_dtype == jnp.int8:
+        scaled = jnp.round(scaled)
+    return jnp.clip(scaled, -qmax, qmax).astype(method.weight_dtype), scale

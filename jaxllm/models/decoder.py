@@ -36,6 +36,7 @@ a jitted step pays the host per array it takes.
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Callable
 from typing import Any
 
@@ -49,6 +50,7 @@ from jaxllm.layers.gated_mlp import GatedMLP
 from jaxllm.layers.linear import Linear, make_param
 from jaxllm.layers.mlp import SwiGLU
 from jaxllm.layers.norm import RMSNorm, rms_norm
+from jaxllm.layers.quant import linear_method
 from jaxllm.models.contract import KVCacheSpec, LogitsHead, WeightSource
 from jaxllm.models.decoder_arch import DecoderArch
 from jaxllm.models.decoder_weights import hf_weight_map
@@ -57,7 +59,8 @@ from jaxllm.models.decoder_weights import hf_weight_map
 def dense_mlp(arch: DecoderArch, layer: int, *, dtype: jnp.dtype, rngs: nnx.Rngs,
               swiglu: SwiGLU) -> nnx.Module:
     return GatedMLP(arch.hidden_size, arch.intermediate_size, activation=arch.activation,
-                    bias=arch.mlp_bias, dtype=dtype, rngs=rngs, swiglu=swiglu)
+                    bias=arch.mlp_bias, dtype=dtype, rngs=rngs, swiglu=swiglu,
+                    method=linear_method(arch.quantization))
 
 
 # Per-layer MLP kind (`DecoderArch.mlp_kinds`) -> its module. An MLP is called as
@@ -72,10 +75,12 @@ class DecoderAttention(nnx.Module):
         kv, g, d, h = arch.num_kv_heads, arch.group, arch.head_dim, arch.hidden_size
         self.group = g
         self.qkv_proj = Linear((kv, g + 2, d), (h,), P("model", None, None, None), dtype=dtype,
-                               rngs=rngs, bias=arch.qkv_bias)
+                               rngs=rngs, bias=arch.qkv_bias,
+                               method=linear_method(arch.quantization))
         self.o_proj = Linear((h,), (arch.num_heads, d), P(None, "model", None), dtype=dtype,
                              rngs=rngs, bias=arch.o_bias, bias_spec=P(None),
-                             matmul_add=swiglu.matmul_add)
+                             matmul_add=swiglu.matmul_add,
+                             method=linear_method(arch.quantization))
         self.qk_norm, self.eps, self.offset = arch.qk_norm, arch.rms_norm_eps, arch.norm_offset
         self.rope = arch.ropes[layer]
         self.sm_scale = arch.sm_scale
@@ -155,8 +160,10 @@ class DecoderForCausalLM(nnx.Module):
 
     def __init__(self, hf_config: Any, *, dtype: str | jnp.dtype, rngs: nnx.Rngs,
                  attn_backend: AttentionBackend, swiglu: SwiGLU | None = None,
-                 tensor_parallel_size: int = 1):
+                 tensor_parallel_size: int = 1, quantization: str | None = None):
         arch = self.arch_from_hf_config(hf_config, tensor_parallel_size)
+        if quantization is not None:  # every attention and dense MLP projection
+            arch = dataclasses.replace(arch, quantization=quantization)
         swiglu = swiglu or SwiGLU()
         dtype = jnp.dtype(dtype)
         self.arch = arch

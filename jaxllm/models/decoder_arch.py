@@ -49,6 +49,9 @@ class DecoderArch:
     attn_soft_cap: float | None = None
     final_soft_cap: float | None = None
     query_pre_attn_scalar: float | None = None  # the attention scale is its -1/2 power
+    # "int8" / "fp8": the attention and dense MLP projections' method (layers/quant.py);
+    # embeddings, the logits head and MoE experts stay in the model dtype.
+    quantization: str | None = None
 
     def __post_init__(self):
         if not self.mlp_kinds:

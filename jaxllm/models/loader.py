@@ -39,6 +39,8 @@ from jaxllm.errors import ParameterError
 from jaxllm.layers.attention_sharded import shard_attention
 from jaxllm.models.contract import KVCacheSpec
 from jaxllm.models.orbax_io import ORBAX_DIR, is_orbax_checkpoint, load_orbax
+from jaxllm.models.quant_load import ignored as quant_ignored
+from jaxllm.models.quant_load import read_source, scale_name
 from jaxllm.models.registry import get_model_class
 
 _ST_DTYPES = {
@@ -76,6 +78,9 @@ def _model_factory(model_config: ModelConfig, mesh: Mesh, attn_backend: Any,
     dtype = jnp.dtype(model_config.dtype)
     attn_backend = shard_attention(attn_backend, mesh)
     layout = {} if tp == 1 else {"tensor_parallel_size": tp}
+    quantization = getattr(model_config, "quantization", None)
+    if quantization is not None:
+        layout["quantization"] = quantization
 
     def create() -> nnx.Module:
         return cls(hf_config, dtype=dtype, rngs=nnx.Rngs(model_config.seed),
@@ -187,32 +192,45 @@ def _load_safetensors(cls: type, hf_config: Any, model_dir: str, state: nnx.Stat
     variables = dict(nnx.to_flat_state(state))
     available = ckpt.names()
     needed = {name for src in sources for name in src.tensors}
+    needed |= {scale for name in needed if (scale := scale_name(available, name))}
     missing = sorted(needed - available)
     if missing:
         more = f" (and {len(missing) - 1} more)" if len(missing) > 1 else ""
         raise ParameterError("model", f"checkpoint {model_dir!r} is missing tensor "
                              f"{missing[0]!r}{more}")
-    unexpected = sorted(n for n in available - needed if not cls.hf_ignored_tensor(hf_config, n))
+    unexpected = sorted(n for n in available - needed
+                        if not (cls.hf_ignored_tensor(hf_config, n) or quant_ignored(n)))
     if unexpected:
         more = f" (and {len(unexpected) - 1} more)" if len(unexpected) > 1 else ""
         raise ParameterError("model", f"checkpoint {model_dir!r} has unexpected tensor "
                              f"{unexpected[0]!r}{more}, which {cls.__name__} does not use")
-    unsourced = sorted(str(p) for p in set(variables) - {src.path for src in sources})
+    sourced = {src.path for src in sources}
+    sourced |= {p[:-1] + ("weight_scale",) for p in sourced if p[-1] == "weight"}
+    unsourced = sorted(str(p) for p in set(variables) - sourced)
     if unsourced:
         raise RuntimeError(f"{cls.__name__} parameters without a checkpoint source: {unsourced}")
 
     values: dict = {}
     with tqdm(total=len(needed), desc="Loading safetensors", unit="tensor") as bar:
         for src in sources:
-            var = variables[src.path]
-            want = var.get_value()
-            host = src.combine([ckpt.read(name) for name in src.tensors])
+            want = variables[src.path].get_value()
+            scale_path = src.path[:-1] + ("weight_scale",)
+            scale_var = variables.get(scale_path) if src.path[-1] == "weight" else None
+            kind = None
+            if scale_var is not None:
+                kind = "int8" if want.dtype == jnp.int8 else "fp8"
+            in_dims = len(want.shape) - (0 if scale_var is None
+                                         else len(scale_var.get_value().shape))
+            host, scale = read_source(src, ckpt.read, available, hf_config, kind, in_dims)
             if tuple(host.shape) != tuple(want.shape):
                 raise ParameterError(
                     "model", f"tensor(s) {', '.join(src.tensors)} in {model_dir!r} give shape "
                     f"{tuple(host.shape)}, but config.json implies {tuple(want.shape)}")
             host = host.astype(want.dtype, copy=False)
             values[src.path] = _place(host, _lookup(shardings, src.path))
+            if scale is not None:
+                values[scale_path] = _place(scale.astype(np.float32),
+                                            _lookup(shardings, scale_path))
             bar.update(len(src.tensors))
     return _nest(values)
 
