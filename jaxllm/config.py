@@ -273,7 +273,7 @@ class EngineArgs:
         if self.load_format not in ("auto", "safetensors", "orbax", "dummy"):
             raise ParameterError("load_format", "must be 'auto', 'safetensors', 'orbax' or "
                                  f"'dummy', got {self.load_format!r}")
-        quantization = _resolve_quantization(self.quantization, raw)
+        quantization = _resolve_quantization(self.quantization, raw, model)
         if self.kv_cache_dtype not in _KV_CACHE_DTYPES:
             raise ParameterError("kv_cache_dtype", f"must be one of {_KV_CACHE_DTYPES}, got "
                                  f"{self.kv_cache_dtype!r}")
@@ -322,11 +322,15 @@ def _checkpoint_quantization(raw: dict) -> str | None:
                          "'compressed-tensors' with 8-bit float weights)")
 
 
-def _resolve_quantization(requested: str | None, raw: dict) -> str | None:
+def _resolve_quantization(requested: str | None, raw: dict, model: str) -> str | None:
     if requested is not None and requested not in _QUANTIZATIONS:
         raise ParameterError("quantization", f"must be one of {_QUANTIZATIONS} or None, "
                              f"got {requested!r}")
     stored = _checkpoint_quantization(raw)
+    orbax_meta = os.path.join(model, "jaxllm_orbax.json")  # models/orbax_io.py's metadata
+    if stored is None and os.path.isfile(orbax_meta):
+        with open(orbax_meta) as f:
+            stored = json.load(f).get("quantization")
     if stored is not None and requested not in (None, stored):
         # As vLLM: a quantized checkpoint runs in its own format.
         raise ParameterError("quantization", f"{requested!r}, but the checkpoint is already "
