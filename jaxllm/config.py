@@ -296,7 +296,12 @@ class EngineArgs:
 
 
 _QUANTIZATIONS = ("fp8", "int8")
-_KV_CACHE_DTYPES = ("auto",)
+_KV_CACHE_DTYPES = ("auto", "fp8", "fp8_e4m3")  # vLLM's names; fp8 is e4m3
+
+
+def kv_cache_dtype(model_config: ModelConfig) -> str:
+    """The KV cache's dtype: the model's for "auto", else float8_e4m3fn."""
+    return model_config.dtype if model_config.kv_cache_dtype == "auto" else "float8_e4m3fn"
 
 
 def _checkpoint_quantization(raw: dict) -> str | None:

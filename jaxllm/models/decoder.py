@@ -50,7 +50,7 @@ from jaxllm.layers.gated_mlp import GatedMLP
 from jaxllm.layers.linear import Linear, make_param
 from jaxllm.layers.mlp import SwiGLU
 from jaxllm.layers.norm import RMSNorm, rms_norm
-from jaxllm.layers.quant import linear_method
+from jaxllm.layers.quant import FP8_MAX, linear_method
 from jaxllm.models.contract import KVCacheSpec, LogitsHead, WeightSource
 from jaxllm.models.decoder_arch import DecoderArch
 from jaxllm.models.decoder_weights import hf_weight_map
@@ -92,13 +92,18 @@ class DecoderAttention(nnx.Module):
     def __call__(self, x: jax.Array, positions: jax.Array, kv_cache: jax.Array,
                  md: AttentionMetadata, qk_norms: jax.Array | None, residual: jax.Array,
                  post_norm: jax.Array | None = None, rows: jax.Array | None = None,
-                 write: bool = True) -> tuple[jax.Array, jax.Array]:
+                 write: bool = True, kv_scale: jax.Array | None = None
+                 ) -> tuple[jax.Array, jax.Array]:
         """`residual` plus the attention block's output (for the normed input `x`;
         normed by `post_norm` first where given), and the updated cache.
 
         `rows` (one per request, its last token): every token's K/V still goes to the
         cache, but only those rows' outputs are computed and returned. `write=False`:
         this step's K/V are in the cache already (`DecoderForCausalLM.finish_states`).
+        `kv_scale` `[2]`: an fp8 cache's per-tensor K and V scales (the cache holds
+        K / k_scale and V / v_scale). Applied here, not in the attention bodies:
+        q . (k_scale K) = (k_scale q) . K and P (v_scale V) = v_scale (P V), so every
+        body only upcasts the fp8 tiles it loads.
         """
         qkv = self.qkv_proj(x)
         t, kv_heads, _, d = qkv.shape
@@ -108,6 +113,9 @@ class DecoderAttention(nnx.Module):
             q = rms_norm(q, qk_norms[0], self.eps, self.offset)
             k = rms_norm(k, qk_norms[1], self.eps, self.offset)
         q, k = self.rope(q, positions), self.rope(k, positions)
+        if kv_scale is not None:
+            k, v = _to_fp8_range(k, kv_scale[0]), _to_fp8_range(v, kv_scale[1])
+            q = q * kv_scale[0].astype(q.dtype)
         # The cache holds every layer's pages; this layer's come after the previous ones'.
         page_offset = self.layer * (kv_cache.shape[0] // self.num_layers)
         if write:
@@ -117,9 +125,16 @@ class DecoderAttention(nnx.Module):
         o = self.attn_backend.attend(q, kv_cache, md, sm_scale=self.sm_scale,
                                      sliding_window=self.sliding_window,
                                      soft_cap=self.soft_cap, page_offset=page_offset)
+        if kv_scale is not None:
+            o = o * kv_scale[1].astype(o.dtype)
         if post_norm is None:
             return self.o_proj.add(o, residual), kv_cache
         return residual + rms_norm(self.o_proj(o), post_norm, self.eps, self.offset), kv_cache
+
+
+def _to_fp8_range(x: jax.Array, scale: jax.Array) -> jax.Array:
+    """`x / scale`, saturated to e4m3's finite range (the cache write casts it)."""
+    return jnp.clip(x.astype(jnp.float32) / scale, -FP8_MAX, FP8_MAX)
 
 
 class DecoderLayer(nnx.Module):
@@ -134,8 +149,8 @@ class DecoderLayer(nnx.Module):
 
     def __call__(self, x: jax.Array, positions: jax.Array, kv_cache: jax.Array,
                  md: AttentionMetadata, norms: jax.Array, qk_norms: jax.Array | None,
-                 rows: jax.Array | None = None, write: bool = True
-                 ) -> tuple[jax.Array, jax.Array]:
+                 rows: jax.Array | None = None, write: bool = True,
+                 kv_scale: jax.Array | None = None) -> tuple[jax.Array, jax.Array]:
         """`norms`: this layer's RMSNorm weights `[2 or 4, hidden]` in
         `DecoderArch.norm_names` order; `rows`, `write`: as in `DecoderAttention`
         (the output has `rows`' rows)."""
@@ -144,7 +159,7 @@ class DecoderLayer(nnx.Module):
 
         x, kv_cache = self.self_attn(norm(x, 0), positions, kv_cache, md, qk_norms, residual=x,
                                      post_norm=norms[1] if self.sandwich else None,
-                                     rows=rows, write=write)
+                                     rows=rows, write=write, kv_scale=kv_scale)
         if self.sandwich:
             return x + norm(self.mlp(norm(x, 2), None), 3), kv_cache
         return self.mlp(norm(x, 1), x), kv_cache
@@ -160,7 +175,8 @@ class DecoderForCausalLM(nnx.Module):
 
     def __init__(self, hf_config: Any, *, dtype: str | jnp.dtype, rngs: nnx.Rngs,
                  attn_backend: AttentionBackend, swiglu: SwiGLU | None = None,
-                 tensor_parallel_size: int = 1, quantization: str | None = None):
+                 tensor_parallel_size: int = 1, quantization: str | None = None,
+                 kv_cache_dtype: str = "auto"):
         arch = self.arch_from_hf_config(hf_config, tensor_parallel_size)
         if quantization is not None:  # every attention and dense MLP projection
             arch = dataclasses.replace(arch, quantization=quantization)
@@ -186,6 +202,9 @@ class DecoderForCausalLM(nnx.Module):
                         make_param(rngs, (arch.vocab_size, arch.hidden_size), dtype,
                                    P("model", None)))
         self.head_logits = LogitsHead(arch.final_soft_cap)
+        # An fp8 KV cache's per-layer K and V scales (the checkpoint's, else 1.0 as vLLM).
+        self.kv_scales = (make_param(rngs, (arch.num_layers, 2), jnp.float32, P(None, None),
+                                     "ones") if kv_cache_dtype != "auto" else None)
 
     def __call__(self, input_ids: jax.Array, positions: jax.Array, kv_cache: jax.Array,
                  md: AttentionMetadata) -> tuple[jax.Array, jax.Array]:
@@ -240,6 +259,8 @@ class DecoderForCausalLM(nnx.Module):
                md: AttentionMetadata, **kw: Any) -> tuple[jax.Array, jax.Array]:
         i %= len(self.layers)
         qk_norms = None if self.qk_norms is None else self.qk_norms[i]
+        if self.kv_scales is not None:
+            kw["kv_scale"] = self.kv_scales[i]
         return self.layers[i](x, positions, kv_cache, md, self.layer_norms[i], qk_norms, **kw)
 
     @property

@@ -39,8 +39,8 @@ from jaxllm.errors import ParameterError
 from jaxllm.layers.attention_sharded import shard_attention
 from jaxllm.models.contract import KVCacheSpec
 from jaxllm.models.orbax_io import ORBAX_DIR, is_orbax_checkpoint, load_orbax
+from jaxllm.models.quant_load import KV_SCALES, kv_scales, read_source, scale_name
 from jaxllm.models.quant_load import ignored as quant_ignored
-from jaxllm.models.quant_load import read_source, scale_name
 from jaxllm.models.registry import get_model_class
 
 _ST_DTYPES = {
@@ -81,6 +81,8 @@ def _model_factory(model_config: ModelConfig, mesh: Mesh, attn_backend: Any,
     quantization = getattr(model_config, "quantization", None)
     if quantization is not None:
         layout["quantization"] = quantization
+    if getattr(model_config, "kv_cache_dtype", "auto") != "auto":
+        layout["kv_cache_dtype"] = model_config.kv_cache_dtype
 
     def create() -> nnx.Module:
         return cls(hf_config, dtype=dtype, rngs=nnx.Rngs(model_config.seed),
@@ -206,6 +208,7 @@ def _load_safetensors(cls: type, hf_config: Any, model_dir: str, state: nnx.Stat
                              f"{unexpected[0]!r}{more}, which {cls.__name__} does not use")
     sourced = {src.path for src in sources}
     sourced |= {p[:-1] + ("weight_scale",) for p in sourced if p[-1] == "weight"}
+    sourced.add(KV_SCALES)
     unsourced = sorted(str(p) for p in set(variables) - sourced)
     if unsourced:
         raise RuntimeError(f"{cls.__name__} parameters without a checkpoint source: {unsourced}")
@@ -232,6 +235,10 @@ def _load_safetensors(cls: type, hf_config: Any, model_dir: str, state: nnx.Stat
                 values[scale_path] = _place(scale.astype(np.float32),
                                             _lookup(shardings, scale_path))
             bar.update(len(src.tensors))
+    if KV_SCALES in variables:  # an fp8 KV cache's scales: the checkpoint's or 1.0
+        num_layers = variables[KV_SCALES].get_value().shape[0]
+        values[KV_SCALES] = _place(kv_scales(ckpt.read, available, num_layers),
+                                   _lookup(shardings, KV_SCALES))
     return _nest(values)
 
 

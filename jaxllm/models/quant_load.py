@@ -36,7 +36,9 @@ from jaxllm.models.contract import WeightSource
 
 SCALE_SUFFIXES = ("weight_scale", "weight_scale_inv")
 # Checkpoint tensors of FP8 formats that jaxllm reads no value from.
-IGNORED_SUFFIXES = ("input_scale", "k_scale", "v_scale", "q_scale")
+IGNORED_SUFFIXES = ("input_scale", "output_scale", "k_scale", "v_scale", "q_scale",
+                    "kv_scale")
+KV_SCALES = ("kv_scales",)  # the decoder's [num_layers, 2] fp8 KV cache scales
 
 
 def block_size(hf_config: Any) -> tuple[int, int] | None:
@@ -105,3 +107,20 @@ def read_source(src: WeightSource, read: Callable[[str], np.ndarray], names: set
             and np.all(channel == channel[..., :1])):
         return q, np.ascontiguousarray(channel[..., 0])
     return quantize_per_channel(q.astype(np.float32) * spread, in_dims, kind)
+
+
+def kv_scales(read: Callable[[str], np.ndarray], names: set[str], num_layers: int
+              ) -> np.ndarray:
+    """`[num_layers, 2]` K and V scales of an fp8 KV cache: each layer's
+    `self_attn.k_scale` / `v_scale` (vLLM's names), compressed-tensors'
+    `self_attn.{k,v}_proj.output_scale`, or one `self_attn.kv_scale` for both; 1.0
+    where the checkpoint has none (vLLM's default)."""
+    out = np.ones((num_layers, 2), np.float32)
+    for i in range(num_layers):
+        at = f"model.layers.{i}.self_attn."
+        for j, x in enumerate("kv"):
+            for name in (f"{at}{x}_scale", f"{at}{x}_proj.output_scale", f"{at}kv_scale"):
+                if name in names:
+                    out[i, j] = float(np.asarray(read(name), np.float32).reshape(-1)[0])
+                    break
+    return out
