@@ -9,6 +9,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from jaxllm.errors import ParameterError
+from jaxllm.pooler_config import PoolerConfig, load_pooler_config
 
 _DTYPES = ("auto", "float32", "bfloat16", "float16")
 
@@ -38,6 +39,11 @@ class ModelConfig:
     hf_config: Any  # transformers.PretrainedConfig
     eos_token_ids: list[int] = field(default_factory=list)
     generation_defaults: dict[str, Any] = field(default_factory=dict)
+    # An encoder (BertModel) runs whole prompts without a KV cache and only pools.
+    is_encoder: bool = False
+    # What the engine serves, vLLM's names: "generate" and/or "embed" (`runner`).
+    supported_tasks: tuple[str, ...] = ("generate", "embed")
+    pooler_config: PoolerConfig = field(default_factory=lambda: PoolerConfig("LAST", True))
     quantization: str | None = None  # resolved: None | "fp8" | "int8" (layers/quant.py)
     kv_cache_dtype: str = "auto"
 
@@ -145,6 +151,10 @@ class EngineArgs:
     enable_prefix_caching: bool = True
     enable_chunked_prefill: bool = True
     seed: int = 0
+    # vLLM's runner: "auto" | "generate" | "pooling" (`task`: its older name, "auto" |
+    # "generate" | "embed"). A decoder on "auto" serves both; an encoder only pools.
+    runner: str = "auto"
+    task: str = "auto"
     tensor_parallel_size: int = 1
     data_parallel_size: int = 1
     skip_tokenizer_init: bool = False
@@ -183,7 +193,13 @@ class EngineArgs:
         model_config = self._model_config()
         max_len = model_config.max_model_len
         max_batched = self.max_num_batched_tokens or max(2048, min(max_len, 8192))
-        if not self.enable_chunked_prefill:
+        if not self.enable_chunked_prefill or model_config.is_encoder:
+            if model_config.is_encoder and self.max_num_batched_tokens \
+                    and self.max_num_batched_tokens < max_len:
+                # An encoder runs a prompt in one step: a step must hold the longest.
+                raise ParameterError("max_num_batched_tokens",
+                                     f"{max_batched} is less than max_model_len={max_len}; "
+                                     "an encoder model runs each prompt whole, in one step")
             max_batched = max(max_batched, max_len)
         if self.max_num_seqs < 1:
             raise ParameterError("max_num_seqs", f"must be at least 1, got {self.max_num_seqs}")
@@ -214,12 +230,14 @@ class EngineArgs:
             model_config=model_config,
             cache_config=CacheConfig(
                 block_size=self.block_size, hbm_utilization=hbm,
-                enable_prefix_caching=self.enable_prefix_caching,
+                # An encoder keeps no KV, so there is no prefix to reuse.
+                enable_prefix_caching=self.enable_prefix_caching and not model_config.is_encoder,
                 num_kv_blocks=self.num_gpu_blocks_override or self.num_kv_blocks,
                 kv_cache_bytes=self.kv_cache_bytes),
             scheduler_config=SchedulerConfig(
                 max_num_seqs=self.max_num_seqs, max_num_batched_tokens=max_batched,
-                max_model_len=max_len, enable_chunked_prefill=self.enable_chunked_prefill,
+                max_model_len=max_len,
+                enable_chunked_prefill=self.enable_chunked_prefill and not model_config.is_encoder,
                 policy=self.scheduling_policy,
                 long_prefill_token_threshold=self.long_prefill_token_threshold),
             parallel_config=ParallelConfig(self.tensor_parallel_size, self.data_parallel_size),
@@ -261,8 +279,22 @@ class EngineArgs:
                         or "float32").replace("torch.", "")
             if dtype not in _DTYPES:
                 dtype = "float32"
+        from jaxllm.models.registry import is_encoder_architecture
+
+        is_encoder = is_encoder_architecture(
+            (getattr(hf_config, "architectures", None) or ["?"])[0])
+        tasks = self._supported_tasks(is_encoder)
+        pooler = load_pooler_config(model, is_encoder)
+        if not is_encoder and pooler.pooling_type != "LAST":
+            # The decoder runner pools the last token only (worker/model_runner.py).
+            if tasks == ("embed",):
+                raise ParameterError("1_Pooling/config.json", f"{pooler.pooling_type} pooling "
+                                     "of a decoder model is not supported; supported: last token")
+            tasks = tuple(t for t in tasks if t != "embed")
         limit = int(getattr(hf_config, "max_position_embeddings", 0) or 2048)
-        max_len = self.max_model_len or limit
+        # sentence-transformers caps its input (max_seq_length); vLLM takes that cap too.
+        default_len = min(limit, pooler.max_seq_length or limit)
+        max_len = self.max_model_len or default_len
         if max_len < 1:
             raise ParameterError("max_model_len", f"must be at least 1, got {max_len}")
         if max_len > limit and os.environ.get("JAXLLM_ALLOW_LONG_MAX_MODEL_LEN") != "1":
@@ -292,7 +324,26 @@ class EngineArgs:
             seed=self.seed, skip_tokenizer_init=self.skip_tokenizer_init,
             load_format=self.load_format, served_model_name=self.served_model_name or model,
             hf_config=hf_config, eos_token_ids=eos_ids, generation_defaults=gen_defaults,
+            is_encoder=is_encoder, supported_tasks=tasks, pooler_config=pooler,
             quantization=quantization, kv_cache_dtype=self.kv_cache_dtype)
+
+    def _supported_tasks(self, is_encoder: bool) -> tuple[str, ...]:
+        runners = ("auto", "generate", "pooling")
+        if self.runner not in runners:
+            raise ParameterError("runner", f"must be one of {runners}, got {self.runner!r}")
+        tasks = ("auto", "generate", "embed")
+        if self.task not in tasks:
+            raise ParameterError("task", f"must be one of {tasks}, got {self.task!r}")
+        runner = self.runner
+        if runner == "auto" and self.task != "auto":
+            runner = "pooling" if self.task == "embed" else "generate"
+        if is_encoder:
+            if runner == "generate":
+                raise ParameterError("runner", "this model is an encoder: it only embeds "
+                                     "(runner='pooling'); it cannot generate")
+            return ("embed",)
+        return {"auto": ("generate", "embed"), "generate": ("generate",),
+                "pooling": ("embed",)}[runner]
 
 
 _QUANTIZATIONS = ("fp8", "int8")

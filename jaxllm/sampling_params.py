@@ -252,6 +252,10 @@ class SamplingParams(
 
 
 class PoolingParams(msgspec.Struct, omit_defaults=True, kw_only=True):  # type: ignore[call-arg]
-    """Knobs for `LLM.embed`/`encode`: normalize the pooled vector or not."""
+    """Knobs for `LLM.embed`/`encode`, as vLLM's: `normalize` the pooled vector (None: as
+    the model's pooling config says, L2-normalized unless a sentence-transformers
+    checkpoint has no Normalize module); `dimensions` keeps the first that many
+    (matryoshka models only)."""
 
-    normalize: bool = True
+    normalize: bool | None = None
+    dimensions: int | None = None

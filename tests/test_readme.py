@@ -59,7 +59,7 @@ def run_python(code: str) -> list[str]:
 
 def test_the_readme_has_the_snippets_this_test_runs():
     python = snippets("python")
-    assert len(python) == 2  # the offline API and the openai client
+    assert len(python) == 3  # the offline API, embeddings and the openai client
     assert all(promised_output(code) for code in python)
     assert any("curl" in code for code in snippets("bash"))
 
@@ -69,6 +69,18 @@ def test_the_offline_api_snippet_prints_its_answers():
     want = promised_output(code)
     assert want[:3] == [demo_tasks.expected_answer(p)
                         for p in ("reverse jaxllm", "count 7 8 9", "sort 3 1 2")]
+    assert run_python(code) == want
+
+
+def test_the_embeddings_snippet_prints_its_answers():
+    """Run on all-MiniLM-L6-v2 (the test extra installs it), one token bucket."""
+    from tests.models.minilm import minilm_dir
+
+    (code,) = [c for c in snippets("python") if "jaxllm.LLM(" in c]
+    want = promised_output(code)
+    assert want[0] == "384"
+    code = code.replace('"/path/to/all-MiniLM-L6-v2"', f"{minilm_dir()!r}, token_buckets="
+                        "[256], max_num_batched_tokens=256")
     assert run_python(code) == want
 
 
@@ -106,5 +118,5 @@ def test_the_openai_client_snippet_prints_its_answers(server):
     assert README_URL in code
     want = promised_output(code)
     assert want == [demo_tasks.expected_answer("reverse abc"),
-                    demo_tasks.expected_answer("reverse hello")]
+                    demo_tasks.expected_answer("reverse hello"), "128"]
     assert run_python(code.replace(README_URL, server.url)) == want

@@ -14,6 +14,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from jaxllm.benchmarks.moe_counts import expert_counts, last_layer_mlp_params
 from jaxllm.distributed.mesh import kv_head_replicas
 
 
@@ -183,50 +184,69 @@ def allreduce_bytes_per_device(rec: Any, hf_config: Any, tp: int, itemsize: int 
 
 def step_floor(rec: Any, params: int, hf_config: Any, bw: float, peak: float,
                itemsize: int = 2, tp: int = 1, link_bw: float | None = None,
-               weight_nbytes: float | None = None, linear_peak: float | None = None
-               ) -> float:
+               weight_nbytes: float | None = None, linear_peak: float | None = None,
+               kv_itemsize: int | None = None) -> float:
     """The least time of one executed step (StepRecord) on `tp` tensor-parallel devices:
     max(FLOPs / (tp * peak), per-device bytes / bw) plus the all-reduces at `link_bw`.
 
     `bw` and `peak` are one device's HBM bandwidth and matmul peak; `link_bw` is the
     all-reduce bus bandwidth (bytes each device moves per second, as
     measure_allreduce_bandwidth reports it), needed when tp > 1. Each device reads its
-    1/tp of the weights and its share of the KV cache.
+    1/tp of the weights and its share of the KV cache. A mixture of experts counts the
+    experts the step's tokens are routed to (benchmarks/moe_counts.py); its experts
+    split over the devices, each reads 1/tp of those.
 
     Quantized weights: `weight_nbytes` is what the weights take as held (`weight_bytes`;
-    default `itemsize * params`), and `linear_peak` the peak of the decoder layers'
-    projections (the fp8 matmul peak under fp8 W8A8; default `peak`), while attention
-    and the LM head (kept in the model dtype) run at `peak`. `itemsize` is the KV
-    cache's and the activations'.
+    default `itemsize * params`; experts, kept in the model dtype, not read this step
+    are taken off at `itemsize`), and `linear_peak` the peak of the projections (the
+    fp8 matmul peak under fp8 W8A8; default `peak`), while attention and the LM head
+    (kept in the model dtype) run at `peak`. `kv_itemsize`: the KV cache's bytes per
+    element (default `itemsize`; 1 for an fp8 cache).
     """
+    kv_itemsize = itemsize if kv_itemsize is None else kv_itemsize
     head_dim = getattr(hf_config, "head_dim", None) or (
         hf_config.hidden_size // hf_config.num_attention_heads)
     # Weight matmuls: 2 FLOPs per parameter per token (the embedding lookup is not a matmul,
-    # but the lm_head is, and only for the sampled rows).
+    # but the lm_head is, and only for the sampled rows). Tied embeddings (Gemma) count
+    # the one [vocab, hidden] matrix once in `params`.
     embed = hf_config.vocab_size * hf_config.hidden_size
-    flops = 2 * (params - 2 * embed) * rec.num_tokens + 2 * embed * rec.num_reqs
+    # Mixture of experts: a token multiplies by its top_k experts only, and the step
+    # reads the experts its tokens picked (benchmarks/moe_counts.py).
+    flop_params, read_params = params, float(params)
+    counts = expert_counts(hf_config)
+    if counts is not None:
+        flop_params = params - counts.all_expert_params + counts.routed_params
+        read_params = (params - counts.all_expert_params
+                       + counts.read_params(rec.num_tokens, rec.num_reqs))
+    tables = 1 if getattr(hf_config, "tie_word_embeddings", False) else 2
+    flops = 2 * (flop_params - tables * embed) * rec.num_tokens + 2 * embed * rec.num_reqs
     # The last layer needs every token's K/V but its q, attention output, output
     # projection and MLP only at each request's last token (the model's forward_rows).
     hidden, heads = hf_config.hidden_size, hf_config.num_attention_heads
-    rows_only = 2 * heads * head_dim * hidden + 3 * hidden * hf_config.intermediate_size
+    rows_only = 2 * heads * head_dim * hidden + last_layer_mlp_params(hf_config)
     flops -= 2 * rows_only * max(rec.num_tokens - rec.num_reqs, 0)
+    # Sliding-window layers (Gemma, Mistral) are counted as full attention: exact while
+    # every context fits the window, an over-count beyond it.
     attn = 4 * heads * head_dim * (
         (hf_config.num_hidden_layers - 1) * rec.attn_pairs + rec.kv_tokens)
     flops += attn
-    weights = itemsize * params if weight_nbytes is None else weight_nbytes
+    if weight_nbytes is None:
+        weights = itemsize * read_params
+    else:
+        weights = weight_nbytes - itemsize * (params - read_params)
     if linear_peak is None:
         compute = flops / peak
-    else:  # the layers' projections at linear_peak; the LM head and attention at peak
+    else:  # the projections at linear_peak; the LM head and attention at peak
         head = 2 * embed * rec.num_reqs
         compute = (flops - head - attn) / linear_peak + (head + attn) / peak
     if tp == 1:
-        nbytes = weights + rec.kv_tokens * kv_bytes_per_token(hf_config, itemsize)
+        nbytes = weights + rec.kv_tokens * kv_bytes_per_token(hf_config, kv_itemsize)
         return max(compute, nbytes / bw)
     if link_bw is None or link_bw <= 0:
         raise ValueError(f"link_bw: tp={tp} needs the measured all-reduce bandwidth, "
                          f"got {link_bw}")
     nbytes = (weights / tp
-              + rec.kv_tokens * kv_bytes_per_device_token(hf_config, tp, itemsize))
+              + rec.kv_tokens * kv_bytes_per_device_token(hf_config, tp, kv_itemsize))
     comm = allreduce_bytes_per_device(rec, hf_config, tp, itemsize) / link_bw
     return max(compute / tp, nbytes / bw) + comm
 

@@ -106,14 +106,16 @@ def main(argv: list[str] | None = None) -> dict:
                       attn_pairs=b * avg_ctx)
     wbytes = weight_bytes(runner.state)
     floor_ms = step_floor(step, params, hf, bw, float("inf"), tp=tp, link_bw=link,
-                          weight_nbytes=wbytes) * 1e3
+                          weight_nbytes=wbytes,
+                          kv_itemsize=1 if args.kv_cache_dtype != "auto" else 2) * 1e3
     # A decode step's all-reduces are a few KiB, where a collective's fixed latency, not
     # the bus bandwidth, sets its time: a second floor takes each at the measured time
     # of one in-program psum of [batch, hidden] bf16, to tell that cost apart from the engine's.
     small_s = (measure_allreduce_chain_seconds(jax.devices()[:tp], b * hf.hidden_size * 2)
                if tp > 1 else 0.0)
     memory_ms = step_floor(step, params, hf, bw, float("inf"), tp=tp,
-                           link_bw=float("inf"), weight_nbytes=wbytes) * 1e3
+                           link_bw=float("inf"), weight_nbytes=wbytes,
+                           kv_itemsize=1 if args.kv_cache_dtype != "auto" else 2) * 1e3
     collective_floor_ms = memory_ms + 2 * hf.num_hidden_layers * small_s * 1e3
     result = {
         "workload": "decode-1", "batch_size": b, "input_len": n_in, "output_len": n_out,

@@ -135,6 +135,7 @@ def main(argv: list[str] | None = None) -> dict:
     nparams = param_count(runner.state)
     wbytes = weight_bytes(runner.state)
     floor = sum(step_floor(s, nparams, hf, bw, peak, tp=tp, link_bw=link, weight_nbytes=wbytes,
+                           kv_itemsize=1 if args.kv_cache_dtype != "auto" else 2,
                            linear_peak=linear_peak) for s in steps)
     computed = sum(s.num_tokens for s in steps)
     padded = sum(s.padded_tokens for s in steps)

@@ -32,7 +32,7 @@ from jaxllm.engine.output_processor import (
 from jaxllm.errors import EngineDeadError, ParameterError
 from jaxllm.metrics.loggers import FinishedRequestStats, StatLogger
 from jaxllm.outputs import RequestOutput
-from jaxllm.sampling_params import RequestOutputKind, SamplingParams
+from jaxllm.sampling_params import PoolingParams, RequestOutputKind, SamplingParams
 
 if TYPE_CHECKING:
     from jaxllm.engine.core_client import AsyncMPClient
@@ -204,8 +204,8 @@ class AsyncLLM:
             if not finished:
                 self.abort_now(request_id)
 
-    def add_request(self, request_id: str, prompt: PromptType, params: SamplingParams,
-                    priority: int = 0,
+    def add_request(self, request_id: str, prompt: PromptType,
+                    params: SamplingParams | PoolingParams, priority: int = 0,
                     arrival_time: float | None = None) -> RequestOutputCollector:
         self.start()
         if self.errored:
@@ -216,13 +216,16 @@ class AsyncLLM:
             raise ParameterError("priority", "needs scheduling_policy='priority'")
         first, prompt_text = self.input_processor.process(request_id, prompt, params,
                                                           arrival_time, priority)
-        child_params = fan_out(first.sampling_params)
-        kind = first.sampling_params.output_kind
+        if first.pooling_params is not None:  # an embedding: one request, one output
+            kind, children = RequestOutputKind.FINAL_ONLY, [first]
+        else:
+            child_params = fan_out(first.sampling_params)
+            kind = first.sampling_params.output_kind
+            children = [msgspec.structs.replace(
+                first, request_id=child_request_id(i, request_id, len(child_params)),
+                sampling_params=p) for i, p in enumerate(child_params)]
         collector = RequestOutputCollector(kind)
-        parent = ParentRequest(request_id, len(child_params), kind, queue=collector)
-        children = [msgspec.structs.replace(
-            first, request_id=child_request_id(i, request_id, len(child_params)),
-            sampling_params=p) for i, p in enumerate(child_params)]
+        parent = ParentRequest(request_id, len(children), kind, queue=collector)
         for i, req in enumerate(children):
             self.output_processor.add_request(req, prompt_text, parent, i)
         try:

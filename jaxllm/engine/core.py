@@ -25,6 +25,7 @@ import time
 from typing import TYPE_CHECKING
 
 from jaxllm.config import EngineConfig
+from jaxllm.core.encoder_scheduler import EncoderScheduler
 from jaxllm.core.messages import (
     EngineCoreOutput,
     EngineCoreOutputs,
@@ -65,7 +66,10 @@ def freeze_gc() -> None:
 
 class EngineCore:
     def __init__(self, config: EngineConfig):
-        from jaxllm.worker.model_runner import ModelRunner
+        if config.model_config.is_encoder:
+            from jaxllm.worker.encoder_runner import EncoderModelRunner as ModelRunner
+        else:
+            from jaxllm.worker.model_runner import ModelRunner
 
         self.config = config
         t0 = time.perf_counter()
@@ -75,7 +79,8 @@ class EngineCore:
         # The KV cache's size is known once the runner has measured the device:
         # the scheduler's block pool takes it from here.
         config.cache_config.num_blocks = self.model_runner.num_kv_blocks
-        self.scheduler = Scheduler(config)
+        self.scheduler = (EncoderScheduler if config.model_config.is_encoder
+                          else Scheduler)(config)
         self.async_scheduling = config.async_scheduling
         self._inflight: tuple[SchedulerOutput, StepHandle | None] | None = None
         # Structured outputs: made on the first constrained request.
@@ -99,7 +104,8 @@ class EngineCore:
             return EngineCoreOutput(request.request_id, [], finish_reason=FinishReason.ERROR,
                                     stop_reason=bad)
         need = len(request.prompt_token_ids)
-        if need >= self.max_request_tokens:
+        # A pooling request generates nothing: its prompt may fill the whole context.
+        if need > self.max_request_tokens - (request.pooling_params is None):
             logger.warning("rejecting %s: %d prompt tokens, at most %d fit", request.request_id,
                            need, self.max_request_tokens)
             return EngineCoreOutput(request.request_id, [], finish_reason=FinishReason.ERROR,

@@ -5,6 +5,8 @@ from __future__ import annotations
 import time
 from typing import Any
 
+import msgspec
+
 from jaxllm.config import ModelConfig
 from jaxllm.core.messages import EngineCoreRequest
 from jaxllm.errors import ParameterError
@@ -84,11 +86,13 @@ class InputProcessor:
     def process(self, request_id: str, prompt: PromptType,
                 params: SamplingParams | PoolingParams, arrival_time: float | None = None,
                 priority: int = 0) -> tuple[EngineCoreRequest, str | None]:
+        pooling = isinstance(params, PoolingParams)
+        self._check_task("embed" if pooling else "generate")
         text, ids = self.tokenize(prompt)
-        self._validate_prompt(ids)
-        if isinstance(params, PoolingParams):
+        self._validate_prompt(ids, pooling)
+        if pooling:
             return EngineCoreRequest(request_id=request_id, prompt_token_ids=ids,
-                                     pooling_params=params,
+                                     pooling_params=self._pooling_params(params),
                                      arrival_time=arrival_time or time.time(),
                                      priority=priority), text
         check_int("priority", priority, -INT64_MAX, INT64_MAX)
@@ -121,13 +125,48 @@ class InputProcessor:
                                  arrival_time=arrival_time or time.time(),
                                  priority=priority), text
 
-    def _validate_prompt(self, ids: list[int]) -> None:
+    def _check_task(self, task: str) -> None:
+        """A generate-only model asked to embed, or an embed-only one asked to generate."""
+        if task in getattr(self.model_config, "supported_tasks", ("generate", "embed")):
+            return
+        if task == "embed":
+            raise ParameterError("task", "this model does not support embeddings (it runs "
+                                 "with runner='generate'); start it with runner='pooling'")
+        raise ParameterError("task", "this model does not support generation (it is a "
+                             "pooling model: runner='pooling' or an encoder); use embed")
+
+    def _pooling_params(self, params: PoolingParams) -> PoolingParams:
+        """`params` with its normalization resolved and `dimensions` checked."""
+        if params.dimensions is not None:
+            hf = self.model_config.hf_config
+            if not (getattr(hf, "is_matryoshka", False)
+                    or getattr(hf, "matryoshka_dimensions", None)):
+                raise ParameterError("dimensions", "this model does not support matryoshka "
+                                     "representation; changing the output dimensions is "
+                                     "not supported")
+            check_int("dimensions", params.dimensions, 1, int(hf.hidden_size))
+            allowed = getattr(hf, "matryoshka_dimensions", None)
+            if allowed and params.dimensions not in allowed:
+                raise ParameterError("dimensions", f"must be one of {list(allowed)}, got "
+                                     f"{params.dimensions}")
+        if params.normalize is None:
+            params = msgspec.structs.replace(
+                params, normalize=self.model_config.pooler_config.normalize)
+        return params
+
+    def _validate_prompt(self, ids: list[int], pooling: bool = False) -> None:
         if not ids:
             raise ParameterError("prompt", "the prompt is empty")
-        if len(ids) >= self.max_model_len:
+        if pooling:  # nothing is generated: the whole context may be prompt
+            limit = min(self.max_model_len, self.max_request_tokens)
+            if len(ids) > limit:
+                raise ParameterError("prompt", f"the prompt has {len(ids)} tokens, more than "
+                                     f"this model takes ({limit}: max_model_len "
+                                     f"{self.max_model_len})")
+        elif len(ids) >= self.max_model_len:
             raise ParameterError("prompt", f"the prompt has {len(ids)} tokens; max_model_len is "
                                  f"{self.max_model_len}, which leaves no room for output")
-        if len(ids) >= self.max_request_tokens:
+        elif len(ids) >= self.max_request_tokens:
             raise ParameterError("prompt", f"the prompt has {len(ids)} tokens but the KV cache "
                                  f"holds at most {self.max_request_tokens} for one request")
         vocab = self.model_config.vocab_size

@@ -138,9 +138,12 @@ class OutputProcessor:
                 continue  # aborted meanwhile
             if out.pooling_output is not None:
                 self._finish(state)
-                results.append(PoolingRequestOutput(state.parent.request_id,
-                                                    state.prompt_token_ids,
-                                                    PoolingOutput(out.pooling_output)))
+                po = PoolingRequestOutput(state.parent.request_id, state.prompt_token_ids,
+                                          PoolingOutput(out.pooling_output))
+                if state.parent.queue is not None:
+                    state.parent.queue.put(po)
+                else:
+                    results.append(po)
                 continue
             if state.first_token_time is None and out.new_token_ids:
                 state.first_token_time = now

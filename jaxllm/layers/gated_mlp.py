@@ -14,6 +14,7 @@ mixture-of-experts MLP drops in beside this one.
 
 from __future__ import annotations
 
+import functools
 from typing import Any
 
 import jax
@@ -55,12 +56,12 @@ class GatedMLP(nnx.Module):
     def __call__(self, x: jax.Array, residual: jax.Array | None) -> jax.Array:
         """`residual + mlp(x)` (`mlp(x)` when `residual` is None) for the normed input `x`."""
         up = self.gate_up_proj
-        if self.activation == "silu" and up.weight_scale is None:
+        if self.activation == "silu" and up.plain:
             h = self.swiglu(x, up.weight[...], None if up.bias is None else up.bias[...])
         else:
             gate_up = up(x)
-            act = (jax.nn.silu if self.activation == "silu"
-                   else lambda g: jax.nn.gelu(g, approximate=True))
+            act = jax.nn.silu if self.activation == "silu" else functools.partial(
+                jax.nn.gelu, approximate=True)
             h = act(gate_up[:, 0]) * gate_up[:, 1]
         if residual is None:
             return self.down_proj(h)

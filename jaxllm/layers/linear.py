@@ -38,18 +38,25 @@ def make_param(rngs: nnx.Rngs, shape: tuple[int, ...], dtype: jnp.dtype, spec: P
 
 @dataclasses.dataclass(frozen=True)
 class UnquantizedLinear:
-    """The plain product `x @ W.T` over the weight's trailing `in_dims` axes."""
+    """The plain product `x @ W.T (+ b)` over the weight's trailing input axes.
 
-    def apply(self, x: jax.Array, w: jax.Array, in_dims: int) -> jax.Array:
+    The quantization hook: a method gets the layer itself, so a quantized one reads
+    the parameters it created there (int8 / fp8 weight, scales) instead of `weight`.
+    """
+
+    def apply(self, layer: Linear, x: jax.Array) -> jax.Array:
+        w = layer.weight[...]
         letters = string.ascii_lowercase
-        ins, outs = letters[:in_dims], letters[in_dims:w.ndim]
-        return jnp.einsum(f"T{ins},{outs}{ins}->T{outs}", x, w)
+        ins, outs = letters[:layer.in_dims], letters[layer.in_dims:w.ndim]
+        out = jnp.einsum(f"T{ins},{outs}{ins}->T{outs}", x, w)
+        return out if layer.bias is None else out + layer.bias[...]
 
-    def apply_add(self, matmul_add: MatmulAdd, x: jax.Array, w: jax.Array,
-                  residual: jax.Array, bias: jax.Array | None) -> jax.Array:
+    def apply_add(self, layer: Linear, x: jax.Array, residual: jax.Array) -> jax.Array:
         """`residual + x @ W.T (+ bias)` as one `[T, K] x [N, K]` product (a fused
-        kernel where `matmul_add` has one)."""
-        return matmul_add(x.reshape(x.shape[0], -1), w.reshape(w.shape[0], -1), residual, bias)
+        kernel where the layer's `matmul_add` has one)."""
+        w = layer.weight[...]
+        return layer.matmul_add(x.reshape(x.shape[0], -1), w.reshape(w.shape[0], -1), residual,
+                                None if layer.bias is None else layer.bias[...])
 
 
 class Linear(nnx.Module):
@@ -68,6 +75,7 @@ class Linear(nnx.Module):
             w = make_param(rngs, (*out_shape, *in_shape), jnp.float32, spec)
             q, scale = _quantize_traced(self.method, w[...], self.in_dims)
             self.weight = nnx.Param(q, out_sharding=spec, eager_sharding=False)
+            # One scale per output channel, sharded with the output channels.
             self.weight_scale = nnx.Param(scale, out_sharding=P(*spec[:len(out_shape)]),
                                           eager_sharding=False)
         self.bias = (make_param(rngs, out_shape, dtype,
@@ -75,20 +83,18 @@ class Linear(nnx.Module):
                                 "zeros") if bias else None)
         self.matmul_add = matmul_add or MatmulAdd()
 
+    @property
+    def plain(self) -> bool:
+        """Whether the weight is a plain matrix that fused kernels may read directly."""
+        return isinstance(self.method, UnquantizedLinear)
+
     def __call__(self, x: jax.Array) -> jax.Array:
-        if self.weight_scale is None:
-            out = self.method.apply(x, self.weight[...], self.in_dims)
-        else:
-            out = self.method.apply(x, self.weight[...], self.weight_scale[...], self.in_dims)
-        return out if self.bias is None else out + self.bias[...]
+        return self.method.apply(self, x)
 
     def add(self, x: jax.Array, residual: jax.Array) -> jax.Array:
         """`residual + self(x)` for a projection with one output axis (the residual
         add in the product's epilogue where the `MatmulAdd` has a kernel)."""
-        if self.weight_scale is not None:  # the fused kernel takes float weights only
-            return residual + self(x)
-        return self.method.apply_add(self.matmul_add, x, self.weight[...], residual,
-                                     None if self.bias is None else self.bias[...])
+        return self.method.apply_add(self, x, residual)
 
 
 def _quantize_traced(method: Any, w: jax.Array, in_dims: int) -> tuple[jax.Array, jax.Array]:

@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import dataclasses
 import string
+from typing import Any
 
 import jax
 import jax.numpy as jnp
@@ -41,14 +42,26 @@ def _einsum_spec(x_ndim_in: int, w_ndim: int) -> str:
     return f"T{ins},{outs}{ins}->T{outs}"
 
 
+class _QuantizedMethod:
+    """`Linear`'s method interface (layers/linear.py) over `product`."""
+
+    def apply(self, layer: Any, x: jax.Array) -> jax.Array:
+        out = self.product(x, layer.weight[...], layer.weight_scale[...], layer.in_dims)
+        return out if layer.bias is None else out + layer.bias[...]
+
+    def apply_add(self, layer: Any, x: jax.Array, residual: jax.Array) -> jax.Array:
+        # The fused matmul-add kernel reads float weights only: a plain add here.
+        return residual + self.apply(layer, x)
+
+
 @dataclasses.dataclass(frozen=True)
-class Int8WeightOnly:
+class Int8WeightOnly(_QuantizedMethod):
     """`x @ (int8 W * scale).T` with the scale applied after the float32 accumulation."""
 
     name = "int8"
     weight_dtype = jnp.dtype(jnp.int8)
 
-    def apply(self, x: jax.Array, w: jax.Array, scale: jax.Array, in_dims: int) -> jax.Array:
+    def product(self, x: jax.Array, w: jax.Array, scale: jax.Array, in_dims: int) -> jax.Array:
         out = jnp.einsum(_einsum_spec(in_dims, w.ndim), x, w.astype(x.dtype),
                          preferred_element_type=jnp.float32)
         return (out * scale).astype(x.dtype)
@@ -58,13 +71,13 @@ class Int8WeightOnly:
 
 
 @dataclasses.dataclass(frozen=True)
-class Fp8Linear:
+class Fp8Linear(_QuantizedMethod):
     """W8A8 e4m3: per-output-channel weight scales, dynamic per-token activation scales."""
 
     name = "fp8"
     weight_dtype = jnp.dtype(jnp.float8_e4m3fn)
 
-    def apply(self, x: jax.Array, w: jax.Array, scale: jax.Array, in_dims: int) -> jax.Array:
+    def product(self, x: jax.Array, w: jax.Array, scale: jax.Array, in_dims: int) -> jax.Array:
         xf = x.astype(jnp.float32)
         in_axes = tuple(range(1, 1 + in_dims))
         amax = jnp.max(jnp.abs(xf), axis=in_axes, keepdims=True)

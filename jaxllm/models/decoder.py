@@ -23,6 +23,9 @@ Every weight declares its sharding over the mesh axes ('data', 'model'):
   down_proj       [hidden, inter]            (None, 'model')          row-parallel
   norms, biases of row-parallel outputs      replicated
 
+A "moe" layer's router and experts (Mixtral, Qwen3-MoE): layers/moe.py's table,
+each device holding whole experts.
+
 G = heads // kv_heads. The fused qkv weight groups, per kv head, its G query
 heads then its k head then its v head, so sharding the kv-head axis gives every
 'model' shard whole q, k and v heads that attend to each other (GQA stays local).
@@ -43,12 +46,14 @@ from typing import Any
 import jax
 import jax.numpy as jnp
 from flax import nnx
+from jax.sharding import Mesh
 from jax.sharding import PartitionSpec as P
 
 from jaxllm.layers.attention import AttentionBackend, AttentionMetadata
 from jaxllm.layers.gated_mlp import GatedMLP
 from jaxllm.layers.linear import Linear, make_param
 from jaxllm.layers.mlp import SwiGLU
+from jaxllm.layers.moe import SparseMoE
 from jaxllm.layers.norm import RMSNorm, rms_norm
 from jaxllm.layers.quant import FP8_MAX, linear_method
 from jaxllm.models.contract import KVCacheSpec, LogitsHead, WeightSource
@@ -57,16 +62,26 @@ from jaxllm.models.decoder_weights import hf_weight_map
 
 
 def dense_mlp(arch: DecoderArch, layer: int, *, dtype: jnp.dtype, rngs: nnx.Rngs,
-              swiglu: SwiGLU) -> nnx.Module:
+              swiglu: SwiGLU, mesh: Mesh | None) -> nnx.Module:
     return GatedMLP(arch.hidden_size, arch.intermediate_size, activation=arch.activation,
                     bias=arch.mlp_bias, dtype=dtype, rngs=rngs, swiglu=swiglu,
                     method=linear_method(arch.quantization))
 
 
+def sparse_moe(arch: DecoderArch, layer: int, *, dtype: jnp.dtype, rngs: nnx.Rngs,
+               swiglu: SwiGLU, mesh: Mesh | None) -> nnx.Module:
+    """The routed experts (models/moe.py), expert parallel over `mesh`."""
+    moe = arch.moe
+    return SparseMoE(num_experts=moe.num_experts, top_k=moe.top_k,
+                     intermediate_size=moe.intermediate_size, hidden_size=arch.hidden_size,
+                     renormalize=moe.renormalize, dtype=dtype, rngs=rngs, mesh=mesh)
+
+
 # Per-layer MLP kind (`DecoderArch.mlp_kinds`) -> its module. An MLP is called as
 # `mlp(x, residual)` -> `residual + mlp(x)` (`mlp(x)` when residual is None);
-# its checkpoint tensors are decoder_weights.MLP_WEIGHTS[kind].
-MLP_FACTORIES: dict[str, Callable[..., nnx.Module]] = {"dense": dense_mlp}
+# its checkpoint tensors are decoder_weights.MLP_WEIGHTS[kind]. `mesh`: the mesh the
+# attention is split over (layers/attention_sharded.py; None on one device).
+MLP_FACTORIES: dict[str, Callable[..., nnx.Module]] = {"dense": dense_mlp, "moe": sparse_moe}
 
 
 class DecoderAttention(nnx.Module):
@@ -142,8 +157,9 @@ class DecoderLayer(nnx.Module):
                  attn_backend: AttentionBackend, swiglu: SwiGLU):
         self.self_attn = DecoderAttention(arch, layer, dtype=dtype, rngs=rngs,
                                           attn_backend=attn_backend, swiglu=swiglu)
-        self.mlp = MLP_FACTORIES[arch.mlp_kinds[layer]](arch, layer, dtype=dtype, rngs=rngs,
-                                                        swiglu=swiglu)
+        self.mlp = MLP_FACTORIES[arch.mlp_kinds[layer]](
+            arch, layer, dtype=dtype, rngs=rngs, swiglu=swiglu,
+            mesh=getattr(attn_backend, "mesh", None))
         self.eps, self.offset, self.sandwich = (arch.rms_norm_eps, arch.norm_offset,
                                                 arch.sandwich_norms)
 

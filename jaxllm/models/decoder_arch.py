@@ -13,6 +13,7 @@ from typing import Any
 
 from jaxllm.errors import ParameterError
 from jaxllm.layers.rotary import RotaryEmbedding
+from jaxllm.models.moe_weights import MoEArch
 
 # Per-layer HF norm names: Llama's two, and Gemma's four (around attention and MLP).
 PRE_NORMS = ("input_layernorm", "post_attention_layernorm")
@@ -49,8 +50,9 @@ class DecoderArch:
     attn_soft_cap: float | None = None
     final_soft_cap: float | None = None
     query_pre_attn_scalar: float | None = None  # the attention scale is its -1/2 power
+    moe: MoEArch | None = None  # the routed experts of the "moe" layers (models/moe.py)
     # "int8" / "fp8": the attention and dense MLP projections' method (layers/quant.py);
-    # embeddings, the logits head and MoE experts stay in the model dtype.
+    # embeddings, the logits head, MoE routers and experts stay in the model dtype.
     quantization: str | None = None
 
     def __post_init__(self):

@@ -12,6 +12,7 @@ import numpy as np
 
 from jaxllm.models.contract import WeightSource
 from jaxllm.models.decoder_arch import DecoderArch
+from jaxllm.models.moe_weights import moe_weights
 
 
 def _only(ts: list[np.ndarray]) -> np.ndarray:
@@ -91,4 +92,4 @@ def gated_mlp_weights(arch: DecoderArch, hf_prefix: str,
 
 # Per-layer MLP kind (`DecoderArch.mlp_kinds`) -> its parameters' sources (the MLP
 # modules themselves: models/decoder.py's MLP_FACTORIES).
-MLP_WEIGHTS = {"dense": gated_mlp_weights}
+MLP_WEIGHTS = {"dense": gated_mlp_weights, "moe": moe_weights}

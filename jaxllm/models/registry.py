@@ -1,23 +1,34 @@
 """Hugging Face architecture name -> the Flax NNX class that implements it.
 
-Every class implements the model contract (models/contract.py); today all are
-configurations of the generic decoder (models/decoder.py).
+Every causal LM implements the model contract (models/contract.py) as a
+configuration of the generic decoder (models/decoder.py); an encoder
+(`is_encoder`, models/bert.py) runs under the encoder runner instead.
 """
 
 from __future__ import annotations
 
 from jaxllm.errors import ParameterError
+from jaxllm.models.bert import BertModel
 from jaxllm.models.gemma import GemmaForCausalLM
 from jaxllm.models.llama import LlamaForCausalLM
+from jaxllm.models.moe import MoEForCausalLM
 
 _MODELS: dict[str, type] = {
     "LlamaForCausalLM": LlamaForCausalLM,
     "MistralForCausalLM": LlamaForCausalLM,
     "Qwen2ForCausalLM": LlamaForCausalLM,
     "Qwen3ForCausalLM": LlamaForCausalLM,
+    "MixtralForCausalLM": MoEForCausalLM,
+    "Qwen3MoeForCausalLM": MoEForCausalLM,
     "Gemma2ForCausalLM": GemmaForCausalLM,
     "Gemma3ForCausalLM": GemmaForCausalLM,
+    "BertModel": BertModel,
 }
+
+
+def is_encoder_architecture(architecture: str) -> bool:
+    """Whether the architecture is an encoder (whole prompts, no KV cache, pooling only)."""
+    return bool(getattr(_MODELS.get(architecture), "is_encoder", False))
 
 
 def supported_architectures() -> list[str]:

@@ -72,7 +72,7 @@ class StepHandle:
     # the sampler is dispatched)
     last_hidden: jax.Array  # [max_num_seqs, hidden]: row i, request i's last token
     pool_indices: list[int]  # requests whose pooled state is due
-    pool_normalize: list[bool]
+    pool_normalize: list[tuple[bool, int | None]]  # (normalize, dimensions) of each
     prompt_lp: tuple | None  # (device (ids, logprobs, ranks), {req_id: slice})
     r_pad: int = 0  # the request bucket
     out_index: jax.Array | None = None  # the forward's output indices, for the sampler
@@ -224,8 +224,9 @@ class ModelRunner:
                                             int((q * kv - q * (q - 1) // 2).sum())))
         pool = (np.flatnonzero(ib.pools[rows] & so.samples).tolist()
                 if ib.pools[:ib.num_reqs].any() else [])
+        knobs = [(p.normalize, p.dimensions) for p in (ib.pooling[rows[i]] for i in pool)]
         return StepHandle(req_ids, rows, ib.layout_version, gen, None, last_hidden, pool,
-                          [ib.pooling[rows[i]].normalize for i in pool], prompt_lp,
+                          knobs, prompt_lp,
                           self.buckets.pad_requests(n), out_index)
 
     def _sample(self, h: StepHandle, grammar_bitmask: np.ndarray | None) -> None:
@@ -319,7 +320,8 @@ class ModelRunner:
         # Rare path: one host copy of the step's hidden states, no extra compilation.
         vecs = np.asarray(h.last_hidden, np.float32)[h.pool_indices]
         out = {}
-        for v, i, normalize in zip(vecs, h.pool_indices, h.pool_normalize, strict=True):
+        for v, i, (normalize, dim) in zip(vecs, h.pool_indices, h.pool_normalize, strict=True):
+            v = v if dim is None else v[:dim]  # matryoshka dimensions
             if normalize:
                 v = v / max(float(np.linalg.norm(v)), 1e-12)
             out[h.req_ids[i]] = v.tolist()

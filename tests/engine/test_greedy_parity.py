@@ -30,6 +30,9 @@ CASES = {
         rope_parameters={"sliding_attention": dict(rope_type="default", rope_theta=10.0),
                          "full_attention": dict(rope_type="linear", rope_theta=10000.0,
                                                 factor=4.0)}),
+    "mixtral": dict(arch="mixtral", num_key_value_heads=2),
+    "qwen3-moe-dense-layer-1": dict(arch="qwen3_moe", num_key_value_heads=2, num_experts=8,
+                                    mlp_only_layers=[1]),
 }
 
 

@@ -7,7 +7,8 @@ KV cache too small for all of it (preemption). Greedy tokens must be
 transformers' (float32) at every tp and on every body, with no compilation
 after start-up. The Pallas bodies run in interpret mode. The Gemma families
 (sliding windows shorter than the prompts, attention and final soft-caps, local
-and global ropes) run the same workload at tp 2 on every body.
+and global ropes) and the mixture-of-experts ones (Mixtral, Qwen3-MoE: experts
+split over the devices) run the same workload at tp 2 on every body.
 """
 
 from __future__ import annotations
@@ -50,6 +51,10 @@ FAMILIES = {
                                                               rope_theta=10.0),
                                     "full_attention": dict(rope_type="linear",
                                                            rope_theta=10000.0, factor=4.0)}),
+    # Expert parallel: each device holds 2 of Mixtral's 4 experts, 4 of Qwen3-MoE's 8
+    # (its layer 1 a dense MLP, column/row parallel).
+    "mixtral": dict(arch="mixtral"),
+    "qwen3_moe": dict(arch="qwen3_moe", num_experts=8, mlp_only_layers=[1]),
 }
 
 
@@ -159,3 +164,23 @@ def test_compiled_step_at_tp2_has_two_all_reduces_per_layer_and_no_kv_gather(
     gathered = _COLLECTIVE.findall(sample.compile().as_text())
     assert gathered and all(kind == "all-gather" and re.match(rf"[fs]32\[{s},2\]", shape)
                             for shape, kind in gathered), gathered
+
+
+@pytest.mark.slow
+def test_compiled_moe_step_at_tp2_all_reduces_like_a_dense_one_and_gathers_no_expert(
+        tmp_path):
+    """Expert parallel: the experts' partial outputs meet in one all-reduce per layer,
+    where a dense MLP's down projection has its own; no expert weight, activation or
+    routing is gathered (each device reads only its own experts)."""
+    model_dir = make_tiny_checkpoint(tmp_path, num_attention_heads=HEADS,
+                                     num_key_value_heads=KV_HEADS, num_hidden_layers=LAYERS,
+                                     **FAMILIES["mixtral"])
+    llm = LLM(model_dir, attention_backend="reference", tensor_parallel_size=2,
+              **{**ENGINE, "precompile": False})
+    runner = _runner(llm)
+    programs = runner.programs
+    args = (runner.state, runner.kv_cache, programs.dummy_inputs(16), runner._no_prev)
+    forward = programs.forward.lower(*args).compile().as_text()
+    assert _collectives(forward) == {"all-reduce": 2 * LAYERS + 1}
+    for shape, _ in _COLLECTIVE.findall(forward):
+        assert shape.startswith("f32[16,64]") or shape.startswith("f32[4,64]"), shape

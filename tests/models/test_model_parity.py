@@ -46,6 +46,12 @@ CASES = {
     "mistral-sliding-window": dict(arch="mistral", sliding_window=4),
     "qwen2-bias-tied": dict(arch="qwen2", tie_word_embeddings=True),
     "qwen3-qk-norm": dict(arch="qwen3", head_dim=32),
+    "mixtral-4-experts-top2": dict(arch="mixtral"),
+    # Layer 1 dense (mlp_only_layers), layers 0, 2 and 3 routed; top-k weights as they
+    # come out of the softmax over all 8 experts.
+    "qwen3-moe-dense-and-sparse-layers": dict(
+        arch="qwen3_moe", num_hidden_layers=4, mlp_only_layers=[1], num_experts=8,
+        num_experts_per_tok=3, norm_topk_prob=False),
     # Gemma 2: a sliding layer then a global one, both logit soft-caps low enough to
     # bite, an attention scale that is not head_dim's, tied embeddings.
     "gemma2-softcaps-tied": dict(arch="gemma2", sliding_window=4, attn_logit_softcapping=2.0,
@@ -169,6 +175,25 @@ def test_ragged_prefill_and_decode_logits_match_transformers(case, tmp_path):
     np.testing.assert_allclose(got_decode, want_decode, rtol=0, atol=1e-4)
 
 
+@pytest.mark.slow
+@pytest.mark.parametrize("case", ["mixtral-4-experts-top2", "qwen3-moe-dense-and-sparse-layers"])
+def test_moe_logits_by_the_megablox_kernel_match_transformers(case, tmp_path):
+    """The routed experts by the Pallas TPU grouped matmul (interpret mode), as on TPU."""
+    from jaxllm.layers.grouped_matmul import GroupedMatmul
+    from jaxllm.layers.moe import SparseMoE
+
+    model_dir = make_tiny_checkpoint(tmp_path, **CASES[case])
+    model = load(model_dir)
+    moes = [layer.mlp for layer in model.layers if isinstance(layer.mlp, SparseMoE)]
+    assert moes and all(m.gmm.kernel == "ragged_dot" for m in moes)  # the CPU's default
+    for m in moes:
+        m.gmm = GroupedMatmul("megablox", interpret=True)
+    prompts, next_tokens = prompts_for(256, seed=5), [9, 99, 199]
+    got = run_prefill_and_decode(model, prompts, next_tokens)
+    for g, w in zip(got, hf_logits(model_dir, prompts, next_tokens), strict=True):
+        np.testing.assert_allclose(g, w, rtol=0, atol=1e-4)
+
+
 @pytest.mark.parametrize("case", ["llama-gqa-untied", "mistral-sliding-window",
                                   "qwen3-qk-norm", "gemma2-softcaps-tied",
                                   "gemma3-local-global-rope"])
@@ -267,8 +292,8 @@ def test_dummy_weights_are_deterministic_from_the_seed(tmp_path):
 
 
 def test_unsupported_architecture_lists_the_supported_ones():
-    with pytest.raises(ParameterError, match="supported: Gemma2ForCausalLM, Gemma3ForCausalLM, "
-                                             "LlamaForCausalLM"):
+    with pytest.raises(ParameterError, match="supported: BertModel, Gemma2ForCausalLM, "
+                                             "Gemma3ForCausalLM, LlamaForCausalLM"):
         get_model_class("GPT2LMHeadModel")
 
 
@@ -297,3 +322,21 @@ def test_rope_inverse_frequencies_match_transformers(params):
     else:
         want = ROPE_INIT_FUNCTIONS[params["rope_type"]](cfg, "cpu")[0].numpy()
     np.testing.assert_allclose(np.asarray(rope.inv_freq), want, rtol=1e-6)
+
+
+@pytest.mark.parametrize("arch,expert_tensor", [
+    ("mixtral", "model.layers.1.block_sparse_moe.experts.3.w2.weight"),
+    ("qwen3_moe", "model.layers.1.mlp.experts.3.down_proj.weight")])
+def test_moe_checkpoints_load_from_the_hubs_per_expert_tensor_names(arch, expert_tensor,
+                                                                    tmp_path):
+    """transformers keeps fused 3-D experts in memory but saves the hub's per-expert
+    names, which real checkpoints use; those are the names the loader reads."""
+    from jaxllm.models.loader import SafetensorsCheckpoint
+
+    model_dir = make_tiny_checkpoint(tmp_path, arch=arch)
+    names = SafetensorsCheckpoint(model_dir).names()
+    assert expert_tensor in names and not any("gate_up_proj" in n for n in names)
+    model = load(model_dir)
+    down = load_file(os.path.join(model_dir, "model.safetensors"))[expert_tensor]
+    np.testing.assert_array_equal(np.asarray(model.layers[1].mlp.down_proj[...][3]),
+                                  down.numpy())

@@ -35,9 +35,12 @@ def _weights(model_dir: str, tp: int, load_format: str = "auto") -> tuple[dict, 
     return nnx.to_pure_dict(state), param_shardings(state, mesh)
 
 
-@pytest.mark.parametrize("tp", [1, 2])
-def test_converted_checkpoint_restores_bit_identical_weights_in_the_mesh_shardings(tmp_path, tp):
-    model_dir = make_tiny_checkpoint(tmp_path, **TINY)
+@pytest.mark.parametrize("tp,arch", [(1, "llama"), (2, "llama"), (2, "qwen3_moe")])
+def test_converted_checkpoint_restores_bit_identical_weights_in_the_mesh_shardings(
+        tmp_path, tp, arch):
+    """Qwen3-MoE: routed experts in layer 0, each device restoring its 2 of the 4."""
+    moe = dict(mlp_only_layers=[1]) if arch == "qwen3_moe" else {}
+    model_dir = make_tiny_checkpoint(tmp_path, **{**TINY, "arch": arch, **moe})
     out = str(tmp_path / "orbax")
     convert(model_dir, out, tensor_parallel_size=tp)
     assert os.path.isdir(os.path.join(out, ORBAX_DIR))
@@ -59,6 +62,9 @@ def test_converted_checkpoint_restores_bit_identical_weights_in_the_mesh_shardin
     qkv = got["layers"][0]["self_attn"]["qkv_proj"]["weight"]
     assert len({s.device for s in qkv.addressable_shards}) == tp
     assert {s.data.shape[0] for s in qkv.addressable_shards} == {2 // tp}
+    if moe:
+        experts = got["layers"][0]["mlp"]["gate_up_proj"]
+        assert {s.data.shape[0] for s in experts.addressable_shards} == {4 // tp}
 
 
 def test_converted_dtype_is_what_auto_restores(tmp_path):

@@ -35,10 +35,16 @@ CASES = {
                                       num_key_value_heads=2)),
     "tp8-mqa-replicated-kv": (8, dict(arch="qwen2", num_attention_heads=8,
                                       num_key_value_heads=1, head_dim=16)),
+    # Expert parallel: each device holds 2 of the 4 experts (4 of 8 for Qwen3-MoE, whose
+    # layer 1 is a dense, column/row-parallel MLP).
+    "tp2-mixtral": (2, dict(arch="mixtral", num_attention_heads=4, num_key_value_heads=2)),
+    "tp2-qwen3-moe": (2, dict(arch="qwen3_moe", num_attention_heads=4, num_key_value_heads=2,
+                              num_experts=8, mlp_only_layers=[1])),
 }
 
 
-@pytest.mark.parametrize("case", list(CASES))
+@pytest.mark.parametrize("case", [pytest.param(c, marks=pytest.mark.slow) if "moe" in c
+                                  or "mixtral" in c else c for c in CASES])
 def test_tensor_parallel_logits_equal_single_device(case, tmp_path):
     tp, overrides = CASES[case]
     model_dir = make_tiny_checkpoint(tmp_path, **overrides)
@@ -60,8 +66,14 @@ def test_tensor_parallel_logits_equal_single_device(case, tmp_path):
     assert {s.data.shape[:2] for s in qkv.addressable_shards} == {
         (max(1, kv_heads // tp), heads // max(kv_heads, tp) + 2)}
     assert len({s.device for s in qkv.addressable_shards}) == tp
-    down = sharded.layers[0].mlp.down_proj.weight[...]
-    assert down.addressable_shards[0].data.shape == (64, 128 // tp)
+    for kind, layer in zip(sharded.arch.mlp_kinds, sharded.layers, strict=True):
+        if kind == "moe":  # whole experts per device
+            down = layer.mlp.down_proj[...]
+            per_device = (down.shape[0] // tp, *down.shape[1:])
+            assert {s.data.shape for s in down.addressable_shards} == {per_device}
+        else:
+            down = layer.mlp.down_proj.weight[...]
+            assert down.addressable_shards[0].data.shape == (64, 128 // tp)
 
 
 def test_dummy_weights_do_not_depend_on_the_mesh(tmp_path):

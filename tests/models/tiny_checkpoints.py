@@ -24,11 +24,15 @@ from transformers import (
     LlamaForCausalLM,
     MistralConfig,
     MistralForCausalLM,
+    MixtralConfig,
+    MixtralForCausalLM,
     PreTrainedTokenizerFast,
     Qwen2Config,
     Qwen2ForCausalLM,
     Qwen3Config,
     Qwen3ForCausalLM,
+    Qwen3MoeConfig,
+    Qwen3MoeForCausalLM,
 )
 
 ARCHS = {
@@ -36,8 +40,17 @@ ARCHS = {
     "mistral": (MistralConfig, MistralForCausalLM),
     "qwen2": (Qwen2Config, Qwen2ForCausalLM),
     "qwen3": (Qwen3Config, Qwen3ForCausalLM),
+    "mixtral": (MixtralConfig, MixtralForCausalLM),
+    "qwen3_moe": (Qwen3MoeConfig, Qwen3MoeForCausalLM),
     "gemma2": (Gemma2Config, Gemma2ForCausalLM),
     "gemma3": (Gemma3TextConfig, Gemma3ForCausalLM),
+}
+# Mixture-of-experts defaults: 4 experts, top 2 (Qwen3-MoE: experts half the dense MLP's
+# width, top-k weights renormalized).
+ARCH_DEFAULTS = {
+    "mixtral": dict(num_local_experts=4, num_experts_per_tok=2),
+    "qwen3_moe": dict(num_experts=4, num_experts_per_tok=2, moe_intermediate_size=64,
+                      norm_topk_prob=True),
 }
 # Gemma's norms scale by 1 + weight: its random norm weights sit around 0.
 _OFFSET_NORMS = ("gemma2", "gemma3")
@@ -54,6 +67,8 @@ def make_tiny_checkpoint(tmp_path, arch: str = "llama", *, dtype: str = "float32
                          max_shard_size: str | int | None = None, **overrides) -> str:
     """Saves a random `arch` model (hidden 64, 2 layers, vocab 256) and returns its directory.
 
+    `arch`: a key of ARCHS; the mixture-of-experts ones add ARCH_DEFAULTS' fields.
+
     `overrides` are config fields (vocab_size, num_attention_heads,
     num_key_value_heads, head_dim, tie_word_embeddings, rope_scaling, ...);
     `dtype` is the on-disk dtype; `max_shard_size` splits the weights into
@@ -63,7 +78,7 @@ def make_tiny_checkpoint(tmp_path, arch: str = "llama", *, dtype: str = "float32
     fields = dict(vocab_size=256, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
                   num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=256,
                   rms_norm_eps=1e-6, tie_word_embeddings=False, bos_token_id=BOS_ID,
-                  eos_token_id=EOS_ID, pad_token_id=PAD_ID)
+                  eos_token_id=EOS_ID, pad_token_id=PAD_ID, **ARCH_DEFAULTS.get(arch, {}))
     fields.update(overrides)
     fields.setdefault("head_dim", fields["hidden_size"] // fields["num_attention_heads"])
     config = config_cls(**fields)

@@ -41,8 +41,10 @@ from jaxllm.entrypoints.openai.protocol import (
     TokenizeRequest,
     TokenizeResponse,
 )
+from jaxllm.entrypoints.openai.protocol_embedding import EmbeddingRequest
 from jaxllm.entrypoints.openai.serving_chat import OpenAIServingChat
 from jaxllm.entrypoints.openai.serving_completion import OpenAIServingCompletion
+from jaxllm.entrypoints.openai.serving_embedding import OpenAIServingEmbedding
 from jaxllm.entrypoints.openai.serving_engine import HTTPError, error_body
 from jaxllm.entrypoints.openai.serving_info import add_info_routes
 from jaxllm.entrypoints.openai.supervisor import DEFAULT_ENGINE_RESTARTS, EngineSupervisor
@@ -161,6 +163,7 @@ def build_app(engine: AsyncLLM, options: ServerOptions,
     names = options.served_model_names or [engine.model_config.served_model_name]
     completion = OpenAIServingCompletion(engine, names, options.chat_template)
     chat = OpenAIServingChat(engine, names, options.chat_template)
+    embedding = OpenAIServingEmbedding(engine, names)
     app = FastAPI(title="jaxllm OpenAI-compatible server", version=jaxllm.__version__)
     app.state.engine = engine
 
@@ -226,17 +229,28 @@ def build_app(engine: AsyncLLM, options: ServerOptions,
             return result
         return Response(result.model_dump_json(), media_type="application/json")
 
+    def generates(api: str) -> None:
+        if "generate" not in engine.model_config.supported_tasks:
+            raise HTTPError(400, f"The model does not support {api} API (it is a pooling "
+                            "model: use /v1/embeddings)", "model")
+
     @app.post("/v1/completions")
     async def completions(body: CompletionRequest, raw: Request) -> Any:
+        generates("Completions")
         if body.stream:
             return respond(await completion.create_completion(body))
         return respond(await _until_disconnect(raw, completion.create_completion(body)))
 
     @app.post("/v1/chat/completions")
     async def chat_completions(body: ChatCompletionRequest, raw: Request) -> Any:
+        generates("Chat Completions")
         if body.stream:
             return respond(await chat.create_chat_completion(body))
         return respond(await _until_disconnect(raw, chat.create_chat_completion(body)))
+
+    @app.post("/v1/embeddings")
+    async def embeddings(body: EmbeddingRequest, raw: Request) -> Any:
+        return respond(await _until_disconnect(raw, embedding.create_embedding(body)))
 
     @app.post("/tokenize")
     async def tokenize(body: TokenizeRequest) -> TokenizeResponse:

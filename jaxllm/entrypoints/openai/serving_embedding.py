@@ -1,0 +1,92 @@
+"""/v1/embeddings: one pooling request per input, for encoder and decoder models alike."""
+
+from __future__ import annotations
+
+import base64
+
+import numpy as np
+
+from jaxllm.engine.async_llm import RequestOutputCollector
+from jaxllm.engine.input_processor import PromptType
+from jaxllm.entrypoints.openai.protocol import UsageInfo
+from jaxllm.entrypoints.openai.protocol_embedding import (
+    EmbeddingData,
+    EmbeddingRequest,
+    EmbeddingResponse,
+)
+from jaxllm.entrypoints.openai.serving_engine import (
+    HTTPError,
+    OpenAIServing,
+    raise_if_failed,
+    random_id,
+)
+from jaxllm.errors import ParameterError
+from jaxllm.outputs import PoolingRequestOutput
+from jaxllm.sampling_params import PoolingParams
+
+
+def _inputs(value: str | list[str] | list[int] | list[list[int]]) -> list[PromptType]:
+    if isinstance(value, str):
+        return [value]
+    if not value:
+        raise ParameterError("input", "must not be empty")
+    if all(isinstance(v, int) for v in value):
+        return [{"prompt_token_ids": list(value)}]
+    out: list[PromptType] = []
+    for v in value:
+        if isinstance(v, list) and not v:
+            raise ParameterError("input", "each list of token ids must be non-empty")
+        out.append(v if isinstance(v, str) else {"prompt_token_ids": v})
+    return out
+
+
+def encode_embedding(vector: list[float], encoding_format: str) -> list[float] | str:
+    """`vector` as the body carries it: floats, or base64 of its float32 bytes."""
+    if encoding_format == "base64":
+        return base64.b64encode(np.asarray(vector, "<f4").tobytes()).decode("ascii")
+    return vector
+
+
+class OpenAIServingEmbedding(OpenAIServing):
+    async def create_embedding(self, req: EmbeddingRequest) -> EmbeddingResponse:
+        model = self.check_model(req.model)
+        req.check_strings()
+        if "embed" not in self.model_config.supported_tasks:
+            raise HTTPError(400, "The model does not support Embeddings API (start it with "
+                            "--runner pooling)", "model")
+        prompts = [self._tokenized(p, req.add_special_tokens) for p in _inputs(req.input)]
+        params = PoolingParams(normalize=req.normalize, dimensions=req.dimensions)
+        self.check_alive()
+        request_id = random_id("embd")
+        added: list[tuple[str, RequestOutputCollector]] = []
+        try:
+            for i, prompt in enumerate(prompts):
+                rid = f"{request_id}-{i}"
+                added.append((rid, self.engine.add_request(rid, prompt, params, req.priority)))
+        except ParameterError as e:
+            self.engine.abort_now([rid for rid, _ in added])
+            if e.field in ("prompt", "prompt_token_ids"):
+                raise ParameterError("input", e.message) from e
+            raise
+        except BaseException:
+            self.engine.abort_now([rid for rid, _ in added])
+            raise
+        outs = await self.collect(added)
+        data = []
+        for i, out in enumerate(outs):
+            if not isinstance(out, PoolingRequestOutput):
+                raise_if_failed(out)  # the core rejected it
+                raise HTTPError(500, "the engine returned no embedding")
+            data.append(EmbeddingData(index=i, embedding=encode_embedding(
+                out.outputs.embedding, req.encoding_format)))
+        num_tokens = sum(len(o.prompt_token_ids) for o in outs)
+        return EmbeddingResponse(id=request_id, model=model, data=data,
+                                 usage=UsageInfo(prompt_tokens=num_tokens,
+                                                 total_tokens=num_tokens))
+
+    def _tokenized(self, prompt: PromptType, add_special_tokens: bool) -> PromptType:
+        """A text input with its token ids, [CLS]/[SEP] and the like only if asked."""
+        if not isinstance(prompt, str) or self.tokenizer is None:
+            return prompt
+        ids = self.tokenizer(prompt, add_special_tokens=add_special_tokens).input_ids
+        return {"prompt": prompt, "prompt_token_ids": ids}

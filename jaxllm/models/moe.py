@@ -1,0 +1,50 @@
+"""The mixture-of-experts families on the generic decoder: Mixtral and Qwen3-MoE.
+
+Llama-shaped attention (Qwen3-MoE with Qwen3's per-head q/k RMSNorm), two norms
+per layer, and in place of the dense SwiGLU MLP the routed experts of
+layers/moe.py in every sparse layer (models/moe_weights.py says which layers and
+where their weights live); Qwen3-MoE's other layers keep a dense MLP of
+`intermediate_size`. Under tensor parallelism the experts split over the devices.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from jaxllm.errors import ParameterError
+from jaxllm.models.decoder import DecoderForCausalLM
+from jaxllm.models.decoder_arch import DecoderArch, common_fields
+from jaxllm.models.moe_weights import MOE_MODEL_TYPES, MoEArch
+
+
+def moe_arch(cfg: Any, tensor_parallel_size: int = 1) -> DecoderArch:
+    """A Mixtral / Qwen3-MoE config as a `DecoderArch`."""
+    model_type = getattr(cfg, "model_type", None)
+    if model_type not in MOE_MODEL_TYPES:
+        raise ParameterError("model", f"model_type {model_type!r} is not a mixture-of-experts "
+                             f"model; supported: {', '.join(MOE_MODEL_TYPES)}")
+    act = getattr(cfg, "hidden_act", "silu")
+    if act != "silu":
+        raise ParameterError("config.json:hidden_act", f"{act!r} is not supported; "
+                             "supported: 'silu'")
+    moe = MoEArch.from_hf_config(cfg)
+    if tensor_parallel_size > 1 and moe.num_experts % tensor_parallel_size:
+        raise ParameterError("tensor_parallel_size",
+                             f"{tensor_parallel_size} does not divide the {moe.num_experts} "
+                             "experts (each device holds whole experts)")
+    attention_bias = bool(getattr(cfg, "attention_bias", False))
+    return DecoderArch(
+        **common_fields(cfg, tensor_parallel_size),
+        qkv_bias=attention_bias,
+        o_bias=attention_bias,
+        mlp_bias=False,
+        qk_norm=model_type == "qwen3_moe",
+        mlp_kinds=tuple("moe" if sparse else "dense" for sparse in moe.sparse_layers),
+        moe=moe,
+    )
+
+
+class MoEForCausalLM(DecoderForCausalLM):
+    """Mixtral / Qwen3-MoE causal LM over a ragged, paged batch."""
+
+    arch_from_hf_config = staticmethod(moe_arch)

@@ -1,0 +1,91 @@
+"""How a model turns hidden states into one embedding: the pooling its checkpoint asks for.
+
+A sentence-transformers checkpoint says it in `modules.json` (a `Pooling`
+module whose folder holds `config.json`, and an optional `Normalize` module)
+and caps its input in `sentence_bert_config.json` (`max_seq_length`). Without
+those files an encoder pools its CLS token and a decoder its last token, both
+normalized, as vLLM defaults them.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from dataclasses import dataclass
+
+from jaxllm.errors import ParameterError
+
+POOLING_TYPES = ("MEAN", "CLS", "LAST")
+
+# sentence-transformers' Pooling config key -> our pooling type.
+_ST_MODES = {"pooling_mode_mean_tokens": "MEAN", "pooling_mode_cls_token": "CLS",
+             "pooling_mode_lasttoken": "LAST"}
+_ST_UNSUPPORTED = ("pooling_mode_max_tokens", "pooling_mode_mean_sqrt_len_tokens",
+                   "pooling_mode_weightedmean_tokens")
+_ST_PREFIX = "sentence_transformers.models."
+
+
+@dataclass(frozen=True)
+class PoolerConfig:
+    pooling_type: str  # MEAN | CLS | LAST
+    normalize: bool  # the default of PoolingParams.normalize
+    max_seq_length: int | None = None  # sentence-transformers' input cap, if it sets one
+
+
+def _read_json(path: str) -> object:
+    try:
+        with open(path) as f:
+            return json.load(f)
+    except (OSError, json.JSONDecodeError, UnicodeDecodeError) as e:
+        raise ParameterError("model", f"cannot read {path}: {e}") from e
+
+
+def load_pooler_config(model_dir: str, is_encoder: bool) -> PoolerConfig:
+    """The checkpoint's pooling (sentence-transformers files), else the default."""
+    default = PoolerConfig("CLS" if is_encoder else "LAST", True)
+    modules_path = os.path.join(model_dir, "modules.json")
+    if not os.path.isfile(modules_path):
+        return default
+    modules = _read_json(modules_path)
+    if not isinstance(modules, list):
+        raise ParameterError("modules.json", f"{modules_path} must hold a list of modules")
+    pooling_type, normalize = default.pooling_type, False
+    for module in modules:
+        kind = str(module.get("type", "")).removeprefix(_ST_PREFIX)
+        if kind == "Pooling":
+            pooling_type = _st_pooling_type(os.path.join(model_dir, module.get("path", ""),
+                                                         "config.json"))
+        elif kind == "Normalize":
+            normalize = True
+        elif kind != "Transformer":
+            raise ParameterError("modules.json", f"module {kind!r} is not supported; "
+                                 "supported: Transformer, Pooling, Normalize")
+    max_len = None
+    st_path = os.path.join(model_dir, "sentence_bert_config.json")
+    if os.path.isfile(st_path):
+        st = _read_json(st_path)
+        if isinstance(st, dict) and st.get("max_seq_length"):
+            max_len = int(st["max_seq_length"])
+    return PoolerConfig(pooling_type, normalize, max_len)
+
+
+def _st_pooling_type(path: str) -> str:
+    cfg = _read_json(path)
+    if not isinstance(cfg, dict):
+        raise ParameterError("1_Pooling/config.json", f"{path} must hold an object")
+    if cfg.get("pooling_mode"):  # newer sentence-transformers name the mode directly
+        mode = str(cfg["pooling_mode"]).lower()
+        named = {"mean": "MEAN", "cls": "CLS", "lasttoken": "LAST"}
+        if mode not in named:
+            raise ParameterError("1_Pooling/config.json:pooling_mode",
+                                 f"{mode!r} is not supported; supported: {sorted(named)}")
+        return named[mode]
+    bad = [k for k in _ST_UNSUPPORTED if cfg.get(k)]
+    if bad:
+        raise ParameterError(f"1_Pooling/config.json:{bad[0]}", "is not supported; "
+                             f"supported: {', '.join(_ST_MODES)}")
+    modes = [t for k, t in _ST_MODES.items() if cfg.get(k)]
+    if len(modes) != 1:
+        raise ParameterError("1_Pooling/config.json", f"{path} must enable exactly one of "
+                             f"{', '.join(_ST_MODES)}, got {len(modes)}")
+    return modes[0]

@@ -1,0 +1,150 @@
+"""The mixture-of-experts layer: routing as transformers routes, and the grouped matmul by
+megablox (Pallas interpret mode) and by ragged_dot equal to a dense per-expert einsum,
+on one device and expert parallel over fake CPU devices."""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+import torch
+from flax import nnx
+
+from jaxllm.distributed.mesh import make_mesh, param_shardings
+from jaxllm.errors import ParameterError
+from jaxllm.layers.grouped_matmul import GroupedMatmul, default_grouped_matmul
+from jaxllm.layers.moe import SparseMoE, expert_ffn, route
+from jaxllm.models.moe_weights import MoEArch
+
+KERNELS = [GroupedMatmul("ragged_dot"), GroupedMatmul("megablox", interpret=True),
+           GroupedMatmul("tiled")]
+
+
+def dense_reference(x, weights, ids, gate_up, down):
+    """Every expert on every token (einsum), then each token's top-k mixed by a one-hot."""
+    h = np.einsum("th,esih->tesi", x, gate_up)
+    act = h[:, :, 0] / (1 + np.exp(-h[:, :, 0])) * h[:, :, 1]
+    every = np.einsum("tei,ehi->teh", act, down)
+    mix = np.zeros(every.shape[:2])
+    np.put_along_axis(mix, ids, weights, axis=1)  # ids distinct per token
+    return np.einsum("te,teh->th", mix, every)
+
+
+def _draw(t=24, e=8, k=2, h=32, i=48, seed=0):
+    rng = np.random.default_rng(seed)
+    x = rng.normal(size=(t, h)).astype(np.float32)
+    logits = rng.normal(size=(t, e)).astype(np.float32)
+    gate_up = (0.2 * rng.normal(size=(e, 2, i, h))).astype(np.float32)
+    down = (0.2 * rng.normal(size=(e, h, i))).astype(np.float32)
+    weights, ids = route(jnp.asarray(logits), k, renormalize=True)
+    return x, np.asarray(weights), np.asarray(ids), gate_up, down
+
+
+@pytest.mark.parametrize("gmm", KERNELS, ids=lambda g: g.kernel)
+@pytest.mark.parametrize("t,e,k", [(24, 8, 2), (5, 4, 4), (16, 6, 1), (1, 8, 2), (200, 4, 2)])
+def test_grouped_experts_equal_the_dense_per_expert_einsum(gmm, t, e, k):
+    """Including tokens counts that are not a multiple of the kernel's row tile (5*4 rows),
+    experts no token picks (top 1 of 6 over 16 tokens, one decode token), every expert
+    for every token, and groups of several tiles (400 rows over 4 experts)."""
+    x, weights, ids, gate_up, down = _draw(t=t, e=e, k=k)
+    got = jax.jit(lambda *a: expert_ffn(*a, gmm))(x, weights, ids, gate_up, down)
+    want = dense_reference(x, weights, ids, gate_up, down)
+    assert np.abs(want).max() > 0.5
+    np.testing.assert_allclose(np.asarray(got), want, rtol=0, atol=1e-4)
+
+
+@pytest.mark.parametrize("gmm", KERNELS, ids=lambda g: g.kernel)
+def test_experts_split_in_two_sum_to_all_experts(gmm):
+    """Each half of the experts (`first_expert`) computes only its pairs; the halves add
+    up to the whole, which is what the expert-parallel psum relies on."""
+    x, weights, ids, gate_up, down = _draw(seed=1)
+    halves = [np.asarray(expert_ffn(x, weights, ids, gate_up[s:s + 4], down[s:s + 4], gmm, s))
+              for s in (0, 4)]
+    assert all(np.abs(part).max() > 0.1 for part in halves)
+    np.testing.assert_allclose(halves[0] + halves[1],
+                               dense_reference(x, weights, ids, gate_up, down), rtol=0,
+                               atol=1e-4)
+
+
+@pytest.mark.parametrize("renormalize", [True, False])
+def test_routing_matches_transformers_routers(renormalize):
+    """Mixtral's router (always renormalized) and Qwen3-MoE's (renormalized iff
+    norm_topk_prob): the same experts and weights."""
+    from transformers import MixtralConfig, Qwen3MoeConfig
+    from transformers.models.mixtral.modeling_mixtral import MixtralTopKRouter
+    from transformers.models.qwen3_moe.modeling_qwen3_moe import Qwen3MoeTopKRouter
+
+    if renormalize:
+        router = MixtralTopKRouter(MixtralConfig(hidden_size=16, num_local_experts=8,
+                                                 num_experts_per_tok=3))
+    else:
+        router = Qwen3MoeTopKRouter(Qwen3MoeConfig(hidden_size=16, num_experts=8,
+                                                   num_experts_per_tok=3,
+                                                   norm_topk_prob=False))
+    torch.manual_seed(0)
+    with torch.no_grad():
+        router.weight.normal_()
+        x = torch.randn(32, 16)
+        logits, want_w, want_ids = router(x)
+    weights, ids = route(jnp.asarray(logits.numpy()), 3, renormalize)
+    np.testing.assert_array_equal(np.asarray(ids), want_ids.numpy())
+    np.testing.assert_allclose(np.asarray(weights), want_w.numpy(), rtol=0, atol=1e-6)
+    sums = np.asarray(weights).sum(-1)
+    assert np.allclose(sums, 1.0) == renormalize
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("gmm", KERNELS, ids=lambda g: g.kernel)
+def test_expert_parallel_layer_equals_one_device(gmm):
+    """At tp 2 each device holds 4 of the 8 experts (`shard_map`, psum over 'model')."""
+    kw = dict(num_experts=8, top_k=2, intermediate_size=48, hidden_size=32,
+              renormalize=True, dtype=jnp.float32, gmm=gmm)
+    one = SparseMoE(rngs=nnx.Rngs(0), **kw)
+    mesh = make_mesh(2)
+    split = SparseMoE(rngs=nnx.Rngs(0), mesh=mesh, **kw)
+    graphdef, state = nnx.split(split)
+    state = jax.device_put(nnx.to_pure_dict(state), param_shardings(state, mesh))
+    assert state["gate_up_proj"].addressable_shards[0].data.shape == (4, 2, 48, 32)
+    x = jnp.asarray(np.random.default_rng(2).normal(size=(16, 32)), jnp.float32)
+    residual = jnp.ones_like(x)
+    want = np.asarray(one(x, residual))
+    got = jax.jit(lambda s, x, r: nnx.merge(graphdef, s)(x, r))(state, x, residual)
+    assert got.sharding.is_fully_replicated
+    assert np.abs(want - 1).max() > 1e-3
+    np.testing.assert_allclose(np.asarray(got), want, rtol=0, atol=1e-5)
+
+
+def test_experts_not_divisible_by_tp_is_a_parameter_error():
+    with pytest.raises(ParameterError, match="tensor_parallel_size: 4 does not divide the 6"):
+        SparseMoE(num_experts=6, top_k=2, intermediate_size=8, hidden_size=8,
+                  renormalize=True, dtype=jnp.float32, rngs=nnx.Rngs(0), mesh=make_mesh(4))
+
+
+def test_unknown_grouped_matmul_is_a_parameter_error(monkeypatch):
+    with pytest.raises(ParameterError, match="kernel: must be one of"):
+        GroupedMatmul("cutlass")
+    assert default_grouped_matmul().kernel == "ragged_dot"  # on the CPU
+    monkeypatch.setenv("JAXLLM_MOE_KERNEL", "tiled")
+    assert default_grouped_matmul().kernel == "tiled"
+    monkeypatch.setenv("JAXLLM_MOE_KERNEL", "cutlass")
+    with pytest.raises(ParameterError, match="JAXLLM_MOE_KERNEL: must be one of"):
+        default_grouped_matmul()
+
+
+@pytest.mark.parametrize("step,dense", [(1, []), (1, [0, 2]), (2, []), (3, [5])])
+def test_sparse_layers_follow_transformers_decoder_sparse_step_and_mlp_only_layers(step, dense):
+    from transformers import Qwen3MoeConfig
+    from transformers.models.qwen3_moe.modeling_qwen3_moe import (
+        Qwen3MoeDecoderLayer,
+        Qwen3MoeSparseMoeBlock,
+    )
+
+    cfg = Qwen3MoeConfig(hidden_size=8, intermediate_size=8, moe_intermediate_size=4,
+                         num_hidden_layers=6, num_attention_heads=2, num_key_value_heads=1,
+                         num_experts=4, num_experts_per_tok=2, decoder_sparse_step=step,
+                         mlp_only_layers=dense)
+    want = tuple(isinstance(Qwen3MoeDecoderLayer(cfg, i).mlp, Qwen3MoeSparseMoeBlock)
+                 for i in range(6))
+    assert MoEArch.from_hf_config(cfg).sparse_layers == want
+    assert any(want) and (not all(want) or (step == 1 and not dense))
