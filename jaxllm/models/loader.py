@@ -20,6 +20,7 @@ shards, or any `*.safetensors` files in the directory; bf16/fp16/fp32 on disk.
 from __future__ import annotations
 
 import glob
+import inspect
 import json
 import os
 from collections.abc import Callable
@@ -79,9 +80,14 @@ def _model_factory(model_config: ModelConfig, mesh: Mesh, attn_backend: Any,
     attn_backend = shard_attention(attn_backend, mesh)
     layout = {} if tp == 1 else {"tensor_parallel_size": tp}
     quantization = getattr(model_config, "quantization", None)
+    accepts = inspect.signature(cls.__init__).parameters
     if quantization is not None:
+        if "quantization" not in accepts:
+            raise ParameterError("quantization", f"{cls.__name__} has no quantized form")
         layout["quantization"] = quantization
     if getattr(model_config, "kv_cache_dtype", "auto") != "auto":
+        if "kv_cache_dtype" not in accepts:
+            raise ParameterError("kv_cache_dtype", f"{cls.__name__} keeps no KV cache")
         layout["kv_cache_dtype"] = model_config.kv_cache_dtype
 
     def create() -> nnx.Module:

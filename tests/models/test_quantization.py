@@ -11,7 +11,9 @@ so only the quantized arithmetic differs:
     relative rounding error up to 2^-4 per element), which the twin does not do:
     logits agree to 10% of their largest magnitude (errors of 2^-4 per element
     average out over the hidden size and do not compound much in two layers), and
-    greedy tokens over 64 prompts x 32 tokens agree at a stated floor.
+    greedy tokens over 64 prompts x 32 tokens agree at a stated floor (the
+    4-layer mixture of experts, where the rounding compounds through more layers
+    and can flip a token's expert choice, gets 20%).
 """
 
 from __future__ import annotations
@@ -62,7 +64,10 @@ def quantized_linears(model: nnx.Module) -> dict[tuple, tuple[np.ndarray, np.nda
 def assert_weights_are_the_twins(quantized: nnx.Module, twin: nnx.Module) -> None:
     twin_flat = dict(nnx.to_flat_state(nnx.state(twin)))
     linears = quantized_linears(quantized)
-    assert len(linears) == 4 * len(twin.layers)  # qkv, o, gate_up, down per layer
+    # Every Linear (qkv, o; gate_up, down of dense MLPs) is quantized; MoE experts are not.
+    projections = [p for p in twin_flat if p[-1] == "weight" and p[-2] in
+                   ("qkv_proj", "o_proj", "gate_up_proj", "down_proj")]
+    assert sorted(linears) == sorted(projections)
     for path, (q, scale) in linears.items():
         np.testing.assert_array_equal(dequantize(q, scale),
                                       np.asarray(twin_flat[path].get_value()))
@@ -95,11 +100,17 @@ def greedy_agreement(model_dir: str, twin_dir: str, quantization: str | None,
     return agreed / (64 * 32)
 
 
+ARCHS = {"llama": dict(arch="llama"),
+         "gemma2": dict(arch="gemma2", sliding_window=4, tie_word_embeddings=True),
+         # dense and sparse layers: attention and the dense MLP quantized, experts not
+         "qwen3_moe": dict(arch="qwen3_moe", num_hidden_layers=4, mlp_only_layers=[1],
+                           num_experts=8, num_experts_per_tok=2, moe_intermediate_size=32)}
+
+
 @pytest.mark.parametrize("kind", ["int8", "fp8"])
-@pytest.mark.parametrize("arch", ["llama", "gemma2"])
+@pytest.mark.parametrize("arch", list(ARCHS))
 def test_quantized_logits_are_close_to_the_dequantized_float32_model(kind, arch, tmp_path):
-    extra = dict(sliding_window=4, tie_word_embeddings=True) if arch == "gemma2" else {}
-    model_dir = make_tiny_checkpoint(tmp_path, arch=arch, **extra)
+    model_dir = make_tiny_checkpoint(tmp_path, **ARCHS[arch])
     twin_dir = dequantized_twin(model_dir, kind, tmp_path)
     quantized, twin = load(model_dir, kind), load(twin_dir)
     assert_weights_are_the_twins(quantized, twin)
@@ -111,7 +122,11 @@ def test_quantized_logits_are_close_to_the_dequantized_float32_model(kind, arch,
         if kind == "int8":
             np.testing.assert_allclose(g, w, rtol=0, atol=1e-4)
         else:
-            assert np.abs(g - w).max() <= 0.1 * np.abs(w).max()
+            # The MoE model has twice the layers for the rounding to compound through, and
+            # a token's top-k expert pick can flip under it: a looser stated bound
+            # (0.14 of the largest logit measured there).
+            bound = 0.2 if arch == "qwen3_moe" else 0.1
+            assert np.abs(g - w).max() <= bound * np.abs(w).max()
             assert not np.allclose(g, w, atol=1e-4)  # activations really are rounded
 
 
