@@ -89,24 +89,27 @@ ENGINE = dict(dtype="float32", max_model_len=64, max_num_seqs=4, max_num_batched
 
 
 @pytest.mark.slow
-def test_every_attention_body_reads_the_fp8_cache_alike_and_it_holds_twice_the_blocks(
+def test_every_attention_body_and_tp2_read_the_fp8_cache_alike_and_it_holds_twice_the_blocks(
         tmp_path):
     model_dir = make_tiny_checkpoint(tmp_path, arch="llama")
     prompts = random_prompts(256, [20, 9, 5], seed=3)
     params = SamplingParams(temperature=0.0, max_tokens=8, ignore_eos=True)
     tokens = {}
-    for backend in ("reference", "pallas_gpu", "pallas_tpu"):
+    for backend, tp in (("reference", 1), ("pallas_gpu", 1), ("pallas_tpu", 1),
+                        ("reference", 2)):
         llm = LLM(model_dir, kv_cache_dtype="fp8", attention_backend=backend,
-                  attention_interpret=backend != "reference", **ENGINE)
+                  attention_interpret=backend != "reference", tensor_parallel_size=tp,
+                  **ENGINE)
         runner = llm.llm_engine.engine_core.engine_core.model_runner
         assert runner.kv_cache.dtype == jnp.float8_e4m3fn
         with recorded_compilations() as compiles:
             outs = [llm.generate([{"prompt_token_ids": p} for p in prompts], params,
                                  use_tqdm=False) for _ in range(2)]
         assert compiles == []
-        tokens[backend] = [[list(o.outputs[0].token_ids) for o in run] for run in outs]
-        assert tokens[backend][0] == tokens[backend][1]  # prefix-cache hits read it back
-        if backend == "reference":
+        key = backend if tp == 1 else f"{backend}-tp{tp}"
+        tokens[key] = [[list(o.outputs[0].token_ids) for o in run] for run in outs]
+        assert tokens[key][0] == tokens[key][1]  # prefix-cache hits read it back
+        if key == "reference":
             half = LLM(model_dir, **{**ENGINE, "dtype": "float16"})
             blocks16 = half.llm_engine.engine_core.engine_core.model_runner.num_kv_blocks
             assert runner.num_kv_blocks == 2 * blocks16  # the null block counted in both
@@ -114,6 +117,7 @@ def test_every_attention_body_reads_the_fp8_cache_alike_and_it_holds_twice_the_b
         del llm
     assert tokens["pallas_gpu"] == tokens["reference"]
     assert tokens["pallas_tpu"] == tokens["reference"]
+    assert tokens["reference-tp2"] == tokens["reference"]  # scales replicated, cache by head
 
 
 def test_unknown_kv_cache_dtype_is_an_error_naming_the_field(tmp_path):
