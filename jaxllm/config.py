@@ -110,7 +110,10 @@ class SchedulerConfig:
 @dataclass
 class ParallelConfig:
     tensor_parallel_size: int = 1
+    # Engine cores, each a full replica on its own `tensor_parallel_size` devices.
     data_parallel_size: int = 1
+    # Which of them this core is (set per core process: engine/dp_client.py).
+    data_parallel_rank: int = 0
 
 
 @dataclass
@@ -221,11 +224,9 @@ class EngineArgs:
         if self.tensor_parallel_size < 1:
             raise ParameterError("tensor_parallel_size",
                                  f"must be at least 1, got {self.tensor_parallel_size}")
-        if self.data_parallel_size != 1:
-            # One engine runs one batch; replicas would only hold copies of the same work.
+        if self.data_parallel_size < 1:
             raise ParameterError("data_parallel_size",
-                                 f"must be 1, got {self.data_parallel_size}: run one engine "
-                                 "(server) per replica, each on its own devices")
+                                 f"must be at least 1, got {self.data_parallel_size}")
         return EngineConfig(
             model_config=model_config,
             cache_config=CacheConfig(

@@ -37,7 +37,7 @@ step() {
     8b-throughput-tp1) OUT="$out" thr $B8 --tensor-parallel-size 1 ;;
     8b-throughput-tp2) OUT="$out" thr $B8 --tensor-parallel-size 2 ;;
     8b-throughput-tp4) OUT="$out" thr $B8 --tensor-parallel-size 4 ;;
-    # Two engine replicas on GPUs 0 and 1, 500 requests each (engine DP: issue 31).
+    # Two benchmark replicas on GPUs 0 and 1, 500 requests each (benchmarks/replicas.py).
     8b-throughput-dp2) OUT="$out" thr $B8 --tensor-parallel-size 1 --data-parallel-size 2 ;;
     70b-decode-tp4)    OUT="$out" lat $B70 --tensor-parallel-size 4 ;;
     70b-decode-tp8)    OUT="$out" lat $B70 --tensor-parallel-size 8 ;;

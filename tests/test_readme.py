@@ -118,5 +118,6 @@ def test_the_openai_client_snippet_prints_its_answers(server):
     assert README_URL in code
     want = promised_output(code)
     assert want == [demo_tasks.expected_answer("reverse abc"),
-                    demo_tasks.expected_answer("reverse hello"), "128"]
+                    demo_tasks.expected_answer("reverse hello"), "128",
+                    "get_weather"]  # the named tool_choice's call
     assert run_python(code.replace(README_URL, server.url)) == want

@@ -138,8 +138,9 @@ def add_parallel_args(ap: Any) -> None:
                     help="devices each engine shards the model over")
     ap.add_argument("--data-parallel-size", "-dp", type=int, default=1,
                     help="independent engine replicas (one process each on its own "
-                         "tp devices, each taking 1/dp of the requests): the engine's "
-                         "own data parallelism awaits issue 31")
+                         "tp devices, each taking 1/dp of the requests; see "
+                         "benchmarks/replicas.py for why not the engine's own "
+                         "--data-parallel-size)")
     ap.add_argument("--probe-gib", type=float, default=2.0,
                     help="GiB of the HBM bandwidth probe (the all-reduce probe takes half)")
     ap.add_argument("--probe-matmul-n", type=int, default=8192,

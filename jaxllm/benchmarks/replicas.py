@@ -1,8 +1,12 @@
-"""Data parallelism for the benchmarks while the engine has none (issue 31).
+"""Data parallelism for the benchmarks: N independent replicas of the whole benchmark.
 
-`--data-parallel-size N` runs N independent engine replicas: N child processes of
-the same benchmark, each pinned to its own `tp` GPUs through CUDA_VISIBLE_DEVICES
-and each taking its 1/N of the requests. The children load, compile and warm up
+`--data-parallel-size N` runs N child processes of the same benchmark, each
+pinned to its own `tp` GPUs through CUDA_VISIBLE_DEVICES and each taking its
+1/N of the requests. Each replica runs the same engine core on the same devices
+as the engine's own `data_parallel_size` would (engine/dp_client.py); the
+benchmarks keep their own replicas because their roofline, padding and
+host-time figures read the in-process model runner's step log, which under the
+engine's data parallelism lives in the core processes. The children load, compile and warm up
 at their own pace, then wait at a barrier; the parent releases them together and
 the run's time is the slowest replica's. Each child prints its result as one
 `REPLICA_RESULT {json}` line; the parent merges them.

@@ -9,7 +9,8 @@ same run), padding waste, and the transformers static-cache peer.
 --tensor-parallel-size N shards the engine over N devices: the roofline then takes one
 device's bytes, all N devices' matmul peaks and the all-reduces at the bus bandwidth of
 a psum measured in the same run (common.step_floor). --data-parallel-size N runs N
-replica processes on their own devices, each with 1/N of the requests (replicas.py).
+replica processes of this benchmark on their own devices, each with 1/N of the
+requests (replicas.py says why not one engine with data_parallel_size=N).
 """
 
 from __future__ import annotations

@@ -80,6 +80,8 @@ class EngineCoreOutputs(msgspec.Struct, omit_defaults=True, gc=False):  # type: 
     # take `all_outputs()`, which makes the objects on their side.
     token_req_ids: list[str] | None = None
     token_ids: list[int] | None = None
+    # Which data-parallel engine core sent these (set by the frontend as they arrive).
+    engine_index: int = 0
 
     def all_outputs(self) -> list[EngineCoreOutput]:
         """`outputs` plus one EngineCoreOutput per compact token (made once, in place)."""

@@ -1,15 +1,15 @@
 """The device mesh and the rules that turn declared weight shardings into placements.
 
-One process owns every local device through one `Mesh` with axes
-`('data', 'model')`. Weights declare their `PartitionSpec` next to their
+An engine core owns its `tp` devices through one `Mesh` with the single axis
+`'model'` (data parallelism runs separate engine cores, each on its own mesh:
+engine/dp_client.py). Weights declare their `PartitionSpec` next to their
 definition (`nnx.Param(..., out_sharding=P(...))`, see models/llama.py); this
 module turns those declarations into `NamedSharding`s for a given mesh. A
 dimension whose size the mesh axis does not divide is replicated instead of
 sharded (always correct, just not split), so odd vocab sizes still load.
 
-Weights are never sharded over 'data': data-parallel replicas hold full copies
-of the tensor-parallel shards. The KV cache is sharded over kv heads on 'model'
-(replicated kv heads where there are fewer than shards).
+The KV cache is sharded over kv heads on 'model' (replicated kv heads where
+there are fewer than shards).
 """
 
 from __future__ import annotations
@@ -25,7 +25,7 @@ from jax.sharding import PartitionSpec as P
 
 from jaxllm.errors import ParameterError
 
-AXES = ("data", "model")
+AXES = ("model",)
 
 
 def validate_tensor_parallel(hf_config: Any, tensor_parallel_size: int) -> None:
@@ -58,33 +58,28 @@ def kv_head_replicas(hf_config: Any, tensor_parallel_size: int) -> int:
     return max(1, tensor_parallel_size // kv_heads)
 
 
-def make_mesh(tensor_parallel_size: int, data_parallel_size: int = 1,
-              devices: Sequence[jax.Device] | None = None, *,
+def make_mesh(tensor_parallel_size: int, devices: Sequence[jax.Device] | None = None, *,
               hf_config: Any = None) -> Mesh:
-    """A `(data, model)` mesh over the first `dp * tp` devices (all local devices by default).
+    """A `('model',)` mesh over the first `tp` of `devices` (all local devices by default).
 
     With `hf_config`, also checks that the model's heads divide over `tensor_parallel_size`.
     """
     if tensor_parallel_size < 1:
         raise ParameterError("tensor_parallel_size",
                              f"must be at least 1, got {tensor_parallel_size}")
-    if data_parallel_size < 1:
-        raise ParameterError("data_parallel_size", f"must be at least 1, got {data_parallel_size}")
     if hf_config is not None:
         validate_tensor_parallel(hf_config, tensor_parallel_size)
     devices = list(jax.devices() if devices is None else devices)
-    need = tensor_parallel_size * data_parallel_size
+    need = tensor_parallel_size
     if len(devices) < need:
         platform = devices[0].platform if devices else "none"
         raise ParameterError(
             "tensor_parallel_size",
-            f"data_parallel_size={data_parallel_size} x tensor_parallel_size="
-            f"{tensor_parallel_size} needs {need} devices, but only {len(devices)} "
-            f"{platform} device(s) are visible")
-    grid = np.asarray(devices[:need], dtype=object).reshape(data_parallel_size,
-                                                            tensor_parallel_size)
-    # Auto axes: XLA propagates shardings from the weights through the step.
-    return Mesh(grid, AXES, axis_types=(AxisType.Auto, AxisType.Auto))
+            f"tensor_parallel_size={tensor_parallel_size} needs {need} devices, but only "
+            f"{len(devices)} {platform} device(s) are visible")
+    grid = np.asarray(devices[:need], dtype=object)
+    # An Auto axis: XLA propagates shardings from the weights through the step.
+    return Mesh(grid, AXES, axis_types=(AxisType.Auto,))
 
 
 def fit_spec(spec: P, shape: Sequence[int], mesh: Mesh) -> P:

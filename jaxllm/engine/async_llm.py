@@ -36,6 +36,7 @@ from jaxllm.sampling_params import PoolingParams, RequestOutputKind, SamplingPar
 
 if TYPE_CHECKING:
     from jaxllm.engine.core_client import AsyncMPClient
+    from jaxllm.engine.dp_client import DPAsyncMPClient
 
 logger = logging.getLogger(__name__)
 
@@ -105,15 +106,18 @@ _LOAD = object()  # AsyncLLM(tokenizer=...) not given: load it from the model co
 class AsyncLLM:
     def __init__(self, config: EngineConfig, stat_loggers: list[StatLogger] | None = None,
                  startup_timeout_s: float | None = None,
-                 engine_core: AsyncMPClient | None = None, tokenizer: Any = _LOAD):
-        from jaxllm.engine.core_client import AsyncMPClient
+                 engine_core: AsyncMPClient | DPAsyncMPClient | None = None,
+                 tokenizer: Any = _LOAD):
+        from jaxllm.engine.dp_client import make_async_client
 
         self.config = config
         self.model_config = config.model_config
         self.tokenizer = (load_tokenizer(config.model_config) if tokenizer is _LOAD
                           else tokenizer)
         if engine_core is None:
-            engine_core = AsyncMPClient(config, startup_timeout_s=startup_timeout_s)
+            pc = config.parallel_config
+            engine_core = make_async_client(config, pc.data_parallel_size,
+                                            pc.tensor_parallel_size, startup_timeout_s)
         self.engine_core = engine_core
         self.input_processor = InputProcessor(config.model_config, self.tokenizer,
                                               self.engine_core.max_request_tokens)
@@ -135,15 +139,21 @@ class AsyncLLM:
         with it.
         """
         from jaxllm import config_cache
-        from jaxllm.engine.core_client import AsyncMPClient
+        from jaxllm.engine.dp_client import make_async_client
 
+        def start(config: EngineConfig | Any) -> AsyncMPClient | DPAsyncMPClient:
+            return make_async_client(config, args.data_parallel_size,
+                                     args.tensor_parallel_size, startup_timeout_s)
+
+        if args.data_parallel_size < 1:
+            raise ParameterError("data_parallel_size",
+                                 f"must be at least 1, got {args.data_parallel_size}")
         stored = config_cache.load(args)
         with ThreadPoolExecutor(1, thread_name_prefix="frontend-config") as pool:
             config_future = pool.submit(args.create_engine_config)
             tokenizer_future = pool.submit(
                 lambda: load_tokenizer(config_future.result().model_config))
-            client = AsyncMPClient(config_future if stored is None else stored,
-                                   startup_timeout_s=startup_timeout_s)
+            client = start(config_future if stored is None else stored)
             try:
                 config = config_future.result()
                 tokenizer = tokenizer_future.result()
@@ -156,7 +166,7 @@ class AsyncLLM:
             logger.warning("the stored engine config differs from the one built now; "
                            "starting the engine core again with the new one")
             client.shutdown()
-            client = AsyncMPClient(config, startup_timeout_s=startup_timeout_s)
+            client = start(config)
             config_cache.store(args, config)
         try:
             return cls(config, stat_loggers, engine_core=client, tokenizer=tokenizer)
@@ -287,24 +297,24 @@ class AsyncLLM:
             if processed.reqs_to_abort:
                 self.engine_core.abort_requests(processed.reqs_to_abort)
             if self.stat_loggers:
-                self._record_requests(states, had_first, last_times)
+                self._record_requests(states, had_first, last_times, outputs.engine_index)
             if start + _OUTPUT_CHUNK < len(items):
                 await asyncio.sleep(0)
         if outputs.scheduler_stats is not None:
             self.last_stats = outputs.scheduler_stats
             for sl in self.stat_loggers:
-                sl.record_scheduler(outputs.scheduler_stats)
+                sl.record_scheduler(outputs.scheduler_stats, outputs.engine_index)
 
     def _record_requests(self, states: list[RequestState], had_first: list[bool],
-                         last_times: list[float | None]) -> None:
+                         last_times: list[float | None], engine: int) -> None:
         for state, had, last in zip(states, had_first, last_times, strict=True):
             if not had and state.first_token_time is not None:
                 ttft = state.first_token_time - state.arrival_time
                 for sl in self.stat_loggers:
-                    sl.record_first_token(ttft, len(state.prompt_token_ids))
+                    sl.record_first_token(ttft, len(state.prompt_token_ids), engine)
             elif had and last is not None and state.last_token_time != last:
                 for sl in self.stat_loggers:
-                    sl.record_inter_token(state.last_token_time - last)
+                    sl.record_inter_token(state.last_token_time - last, engine)
             if state.finished:
                 stats = FinishedRequestStats(
                     finish_reason=state.finish_reason or "abort",
@@ -314,7 +324,7 @@ class AsyncLLM:
                     decode_time=((state.last_token_time or 0.0) - state.first_token_time)
                     if state.first_token_time is not None else 0.0)
                 for sl in self.stat_loggers:
-                    sl.record_finished(stats)
+                    sl.record_finished(stats, engine)
 
     def _fail_all(self, error: EngineDeadError) -> None:
         self._dead = error
@@ -335,7 +345,7 @@ class AsyncLLM:
         (health answers 503 until the new core is ready). Raises what the new
         core's start raised; the engine then stays dead.
         """
-        from jaxllm.engine.core_client import AsyncMPClient
+        from jaxllm.engine.dp_client import make_async_client
 
         if self.output_handler is not None and not self.output_handler.done():
             self.output_handler.cancel()
@@ -346,8 +356,10 @@ class AsyncLLM:
             self._fail_all(self.dead_error)
         self.engine_core.shutdown()  # reaps the dead process, closes its sockets
         loop = asyncio.get_running_loop()
+        pc = self.config.parallel_config
         client = await loop.run_in_executor(
-            None, lambda: AsyncMPClient(self.config, startup_timeout_s=startup_timeout_s))
+            None, lambda: make_async_client(self.config, pc.data_parallel_size,
+                                            pc.tensor_parallel_size, startup_timeout_s))
         self.engine_core = client
         self.input_processor.max_request_tokens = client.max_request_tokens
         self._dead = None

@@ -4,6 +4,7 @@
 process (tests, simple offline use). `MPClient` starts the core's process
 (`core_launch.py`), talks to it over ZeroMQ and watches for its death;
 `SyncMPClient` (LLMEngine) and `AsyncMPClient` (AsyncLLM) read its outputs.
+Data parallelism holds one of these per core (dp_client.py).
 """
 
 from __future__ import annotations
@@ -25,6 +26,7 @@ import zmq
 
 from jaxllm.config import EngineConfig
 from jaxllm.core.messages import EngineCoreOutputs, EngineCoreRequest
+from jaxllm.distributed.dp_devices import CorePlacement
 from jaxllm.engine.codec import UTILITY_RESULT, Codec, EngineCoreRequestType, UtilityCall
 from jaxllm.engine.core_launch import launch_core
 from jaxllm.errors import EngineDeadError
@@ -106,14 +108,17 @@ class MPClient(EngineCoreClient):
     """Spawns the core process, owns the sockets, watches for the core's death."""
 
     def __init__(self, config: EngineConfig | Future, use_asyncio: bool,
-                 startup_timeout_s: float | None = None):
-        """`config` may still be in the making (a Future): see `launch_core`."""
+                 startup_timeout_s: float | None = None,
+                 placement: CorePlacement | None = None):
+        """`config` may still be in the making (a Future): see `launch_core`. With
+        `placement`, the core is one data-parallel replica (dp_client.py)."""
+        self.engine_index = 0 if placement is None else placement.rank
         self.codec = Codec()
         self.engine_dead = False
         self.engine_error: str | None = None
         self._closing = False
         self._call_ids = itertools.count()
-        self._core = launch_core(config, use_asyncio, startup_timeout_s)
+        self._core = launch_core(config, use_asyncio, startup_timeout_s, placement)
         self.proc, self.ctx = self._core.proc, self._core.ctx
         self.input_socket = self._core.input_socket
         self.output_socket: Any = self._core.output_socket
@@ -183,6 +188,7 @@ class MPClient(EngineCoreClient):
                     fut.set_exception(RuntimeError(result.result))
             return
         outputs = self.codec.outputs_decoder.decode(payload)
+        outputs.engine_index = self.engine_index
         self._put_output(outputs)
         if outputs.engine_error is not None:
             self._mark_dead(f"engine core error: {outputs.engine_error}")
@@ -226,10 +232,14 @@ class MPClient(EngineCoreClient):
 class SyncMPClient(MPClient):
     """Blocking client: `get_output()` waits for the next EngineCoreOutputs (LLMEngine, LLM)."""
 
-    def __init__(self, config: EngineConfig, startup_timeout_s: float | None = None):
-        self._outputs: queue.Queue = queue.Queue()
+    def __init__(self, config: EngineConfig | Future, startup_timeout_s: float | None = None,
+                 placement: CorePlacement | None = None,
+                 outputs: queue.Queue | None = None):
+        """`outputs`: a queue shared with the other replicas' clients (dp_client.py)."""
+        self._outputs: queue.Queue = queue.Queue() if outputs is None else outputs
         self._pending: dict[int, Future] = {}
-        super().__init__(config, use_asyncio=False, startup_timeout_s=startup_timeout_s)
+        super().__init__(config, use_asyncio=False, startup_timeout_s=startup_timeout_s,
+                         placement=placement)
         self._reader = threading.Thread(target=self._read_outputs, name="client-output",
                                         daemon=True)
         self._reader.start()
@@ -279,17 +289,21 @@ class AsyncMPClient(MPClient):
     """asyncio client for AsyncLLM: one reader task turns output frames into a queue."""
 
     def __init__(self, config: EngineConfig | Future,
-                 startup_timeout_s: float | None = None):
+                 startup_timeout_s: float | None = None,
+                 placement: CorePlacement | None = None):
         self._loop: asyncio.AbstractEventLoop | None = None
         self._outputs: asyncio.Queue | None = None
         self._pending: dict[int, asyncio.Future] = {}
         self._reader: asyncio.Task | None = None
-        super().__init__(config, use_asyncio=True, startup_timeout_s=startup_timeout_s)
+        super().__init__(config, use_asyncio=True, startup_timeout_s=startup_timeout_s,
+                         placement=placement)
 
-    def _ensure_reader(self) -> asyncio.Queue:
+    def _ensure_reader(self, shared: asyncio.Queue | None = None) -> asyncio.Queue:
+        """Starts the reader task on the running loop; its outputs go to `shared`
+        where given (one queue for every data-parallel replica: dp_client.py)."""
         if self._outputs is None:
             self._loop = asyncio.get_running_loop()
-            self._outputs = asyncio.Queue()
+            self._outputs = asyncio.Queue() if shared is None else shared
             self._reader = self._loop.create_task(self._read_outputs())
             if self.engine_dead:
                 self._fail_waiters()

@@ -24,6 +24,7 @@ import zmq
 import zmq.asyncio
 
 from jaxllm.config import EngineConfig, portable_config
+from jaxllm.distributed.dp_devices import CorePlacement
 from jaxllm.engine.codec import Codec, Handshake
 from jaxllm.engine.core_proc import run_engine_core
 from jaxllm.import_clock import IMPORT_TIME
@@ -65,10 +66,12 @@ class CoreProcess:
 
 
 def launch_core(config: EngineConfig | Future, use_asyncio: bool,
-                startup_timeout_s: float | None = None) -> CoreProcess:
+                startup_timeout_s: float | None = None,
+                placement: CorePlacement | None = None) -> CoreProcess:
     """Spawns the core and returns once it is READY; raises (leaving nothing behind) if it
     fails or times out. `config` may still be in the making (a Future): the core then
-    starts JAX meanwhile and receives the config once it is built."""
+    starts JAX meanwhile and receives the config once it is built. `placement` makes
+    the core one data-parallel replica (see `run_engine_core`)."""
     ipc_dir = tempfile.mkdtemp(prefix="jaxllm-ipc-")
     addresses = {name: f"ipc://{os.path.join(ipc_dir, name)}"
                  for name in ("handshake", "input", "output")}
@@ -89,10 +92,11 @@ def launch_core(config: EngineConfig | Future, use_asyncio: bool,
     spawned_at = time.time()
     pending = isinstance(config, Future)
     conn_r, conn_w = mp.Pipe(duplex=False) if pending else (None, None)
-    proc = mp.Process(target=run_engine_core, name="EngineCore", daemon=True,
+    name = "EngineCore" if placement is None else f"EngineCore_DP{placement.rank}"
+    proc = mp.Process(target=run_engine_core, name=name, daemon=True,
                       args=(None if pending else portable_config(config), addresses,
                             os.getpid(), logging.getLogger("jaxllm").getEffectiveLevel(),
-                            spawned_at, conn_r))
+                            spawned_at, conn_r, placement))
     core = CoreProcess(proc, ctx, input_socket, output_socket, ipc_dir, async_ctx)
     try:
         proc.start()

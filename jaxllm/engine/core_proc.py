@@ -15,6 +15,7 @@ message, on SIGTERM, or when its parent process goes away.
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import multiprocessing
 import multiprocessing.connection
@@ -32,6 +33,7 @@ import zmq
 
 from jaxllm.config import EngineConfig
 from jaxllm.core.messages import EngineCoreOutput, EngineCoreOutputs, FinishReason
+from jaxllm.distributed.dp_devices import CorePlacement, restrict_visible_gpus
 from jaxllm.engine.codec import (
     OUTPUTS,
     UTILITY_RESULT,
@@ -227,16 +229,27 @@ def _start_jax() -> None:
 def run_engine_core(config: EngineConfig | None, addresses: dict[str, str],
                     parent_pid: int, log_level: int = logging.INFO,
                     spawned_at: float | None = None,
-                    config_conn: multiprocessing.connection.Connection | None = None) -> None:
+                    config_conn: multiprocessing.connection.Connection | None = None,
+                    placement: CorePlacement | None = None) -> None:
     """Entry point of the engine core process (multiprocessing 'spawn' target).
 
     Without a config, the core first starts JAX and imports the model code, then
     takes its config from `config_conn` when the frontend has built it: the
     frontend's config build (transformers, and PyTorch where installed) overlaps
     the core's JAX start, and the core never imports either library.
+
+    `placement` makes it one data-parallel replica: it sees only its own GPUs
+    (narrowed before JAX starts) and takes its rank into its config.
     """
+    name = "EngineCore" if placement is None else f"EngineCore_DP{placement.rank}"
     logging.basicConfig(level=log_level,
-                        format="%(levelname)s %(asctime)s [EngineCore] %(name)s: %(message)s")
+                        format=f"%(levelname)s %(asctime)s [{name}] %(name)s: %(message)s")
+    placement_error: ParameterError | None = None
+    if placement is not None:
+        try:
+            restrict_visible_gpus(placement)
+        except ParameterError as e:  # answered through the handshake below
+            placement_error = e
     if spawned_at is not None:
         logger.info("engine core process running %.1fs after its spawn (interpreter, imports)",
                     time.time() - spawned_at)
@@ -255,6 +268,9 @@ def run_engine_core(config: EngineConfig | None, addresses: dict[str, str],
             config = None
         if config is None:  # the frontend could not build the config; it reports why
             os._exit(0)
+    if placement is not None:
+        config = dataclasses.replace(config, parallel_config=dataclasses.replace(
+            config.parallel_config, data_parallel_rank=placement.rank))
     ctx = zmq.Context()
     handshake = ctx.socket(zmq.PUSH)
     handshake.setsockopt(zmq.LINGER, 5000)
@@ -262,6 +278,8 @@ def run_engine_core(config: EngineConfig | None, addresses: dict[str, str],
     codec = Codec()
     proc: EngineCoreProc | None = None
     try:
+        if placement_error is not None:
+            raise placement_error
         proc = EngineCoreProc(config, addresses["input"], addresses["output"], ctx)
         signal.signal(signal.SIGTERM, lambda *_: proc.request_stop())
         handshake.send(codec.encode(Handshake(

@@ -10,6 +10,7 @@ import msgspec
 from jaxllm.config import EngineArgs, EngineConfig
 from jaxllm.core.messages import SchedulerStats
 from jaxllm.engine.core_client import EngineCoreClient
+from jaxllm.engine.dp_client import DPSyncMPClient
 from jaxllm.engine.input_processor import InputProcessor, PromptType, load_tokenizer
 from jaxllm.engine.output_processor import OutputProcessor, ParentRequest, child_request_id
 from jaxllm.errors import ParameterError
@@ -41,7 +42,11 @@ class LLMEngine:
         self.config = config
         self.model_config = config.model_config
         self.tokenizer = load_tokenizer(config.model_config)
-        self.engine_core = EngineCoreClient.make_client(config, multiprocess)
+        if config.parallel_config.data_parallel_size > 1:
+            # Each replica is its own core process (dp_client.py).
+            self.engine_core: EngineCoreClient = DPSyncMPClient(config)
+        else:
+            self.engine_core = EngineCoreClient.make_client(config, multiprocess)
         self.input_processor = InputProcessor(config.model_config, self.tokenizer,
                                               self.engine_core.max_request_tokens)
         self.output_processor = OutputProcessor(self.tokenizer)

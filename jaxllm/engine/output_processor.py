@@ -169,7 +169,12 @@ class OutputProcessor:
         new_ids = out.new_token_ids
         stop_str = None
         if state.detokenizer is not None and new_ids:
-            stop_str = state.detokenizer.update(new_ids)
+            text_ids = new_ids
+            if out.finish_reason == FinishReason.STOP and not state.detokenizer.include_stop:
+                # The EOS or stop token that ended the request is not part of the text,
+                # as in vLLM (it shows with skip_special_tokens=False otherwise).
+                text_ids = new_ids[:-1]
+            stop_str = state.detokenizer.update(text_ids) if text_ids else None
         state.token_ids.extend(new_ids)
         if out.new_logprobs is not None and state.logprobs is not None:
             self._append_logprobs(state, out.new_logprobs)

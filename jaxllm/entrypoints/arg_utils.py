@@ -18,6 +18,9 @@ DEFAULT_MAX_REQUEST_BYTES = 32 * 1024 * 1024
 
 _SKIP = {"model", "token_buckets", "request_buckets", "gpu_memory_utilization",
          "num_gpu_blocks_override"}
+_SHORT = {"tensor_parallel_size": "-tp", "data_parallel_size": "-dp"}  # vLLM's short flags
+_HELP = {"data_parallel_size": "engine cores, each a full replica on its own "
+                               "tensor-parallel-size devices, behind this one server"}
 
 
 def add_engine_args(parser: argparse.ArgumentParser) -> None:
@@ -34,8 +37,9 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
             parser.add_argument(flag, action=argparse.BooleanOptionalAction, default=f.default)
             continue
         base = next((t for t in typing.get_args(hint) if t is not type(None)), hint)
-        parser.add_argument(flag, type=base if base in (int, float, str) else str,
-                            default=f.default)
+        flags = (flag, _SHORT[f.name]) if f.name in _SHORT else (flag,)
+        parser.add_argument(*flags, type=base if base in (int, float, str) else str,
+                            default=f.default, help=_HELP.get(f.name))
     parser.add_argument("--gpu-memory-utilization", type=float, default=None,
                         help="alias of --hbm-utilization")
     parser.add_argument("--token-buckets", type=lambda s: [int(x) for x in s.split(",")],

@@ -12,6 +12,7 @@ from tqdm.auto import tqdm
 from jaxllm.config import EngineArgs
 from jaxllm.engine.input_processor import PromptType
 from jaxllm.engine.llm_engine import LLMEngine
+from jaxllm.entrypoints.openai.tools import check_tools, template_messages
 from jaxllm.outputs import PoolingRequestOutput, RequestOutput
 from jaxllm.sampling_params import PoolingParams, RequestOutputKind, SamplingParams
 
@@ -51,15 +52,22 @@ class LLM:
              sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
              use_tqdm: bool = True, chat_template: str | None = None,
              add_generation_prompt: bool = True, continue_final_message: bool = False,
-             chat_template_kwargs: dict[str, Any] | None = None) -> list[RequestOutput]:
+             chat_template_kwargs: dict[str, Any] | None = None,
+             tools: list[dict[str, Any]] | None = None) -> list[RequestOutput]:
+        """`tools` (OpenAI's tool definitions) are rendered by the chat template, as
+        vLLM's LLM.chat does; the output is the model's text, not parsed into calls."""
         batch = [messages] if messages and isinstance(messages[0], dict) else list(messages)
+        kwargs = dict(chat_template_kwargs or {})
+        if tools:
+            kwargs["tools"] = check_tools(tools)
         ip = self.llm_engine.input_processor
         tok = self.get_tokenizer()
         prompts: list[PromptType] = []
         for conv in batch:
             text = ip.apply_chat_template(
-                list(conv), chat_template, add_generation_prompt and not continue_final_message,
-                continue_final_message=continue_final_message, **(chat_template_kwargs or {}))
+                template_messages(list(conv)), chat_template,
+                add_generation_prompt and not continue_final_message,
+                continue_final_message=continue_final_message, **kwargs)
             # The template already carries any special tokens the model wants.
             ids = tok(text, add_special_tokens=False).input_ids
             prompts.append({"prompt": text, "prompt_token_ids": ids})

@@ -48,19 +48,20 @@ class FinishedRequestStats:
 
 
 class StatLogger:
-    """Interface: AsyncLLM calls these from its output handler (one thread)."""
+    """Interface: AsyncLLM calls these from its output handler (one thread). `engine` is
+    the data-parallel engine core the stats come from (0 without data parallelism)."""
 
-    def record_scheduler(self, stats: SchedulerStats) -> None:
+    def record_scheduler(self, stats: SchedulerStats, engine: int = 0) -> None:
         pass
 
-    def record_first_token(self, ttft: float, num_prompt_tokens: int) -> None:
+    def record_first_token(self, ttft: float, num_prompt_tokens: int, engine: int = 0) -> None:
         """A request's first output token; its whole prompt counts now (vLLM's rule:
         prefix-cache hits included, a preempted request's recompute not again)."""
 
-    def record_inter_token(self, latency: float) -> None:
+    def record_inter_token(self, latency: float, engine: int = 0) -> None:
         """Time since the request's previous tokens, for each output after its first."""
 
-    def record_finished(self, stats: FinishedRequestStats) -> None:
+    def record_finished(self, stats: FinishedRequestStats, engine: int = 0) -> None:
         pass
 
 
@@ -84,27 +85,31 @@ class LoggingStatLogger(StatLogger):
         self.last_log = time.monotonic()
         self.prompt_tokens = 0
         self.generation_tokens = 0
-        self.stats = SchedulerStats()
-        self.cumulative = _Cumulative()
+        self.stats: dict[int, SchedulerStats] = {0: SchedulerStats()}  # by engine core
+        self.cumulative: dict[int, _Cumulative] = {}
         self.queries = 0
         self.hits = 0
         self._logged_idle = False
 
-    def record_scheduler(self, stats: SchedulerStats) -> None:
-        self.stats = stats
+    def record_scheduler(self, stats: SchedulerStats, engine: int = 0) -> None:
+        self.stats[engine] = stats
+        cumulative = self.cumulative.setdefault(engine, _Cumulative())
         self.generation_tokens += stats.num_generation_tokens
-        self.queries += self.cumulative.delta("queries", stats.prefix_cache_queries)
-        self.hits += self.cumulative.delta("hits", stats.prefix_cache_hits)
+        self.queries += cumulative.delta("queries", stats.prefix_cache_queries)
+        self.hits += cumulative.delta("hits", stats.prefix_cache_hits)
 
-    def record_first_token(self, ttft: float, num_prompt_tokens: int) -> None:
+    def record_first_token(self, ttft: float, num_prompt_tokens: int, engine: int = 0) -> None:
         self.prompt_tokens += num_prompt_tokens
 
     def log(self) -> str | None:
         now = time.monotonic()
         elapsed = max(now - self.last_log, 1e-9)
-        s = self.stats
-        idle = not (self.prompt_tokens or self.generation_tokens or s.num_running_reqs
-                    or s.num_waiting_reqs)
+        # The engine cores' latest stats, summed (KV usage: their mean).
+        every = list(self.stats.values())
+        running = sum(s.num_running_reqs for s in every)
+        waiting = sum(s.num_waiting_reqs for s in every)
+        kv_usage = sum(s.kv_cache_usage for s in every) / len(every)
+        idle = not (self.prompt_tokens or self.generation_tokens or running or waiting)
         if idle and self._logged_idle:
             self.last_log = now
             return None  # one idle line, then quiet until there is traffic again
@@ -112,8 +117,8 @@ class LoggingStatLogger(StatLogger):
         hit_rate = self.hits / self.queries if self.queries else 0.0
         line = (f"Avg prompt throughput: {self.prompt_tokens / elapsed:.1f} tokens/s, "
                 f"Avg generation throughput: {self.generation_tokens / elapsed:.1f} tokens/s, "
-                f"Running: {s.num_running_reqs} reqs, Waiting: {s.num_waiting_reqs} reqs, "
-                f"KV cache usage: {100 * s.kv_cache_usage:.1f}%, "
+                f"Running: {running} reqs, Waiting: {waiting} reqs, "
+                f"KV cache usage: {100 * kv_usage:.1f}%, "
                 f"Prefix cache hit rate: {100 * hit_rate:.1f}%")
         logger.info(line)
         self.last_log = now
@@ -143,104 +148,131 @@ class _Twin:
             c.observe(value)
 
 
+class _EngineMetrics:
+    """The labelled series of one engine core, and its cumulative-count state."""
+
+    def __init__(self, families: dict[str, list], label_values: tuple[str, str]):
+        self.label_values = label_values
+        self.families = families
+        self.cumulative = _Cumulative()
+        self.total_queries = 0
+        self.total_hits = 0
+        self.twins = {name: _Twin([f.labels(*label_values) for f in fams])
+                      for name, fams in families.items() if name != "request_success"}
+        # Every finish reason is exported from the start.
+        self.success = {reason: self.success_twin(reason) for reason in FINISH_REASONS}
+
+    def success_twin(self, reason: str) -> _Twin:
+        return _Twin([f.labels(*self.label_values, reason)
+                      for f in self.families["request_success"]])
+
+
 class PrometheusStatLogger(StatLogger):
     """Metrics under vLLM's names and semantics (`vllm:*`, labels `model_name` and `engine`),
     each also as `jaxllm:*`, in a private registry.
 
-    Counters take vLLM's names without `_total` (the client adds it on export). Histograms:
-    time to first token per request; inter-token latency once per request and engine step
-    that gave it tokens (vLLM's per-iteration observation); e2e latency and the mean time per
-    output token of each finished request.
+    Every series is per engine core (`engine` = its data-parallel rank, "0" without data
+    parallelism); the series of the `num_engines` cores exist from the start. Counters take
+    vLLM's names without `_total` (the client adds it on export). Histograms: time to first
+    token per request; inter-token latency once per request and engine step that gave it
+    tokens (vLLM's per-iteration observation); e2e latency and the mean time per output
+    token of each finished request.
     """
 
-    def __init__(self, model_name: str, registry: prom.CollectorRegistry | None = None):
+    def __init__(self, model_name: str, registry: prom.CollectorRegistry | None = None,
+                 num_engines: int = 1):
         prom.disable_created_metrics()  # the *_created series only add noise
         self.registry = registry or prom.CollectorRegistry()
+        self.model_name = model_name
         labels = ["model_name", "engine"]
-        values = (model_name, "0")  # one engine core per server
         r = self.registry
-        self.cumulative = _Cumulative()
+        fams: dict[str, list] = {}
 
-        def twin(kind: type, names: tuple[str, ...], doc: str, **kw) -> _Twin:
-            return _Twin([kind(p + n, doc, labels, registry=r, **kw).labels(*values)
-                          for p, n in zip(PREFIXES, names, strict=True)])
+        def twin(key: str, kind: type, names: tuple[str, ...], doc: str, **kw) -> None:
+            fams[key] = [kind(p + n, doc, labels, registry=r, **kw)
+                         for p, n in zip(PREFIXES, names, strict=True)]
 
-        def gauge(name: str, doc: str) -> _Twin:
-            return twin(prom.Gauge, (name, name), doc)
+        def gauge(name: str, doc: str) -> None:
+            twin(name, prom.Gauge, (name, name), doc)
 
-        def counter(name: str, doc: str) -> _Twin:
-            return twin(prom.Counter, (name, name), doc)
+        def counter(name: str, doc: str) -> None:
+            twin(name, prom.Counter, (name, name), doc)
 
         def histogram(name: str, doc: str, buckets: list[float],
-                      jaxllm_name: str | None = None) -> _Twin:
-            return twin(prom.Histogram, (name, jaxllm_name or name), doc, buckets=buckets)
+                      jaxllm_name: str | None = None) -> None:
+            twin(name, prom.Histogram, (name, jaxllm_name or name), doc, buckets=buckets)
 
-        self.running = gauge("num_requests_running", "Requests in the running batch.")
-        self.waiting = gauge("num_requests_waiting", "Requests waiting to be scheduled.")
-        self.kv_usage = gauge("kv_cache_usage_perc",
-                              "Fraction of KV-cache blocks in use (1 = full).")
-        self.prefix_queries = counter("prefix_cache_queries",
-                                      "Prompt tokens looked up in the prefix cache.")
-        self.prefix_hits = counter("prefix_cache_hits", "Prompt tokens found in the prefix cache.")
-        self.prefix_hit_rate = prom.Gauge("jaxllm:prefix_cache_hit_rate",
-                                          "Prefix-cache hits / queries since start.", labels,
-                                          registry=r).labels(*values)
-        self.preemptions = counter("num_preemptions", "Requests preempted.")
-        self.prompt_tokens = counter("prompt_tokens",
-                                     "Prompt tokens of requests that produced a first token.")
-        self.generation_tokens = counter("generation_tokens", "Tokens generated.")
-        self.ttft = histogram("time_to_first_token_seconds",
-                              "Time from arrival to the first output token.", TTFT_BUCKETS)
-        self.itl = histogram("inter_token_latency_seconds",
-                             "Time between a request's successive outputs of tokens.",
-                             TPOT_BUCKETS)
-        self.tpot = histogram("request_time_per_output_token_seconds",
-                              "Mean time between output tokens of a request.", TPOT_BUCKETS,
-                              jaxllm_name="time_per_output_token_seconds")
-        self.e2e = histogram("e2e_request_latency_seconds",
-                             "Time from arrival to the last output.", E2E_BUCKETS)
-        success = [prom.Counter(p + "request_success", "Finished requests by reason.",
-                                [*labels, "finished_reason"], registry=r) for p in PREFIXES]
-        self._success = {reason: _Twin([c.labels(*values, reason) for c in success])
-                         for reason in FINISH_REASONS}  # every reason exported from the start
-        self._success_families = success
-        self._label_values = values
-        self.total_queries = 0
-        self.total_hits = 0
+        gauge("num_requests_running", "Requests in the running batch.")
+        gauge("num_requests_waiting", "Requests waiting to be scheduled.")
+        gauge("kv_cache_usage_perc", "Fraction of KV-cache blocks in use (1 = full).")
+        counter("prefix_cache_queries", "Prompt tokens looked up in the prefix cache.")
+        counter("prefix_cache_hits", "Prompt tokens found in the prefix cache.")
+        fams["prefix_cache_hit_rate"] = [prom.Gauge(
+            "jaxllm:prefix_cache_hit_rate", "Prefix-cache hits / queries since start.", labels,
+            registry=r)]
+        counter("num_preemptions", "Requests preempted.")
+        counter("prompt_tokens", "Prompt tokens of requests that produced a first token.")
+        counter("generation_tokens", "Tokens generated.")
+        histogram("time_to_first_token_seconds", "Time from arrival to the first output token.",
+                  TTFT_BUCKETS)
+        histogram("inter_token_latency_seconds",
+                  "Time between a request's successive outputs of tokens.", TPOT_BUCKETS)
+        histogram("request_time_per_output_token_seconds",
+                  "Mean time between output tokens of a request.", TPOT_BUCKETS,
+                  jaxllm_name="time_per_output_token_seconds")
+        histogram("e2e_request_latency_seconds", "Time from arrival to the last output.",
+                  E2E_BUCKETS)
+        fams["request_success"] = [prom.Counter(p + "request_success",
+                                                "Finished requests by reason.",
+                                                [*labels, "finished_reason"], registry=r)
+                                   for p in PREFIXES]
+        self._families = fams
+        self._engines: dict[int, _EngineMetrics] = {}
+        for e in range(num_engines):
+            self._engine(e)
 
-    def record_scheduler(self, stats: SchedulerStats) -> None:
-        self.running.set(stats.num_running_reqs)
-        self.waiting.set(stats.num_waiting_reqs)
-        self.kv_usage.set(stats.kv_cache_usage)
-        q = self.cumulative.delta("queries", stats.prefix_cache_queries)
-        h = self.cumulative.delta("hits", stats.prefix_cache_hits)
-        self.prefix_queries.inc(q)
-        self.prefix_hits.inc(h)
-        self.total_queries += q
-        self.total_hits += h
-        if self.total_queries:
-            self.prefix_hit_rate.set(self.total_hits / self.total_queries)
-        self.preemptions.inc(self.cumulative.delta("preemptions", stats.num_preemptions))
-        self.generation_tokens.inc(stats.num_generation_tokens)
+    def _engine(self, engine: int) -> _EngineMetrics:
+        m = self._engines.get(engine)
+        if m is None:
+            m = self._engines[engine] = _EngineMetrics(self._families,
+                                                       (self.model_name, str(engine)))
+        return m
 
-    def record_first_token(self, ttft: float, num_prompt_tokens: int) -> None:
-        self.ttft.observe(ttft)
-        self.prompt_tokens.inc(num_prompt_tokens)
+    def record_scheduler(self, stats: SchedulerStats, engine: int = 0) -> None:
+        m = self._engine(engine)
+        t = m.twins
+        t["num_requests_running"].set(stats.num_running_reqs)
+        t["num_requests_waiting"].set(stats.num_waiting_reqs)
+        t["kv_cache_usage_perc"].set(stats.kv_cache_usage)
+        q = m.cumulative.delta("queries", stats.prefix_cache_queries)
+        h = m.cumulative.delta("hits", stats.prefix_cache_hits)
+        t["prefix_cache_queries"].inc(q)
+        t["prefix_cache_hits"].inc(h)
+        m.total_queries += q
+        m.total_hits += h
+        if m.total_queries:
+            t["prefix_cache_hit_rate"].set(m.total_hits / m.total_queries)
+        t["num_preemptions"].inc(m.cumulative.delta("preemptions", stats.num_preemptions))
+        t["generation_tokens"].inc(stats.num_generation_tokens)
 
-    def record_finished(self, stats: FinishedRequestStats) -> None:
-        self.e2e.observe(stats.e2e_latency)
+    def record_first_token(self, ttft: float, num_prompt_tokens: int, engine: int = 0) -> None:
+        t = self._engine(engine).twins
+        t["time_to_first_token_seconds"].observe(ttft)
+        t["prompt_tokens"].inc(num_prompt_tokens)
+
+    def record_finished(self, stats: FinishedRequestStats, engine: int = 0) -> None:
+        m = self._engine(engine)
+        m.twins["e2e_request_latency_seconds"].observe(stats.e2e_latency)
         tpot = stats.time_per_output_token
         if tpot is not None:
-            self.tpot.observe(tpot)
-        twin = self._success.get(stats.finish_reason)
+            m.twins["request_time_per_output_token_seconds"].observe(tpot)
+        twin = m.success.get(stats.finish_reason)
         if twin is None:
-            twin = self._success[stats.finish_reason] = _Twin(
-                [c.labels(*self._label_values, stats.finish_reason)
-                 for c in self._success_families])
+            twin = m.success[stats.finish_reason] = m.success_twin(stats.finish_reason)
         twin.inc()
 
-    def record_inter_token(self, latency: float) -> None:
-        self.itl.observe(latency)
+    def record_inter_token(self, latency: float, engine: int = 0) -> None:
+        self._engine(engine).twins["inter_token_latency_seconds"].observe(latency)
 
     def expose(self) -> bytes:
         return prom.generate_latest(self.registry)

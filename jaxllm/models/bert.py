@@ -6,7 +6,7 @@ masked across segments (plain jnp, no KV cache), and positions restart at 0 in
 each segment. Weights keep Hugging Face's `[out, in]` orientation; q/k/v are
 stacked so a layer runs one matmul for them.
 
-Sharding over the mesh axes ('data', 'model'), as Megatron splits a layer:
+Sharding over the mesh axis 'model', as Megatron splits a layer:
 
   weight        shape                  spec                     role
   qkv_proj      [3, heads, D, hidden]  (None, 'model', ...)     column-parallel

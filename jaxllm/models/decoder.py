@@ -11,7 +11,7 @@ scale. Weights keep Hugging Face's `[out, in]` orientation, so loading is
 reshape/stack, never a transpose; projections are fused so a layer runs one
 qkv and one gate/up matmul.
 
-Every weight declares its sharding over the mesh axes ('data', 'model'):
+Every weight declares its sharding over the mesh axis 'model':
 
   weight          shape                      spec                     role
   embed_tokens    [vocab, hidden]            ('model', None)          vocab-parallel

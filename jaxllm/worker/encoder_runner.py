@@ -27,6 +27,7 @@ from tqdm.auto import tqdm
 from jaxllm.config import EngineConfig
 from jaxllm.core.runner_output import ModelRunnerOutput
 from jaxllm.core.sched_output import SchedulerOutput
+from jaxllm.distributed.dp_devices import core_devices
 from jaxllm.distributed.mesh import make_mesh
 from jaxllm.layers.attention import get_attention_backend
 from jaxllm.models.loader import load_model
@@ -86,8 +87,9 @@ class EncoderModelRunner:
         self.config = config
         mc, sc = config.model_config, config.scheduler_config
         enable_compilation_cache(config.compilation_cache_dir)
-        self.mesh = make_mesh(config.parallel_config.tensor_parallel_size,
-                              config.parallel_config.data_parallel_size)
+        pc = config.parallel_config
+        self.mesh = make_mesh(pc.tensor_parallel_size, core_devices(
+            pc.tensor_parallel_size, pc.data_parallel_size, pc.data_parallel_rank))
         t0 = time.perf_counter()
         attn = get_attention_backend(config.attention_backend, config.attention_interpret)
         model = load_model(mc, self.mesh, attn)

@@ -33,6 +33,7 @@ from jax.sharding import PartitionSpec as P
 from jaxllm.config import EngineConfig, kv_cache_dtype
 from jaxllm.core.runner_output import ModelRunnerOutput
 from jaxllm.core.sched_output import SchedulerOutput
+from jaxllm.distributed.dp_devices import core_devices
 from jaxllm.distributed.mesh import make_mesh
 from jaxllm.layers.attention import get_attention_backend
 from jaxllm.layers.mlp import get_swiglu
@@ -97,8 +98,9 @@ class ModelRunner:
                                                   config.attention_interpret)
         xla_cache_dir = enable_compilation_cache(config.compilation_cache_dir)
         self.dtype = _DTYPES[mc.dtype]
-        self.mesh = make_mesh(config.parallel_config.tensor_parallel_size,
-                              config.parallel_config.data_parallel_size)
+        pc = config.parallel_config
+        self.mesh = make_mesh(pc.tensor_parallel_size, core_devices(
+            pc.tensor_parallel_size, pc.data_parallel_size, pc.data_parallel_rank))
         self.block_size = cc.block_size
         self.max_model_len = mc.max_model_len
         self.vocab_size = mc.vocab_size

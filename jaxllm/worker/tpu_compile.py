@@ -208,8 +208,7 @@ def compile_programs(config: EngineConfig, devices: Sequence[jax.Device], target
                              f"{pc.tensor_parallel_size} exceeds the {len(devices)} chips of "
                              f"{target}")
     platform = devices[0].platform
-    mesh = make_mesh(pc.tensor_parallel_size, pc.data_parallel_size, list(devices),
-                     hf_config=mc.hf_config)
+    mesh = make_mesh(pc.tensor_parallel_size, list(devices), hf_config=mc.hf_config)
     xla_cache_dir = enable_compilation_cache(config.compilation_cache_dir)
     dtype = _DTYPES[mc.dtype]
     attn = _attention_for(config, platform)

@@ -119,3 +119,19 @@ def test_compact_tokens_keep_the_reported_prefix_cache_hits(tokenizer):
         token_req_ids=["c"], token_ids=ids[1:2])).request_outputs
     assert first.num_cached_tokens == second.num_cached_tokens == 16
     assert second.outputs[0].token_ids == ids[1:2]
+
+
+@pytest.mark.parametrize("include_stop", [False, True])
+def test_the_stop_token_that_ends_a_request_is_not_in_its_text_as_in_vllm(tokenizer,
+                                                                          include_stop):
+    ids = tokenizer("hello world", add_special_tokens=False).input_ids
+    eos = tokenizer.eos_token_id
+    op = OutputProcessor(tokenizer)
+    params = SamplingParams(skip_special_tokens=False, include_stop_str_in_output=include_stop,
+                            output_kind=RequestOutputKind.FINAL_ONLY)
+    op.add_request(_request("s", ids, params), "p", ParentRequest("s", 1, params.output_kind), 0)
+    (out,) = op.process_outputs(EngineCoreOutputs([EngineCoreOutput(
+        "s", [*ids, eos], finish_reason=FinishReason.STOP)])).request_outputs
+    comp = out.outputs[0]
+    assert comp.token_ids == [*ids, eos]  # the token stays among the ids
+    assert comp.text == ("hello world</s>" if include_stop else "hello world")

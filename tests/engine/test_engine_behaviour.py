@@ -225,13 +225,13 @@ def test_unknown_model_directory_and_malformed_config_name_the_problem(tmp_path,
     assert e.value.field.startswith("config.json:")
 
 
-def test_max_model_len_past_the_trained_positions_and_data_parallel_are_refused(
+def test_max_model_len_past_the_trained_positions_and_no_data_parallel_replica_are_refused(
         model_dir, monkeypatch):
     with pytest.raises(ParameterError) as e:
         LLM(model_dir, max_model_len=257)  # the tiny checkpoint has 256 positions
     assert e.value.field == "max_model_len" and "256" in str(e.value)
     with pytest.raises(ParameterError) as e:
-        LLM(model_dir, data_parallel_size=2)
+        LLM(model_dir, data_parallel_size=0)
     assert e.value.field == "data_parallel_size"
     monkeypatch.setenv("JAXLLM_ALLOW_LONG_MAX_MODEL_LEN", "1")
     config = EngineArgs(model=model_dir, max_model_len=257).create_engine_config()

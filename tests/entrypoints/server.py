@@ -25,13 +25,20 @@ def free_port() -> int:
 
 def engine_core_pid(server_pid: int) -> int | None:
     """The spawned engine-core child of a server process (not multiprocessing's tracker)."""
+    pids = engine_core_pids(server_pid)
+    return pids[0] if pids else None
+
+
+def engine_core_pids(server_pid: int) -> list[int]:
+    """Every spawned engine-core child of a server process (one per data-parallel rank)."""
     children: list[int] = []
     try:
         for task in os.listdir(f"/proc/{server_pid}/task"):
             with open(f"/proc/{server_pid}/task/{task}/children") as f:
                 children += [int(p) for p in f.read().split()]
     except OSError:
-        return None
+        return []
+    pids = []
     for pid in children:
         try:
             with open(f"/proc/{pid}/cmdline", "rb") as f:
@@ -39,8 +46,8 @@ def engine_core_pid(server_pid: int) -> int | None:
         except OSError:
             continue
         if b"spawn_main" in cmd:
-            return pid
-    return None
+            pids.append(pid)
+    return pids
 
 
 def pid_alive(pid: int) -> bool:

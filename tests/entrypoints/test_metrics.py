@@ -171,3 +171,37 @@ def test_every_update_reaches_the_vllm_names_with_model_name_and_engine_labels()
     for family in text_string_to_metric_families(logger.expose().decode()):
         for s in family.samples:
             assert s.labels["model_name"] == "m" and s.labels["engine"] == "0", s
+
+
+def test_each_data_parallel_engine_core_has_its_own_series_and_cumulative_counts():
+    from jaxllm.metrics.loggers import LoggingStatLogger
+
+    logger = PrometheusStatLogger("m", num_engines=2)
+    logger.record_scheduler(SchedulerStats(num_running_reqs=3, prefix_cache_queries=40,
+                                           num_generation_tokens=3), engine=1)
+    logger.record_scheduler(SchedulerStats(num_running_reqs=1, prefix_cache_queries=10,
+                                           num_generation_tokens=1), engine=0)
+    # Each core counts from its own zero: engine 1's 40 does not make engine 0's 10 a reset.
+    logger.record_scheduler(SchedulerStats(num_running_reqs=2, prefix_cache_queries=50,
+                                           num_generation_tokens=2), engine=1)
+    logger.record_finished(FinishedRequestStats("stop", 1.0, 10, 5, decode_time=0.4), engine=1)
+    by_engine: dict[tuple[str, str], float] = {}
+    for family in text_string_to_metric_families(logger.expose().decode()):
+        for s in family.samples:
+            if s.name.startswith("vllm:") and "finished_reason" not in s.labels:
+                by_engine[(s.name, s.labels["engine"])] = s.value
+            elif s.name == "vllm:request_success_total":
+                key = (f"{s.name}[{s.labels['finished_reason']}]", s.labels["engine"])
+                by_engine[key] = s.value
+    assert by_engine[("vllm:num_requests_running", "0")] == 1
+    assert by_engine[("vllm:num_requests_running", "1")] == 2
+    assert by_engine[("vllm:prefix_cache_queries_total", "0")] == 10
+    assert by_engine[("vllm:prefix_cache_queries_total", "1")] == 50
+    assert by_engine[("vllm:generation_tokens_total", "1")] == 5
+    assert by_engine[("vllm:request_success_total[stop]", "1")] == 1
+    assert by_engine[("vllm:request_success_total[stop]", "0")] == 0  # exported from the start
+
+    log = LoggingStatLogger()
+    log.record_scheduler(SchedulerStats(num_running_reqs=2, num_waiting_reqs=1), engine=0)
+    log.record_scheduler(SchedulerStats(num_running_reqs=3, num_waiting_reqs=0), engine=1)
+    assert "Running: 5 reqs, Waiting: 1 reqs" in log.log()

@@ -31,6 +31,7 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 import jaxllm
 from jaxllm.engine.async_llm import AsyncLLM
 from jaxllm.entrypoints.arg_utils import DEFAULT_MAX_REQUEST_BYTES, engine_args_from
+from jaxllm.entrypoints.openai.chat_tools import ToolSettings
 from jaxllm.entrypoints.openai.protocol import (
     ChatCompletionRequest,
     CompletionRequest,
@@ -70,6 +71,7 @@ class ServerOptions:
     access_log: bool = True
     enable_tokenizer_info_endpoint: bool = False
     engine_restarts: int = DEFAULT_ENGINE_RESTARTS  # 0: exit when the engine core dies
+    tools: ToolSettings = field(default_factory=ToolSettings)
 
 
 def error_response(status: int, message: str, param: str | None = None) -> Response:
@@ -162,7 +164,7 @@ def build_app(engine: AsyncLLM, options: ServerOptions,
               prometheus: PrometheusStatLogger) -> FastAPI:
     names = options.served_model_names or [engine.model_config.served_model_name]
     completion = OpenAIServingCompletion(engine, names, options.chat_template)
-    chat = OpenAIServingChat(engine, names, options.chat_template)
+    chat = OpenAIServingChat(engine, names, options.chat_template, tool_settings=options.tools)
     embedding = OpenAIServingEmbedding(engine, names)
     app = FastAPI(title="jaxllm OpenAI-compatible server", version=jaxllm.__version__)
     app.state.engine = engine
@@ -313,7 +315,9 @@ async def serve(engine: AsyncLLM, options: ServerOptions, ready: Any = None) -> 
 
     prometheus = PrometheusStatLogger(options.served_model_names[0]
                                       if options.served_model_names
-                                      else engine.model_config.served_model_name)
+                                      else engine.model_config.served_model_name,
+                                      num_engines=engine.config.parallel_config
+                                      .data_parallel_size)
     log_stats = LoggingStatLogger(options.log_stats_interval)
     engine.stat_loggers.append(prometheus)
     if options.log_stats:
@@ -370,7 +374,8 @@ def run_server(args: argparse.Namespace) -> int:
         uvicorn_log_level=args.uvicorn_log_level,
         access_log=not args.disable_uvicorn_access_log,
         enable_tokenizer_info_endpoint=args.enable_tokenizer_info_endpoint,
-        engine_restarts=0 if args.exit_on_engine_death else args.engine_restarts)
+        engine_restarts=0 if args.exit_on_engine_death else args.engine_restarts,
+        tools=ToolSettings(args.enable_auto_tool_choice, args.tool_call_parser))
     # SamplingParams reads the bound on n (and best_of) here, as vLLM reads
     # VLLM_MAX_N_SEQUENCES; the engine core's process inherits it.
     os.environ["JAXLLM_MAX_N_SEQUENCES"] = str(args.max_n_sequences)

@@ -14,6 +14,7 @@ from typing import Any
 
 from jaxllm.entrypoints.arg_utils import DEFAULT_MAX_REQUEST_BYTES, add_engine_args
 from jaxllm.entrypoints.openai.supervisor import DEFAULT_ENGINE_RESTARTS
+from jaxllm.entrypoints.openai.tool_parsers import TOOL_PARSERS
 from jaxllm.errors import ParameterError
 from jaxllm.sampling_params import DEFAULT_MAX_N_SEQUENCES, max_n_sequences
 
@@ -61,6 +62,12 @@ def add_serve_parser(subparsers: Any) -> argparse.ArgumentParser:
                    help="the largest n (and best_of) a request may ask for (default "
                         f"$JAXLLM_MAX_N_SEQUENCES or {DEFAULT_MAX_N_SEQUENCES}, as vLLM's "
                         "VLLM_MAX_N_SEQUENCES)")
+    p.add_argument("--enable-auto-tool-choice", action="store_true", default=False,
+                   help='let the model choose to call tools (tool_choice "auto"); needs '
+                        "--tool-call-parser")
+    p.add_argument("--tool-call-parser", default=None, choices=sorted(TOOL_PARSERS),
+                   help="how tool calls are read from the model's output (as vLLM's parsers "
+                        "of these names)")
     add_engine_args(p)
     # The server logs its stats by default (the offline API does not).
     p.set_defaults(disable_log_stats=False)

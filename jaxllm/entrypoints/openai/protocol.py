@@ -15,6 +15,7 @@ from pydantic import BaseModel, ConfigDict, Field
 
 from jaxllm.entrypoints.openai.strings import check_strings
 from jaxllm.entrypoints.openai.structured import ResponseFormat, structured_params
+from jaxllm.entrypoints.openai.tool_protocol import DeltaToolCall, ToolCall
 from jaxllm.errors import ParameterError
 from jaxllm.sampling_params import (
     INT64_MAX,
@@ -219,6 +220,8 @@ class ChatMessage(OpenAIBaseModel):
     role: str
     content: str | list[ContentPart] | None = None
     name: str | None = None
+    tool_calls: list[dict[str, Any]] | None = None  # an assistant's earlier calls
+    tool_call_id: str | None = None  # a tool message's answer to that call
 
 
 class ChatCompletionRequest(SamplingFields):
@@ -227,8 +230,9 @@ class ChatCompletionRequest(SamplingFields):
     max_completion_tokens: int | None = None
     logprobs: bool = False
     top_logprobs: int | None = None
-    tools: list[dict[str, Any]] | None = None
-    tool_choice: Any = None
+    tools: list[Any] | None = None  # checked by tools.check_tools, which names the field
+    tool_choice: str | dict[str, Any] | None = None
+    parallel_tool_calls: bool | None = True
     echo: bool = False
     add_generation_prompt: bool = True
     continue_final_message: bool = False
@@ -252,8 +256,6 @@ class ChatCompletionRequest(SamplingFields):
             value = getattr(self, name)
             if value is not None:
                 check_int(name, value, 1, INT64_MAX)
-        if self.tools:
-            raise ParameterError("tools", "tool calling is not supported")
         if self.continue_final_message and self.add_generation_prompt:
             raise ParameterError("continue_final_message",
                                  "cannot be combined with add_generation_prompt=true")
@@ -280,6 +282,10 @@ class ChatCompletionRequest(SamplingFields):
             msg: dict[str, Any] = {"role": m.role, "content": content or ""}
             if m.name is not None:
                 msg["name"] = m.name
+            if m.tool_calls is not None and m.role == "assistant":
+                msg["tool_calls"] = m.tool_calls
+            if m.tool_call_id is not None and m.role == "tool":
+                msg["tool_call_id"] = m.tool_call_id
             out.append(msg)
         return out
 
@@ -301,6 +307,7 @@ class ChatChoiceLogprobs(OpenAIBaseModel):
 class ChatResponseMessage(OpenAIBaseModel):
     role: str = "assistant"
     content: str | None = None
+    tool_calls: list[ToolCall] = Field(default_factory=list)
 
 
 class ChatCompletionChoice(OpenAIBaseModel):
@@ -325,6 +332,7 @@ class ChatCompletionResponse(OpenAIBaseModel):
 class DeltaMessage(OpenAIBaseModel):
     role: str | None = _omitted_when_none()
     content: str | None = _omitted_when_none()
+    tool_calls: list[DeltaToolCall] | None = _omitted_when_none()
 
 
 class ChatStreamChoice(OpenAIBaseModel):

@@ -6,6 +6,7 @@ import time
 from collections.abc import AsyncIterator
 from typing import Any
 
+from jaxllm.entrypoints.openai.chat_tools import ChoiceToolStream, ToolPlan, ToolSettings
 from jaxllm.entrypoints.openai.protocol import (
     ChatChoiceLogprobs,
     ChatCompletionChoice,
@@ -19,6 +20,7 @@ from jaxllm.entrypoints.openai.protocol import (
     DeltaMessage,
 )
 from jaxllm.entrypoints.openai.serving_engine import (
+    HTTPError,
     OpenAIServing,
     error_body,
     prompt_logprobs_body,
@@ -27,12 +29,13 @@ from jaxllm.entrypoints.openai.serving_engine import (
     sse,
     usage,
 )
+from jaxllm.entrypoints.openai.tools import template_messages
 from jaxllm.errors import EngineDeadError, ParameterError
 from jaxllm.outputs import Logprob, RequestOutput
 
 # apply_chat_template's own arguments, which chat_template_kwargs cannot pass again.
 _SET_BY_REQUEST = frozenset({"messages", "conversation", "chat_template", "tokenize",
-                             "add_generation_prompt", "continue_final_message"})
+                             "add_generation_prompt", "continue_final_message", "tools"})
 
 
 def _chat_logprob(tid: int, lp: Logprob) -> ChatLogprob:
@@ -55,7 +58,12 @@ def chat_logprobs(token_ids: list[int], logprobs: list[dict[int, Logprob]],
 
 
 class OpenAIServingChat(OpenAIServing):
-    def render(self, req: ChatCompletionRequest) -> tuple[str, list[int]]:
+    def __init__(self, *args: Any, tool_settings: ToolSettings | None = None, **kwargs: Any):
+        super().__init__(*args, **kwargs)
+        self.tool_settings = tool_settings or ToolSettings()
+
+    def render(self, req: ChatCompletionRequest,
+               tools: list[dict[str, Any]] | None = None) -> tuple[str, list[int]]:
         """The prompt text and its token ids (the template usually writes the special
         tokens; `add_special_tokens` adds the tokenizer's as well)."""
         if self.tokenizer is None:
@@ -66,8 +74,10 @@ class OpenAIServingChat(OpenAIServing):
         if taken:
             raise ParameterError("chat_template_kwargs", f"{taken[0]!r} is set by the "
                                  "request's own field")
+        if tools:
+            kwargs["tools"] = tools
         text = self.engine.input_processor.apply_chat_template(
-            req.messages_as_dicts(), req.chat_template or self.chat_template,
+            template_messages(req.messages_as_dicts()), req.chat_template or self.chat_template,
             req.add_generation_prompt, continue_final_message=req.continue_final_message,
             **kwargs)
         return text, self.tokenizer(text, add_special_tokens=req.add_special_tokens).input_ids
@@ -76,9 +86,15 @@ class OpenAIServingChat(OpenAIServing):
                                      ) -> ChatCompletionResponse | AsyncIterator[str]:
         model = self.check_model(req.model)
         req.check()
-        text, ids = self.render(req)
+        plan = ToolPlan.of(req, self.tool_settings)
+        text, ids = self.render(req, plan.template_tools())
         top = (req.top_logprobs or 0) if req.logprobs else None
         params = req.to_sampling_params(req.effective_max_tokens(), top, self.default_sampling())
+        constraint = plan.constraint()
+        if constraint is not None:
+            params.structured_outputs = constraint
+        if plan.keeps_special_tokens():
+            params.skip_special_tokens = False
         request_id = random_id("chatcmpl")
         try:
             requests = self.add_requests(
@@ -86,12 +102,16 @@ class OpenAIServingChat(OpenAIServing):
                 "max_completion_tokens" if req.max_completion_tokens is not None
                 else "max_tokens")
         except ParameterError as e:
+            if constraint is not None and e.field.startswith("structured_outputs"):
+                # The grammar came from the tools' parameter schemas.
+                raise HTTPError(400, f"tools: the parameters schema is not usable: "
+                                f"{e.message}", "tools") from e
             raise req.structured_error(e) from e
         echo = self._echo_text(req)
         if req.stream:
-            return self._stream(req, request_id, model, requests, echo)
+            return self._stream(req, request_id, model, requests, echo, plan)
         (final,) = await self.collect(requests)
-        return self._response(req, request_id, model, final, echo)
+        return self._response(req, request_id, model, final, echo, plan)
 
     @staticmethod
     def _echo_text(req: ChatCompletionRequest) -> str:
@@ -102,16 +122,20 @@ class OpenAIServingChat(OpenAIServing):
         return last["content"] if last["role"] == "assistant" else ""
 
     def _response(self, req: ChatCompletionRequest, request_id: str, model: str,
-                  out: RequestOutput, echo: str) -> ChatCompletionResponse:
+                  out: RequestOutput, echo: str, plan: ToolPlan) -> ChatCompletionResponse:
         raise_if_failed(out)
         choices = []
         for comp in out.outputs:
             logprobs = None
             if req.logprobs and comp.logprobs is not None:
                 logprobs = chat_logprobs(comp.token_ids, comp.logprobs, req.top_logprobs or 0)
+            content, calls, finish = plan.message(comp.text, comp.finish_reason)
+            if echo and content is not None:
+                content = echo + content
             choices.append(ChatCompletionChoice(
-                index=comp.index, message=ChatResponseMessage(content=echo + comp.text),
-                logprobs=logprobs, finish_reason=comp.finish_reason,
+                index=comp.index,
+                message=ChatResponseMessage(content=content, tool_calls=calls),
+                logprobs=logprobs, finish_reason=finish,
                 stop_reason=comp.stop_reason,
                 token_ids=comp.token_ids if req.return_token_ids else None))
         num_generated = sum(len(c.token_ids) for c in out.outputs)
@@ -121,13 +145,14 @@ class OpenAIServingChat(OpenAIServing):
                                           out, req.prompt_logprobs))
 
     async def _stream(self, req: ChatCompletionRequest, request_id: str, model: str,
-                      requests: list, echo: str) -> AsyncIterator[str]:
+                      requests: list, echo: str, plan: ToolPlan) -> AsyncIterator[str]:
         created = int(time.time())
         opts = req.stream_options
         include_usage = bool(opts and opts.include_usage)
         continuous = bool(opts and opts.continuous_usage_stats)
         prompt_tokens = 0
         generated: dict[int, int] = {}
+        tool_streams = [ChoiceToolStream(plan) for _ in range(req.n)]
 
         def chunk(choices: list[ChatStreamChoice], with_usage: bool = False) -> str:
             body: dict[str, Any] = {}
@@ -156,12 +181,24 @@ class OpenAIServingChat(OpenAIServing):
                     if req.logprobs and comp.logprobs is not None:
                         logprobs = chat_logprobs(comp.token_ids, comp.logprobs,
                                                  req.top_logprobs or 0)
-                    choice = ChatStreamChoice(
-                        index=comp.index, delta=DeltaMessage(content=comp.text),
-                        logprobs=logprobs, finish_reason=comp.finish_reason,
-                        stop_reason=comp.stop_reason,
-                        token_ids=comp.token_ids if req.return_token_ids else None)
-                    yield chunk([choice], continuous)
+                    tools = tool_streams[comp.index]
+                    deltas = tools.feed(comp.text)
+                    if comp.finish_reason is not None:
+                        deltas += tools.finish()
+                    elif not deltas and logprobs is None and not req.return_token_ids:
+                        continue  # text held back by the tool parser; nothing to send yet
+                    deltas = deltas or [DeltaMessage(content="")]
+                    for k, delta in enumerate(deltas):
+                        first, last = k == 0, k == len(deltas) - 1
+                        choice = ChatStreamChoice(
+                            index=comp.index, delta=delta,
+                            logprobs=logprobs if first else None,
+                            finish_reason=tools.finish_reason(comp.finish_reason)
+                            if last else None,
+                            stop_reason=comp.stop_reason if last else None,
+                            token_ids=comp.token_ids if req.return_token_ids and first
+                            else None)
+                        yield chunk([choice], continuous)
             if include_usage:
                 yield chunk([], with_usage=True)
         except EngineDeadError as e:
