@@ -120,7 +120,14 @@ def load_model(model_config: ModelConfig, mesh: Mesh, attn_backend: Any,
         values = jax.jit(lambda: nnx.to_pure_dict(nnx.state(create())),
                          out_shardings=shardings)()
     elif uses_orbax(model_config):
-        values = load_orbax(model_config.model, hf_config, state, shardings, tp)
+        # An fp8 KV cache's scales are not weights a conversion stores: 1.0 (vLLM's default).
+        kv = KV_SCALES[0]
+        weights = nnx.State({k: v for k, v in state.items() if k != kv})
+        values = load_orbax(model_config.model, hf_config, weights,
+                            {k: v for k, v in shardings.items() if k != kv}, tp)
+        if kv in state:
+            values[kv] = _place(np.ones(state[kv].get_value().shape, np.float32),
+                                shardings[kv])
     else:
         values = _load_safetensors(cls, hf_config, model_config.model, state, shardings, tp)
     nnx.replace_by_pure_dict(state, values)

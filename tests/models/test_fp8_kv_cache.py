@@ -126,3 +126,17 @@ def test_unknown_kv_cache_dtype_is_an_error_naming_the_field(tmp_path):
     model_dir = make_tiny_checkpoint(tmp_path, arch="llama")
     with pytest.raises(ParameterError, match="kv_cache_dtype"):
         EngineArgs(model=model_dir, kv_cache_dtype="int4").create_engine_config()
+
+
+def test_a_converted_checkpoint_runs_an_fp8_cache_at_unit_scales(tmp_path):
+    from jaxllm.entrypoints.cli_convert import convert
+
+    model_dir = make_tiny_checkpoint(tmp_path, arch="llama")
+    out = str(tmp_path / "orbax")
+    convert(model_dir, out)
+    restored = load(out, "fp8")
+    np.testing.assert_array_equal(np.asarray(restored.kv_scales[...]), 1.0)
+    for g, w in zip(logits_with_cache_dtype(restored, jnp.float8_e4m3fn),
+                    logits_with_cache_dtype(load(model_dir, "fp8"), jnp.float8_e4m3fn),
+                    strict=True):
+        np.testing.assert_array_equal(g, w)
