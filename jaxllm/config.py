@@ -116,6 +116,60 @@ class ParallelConfig:
     data_parallel_rank: int = 0
 
 
+SPEC_METHODS = ("ngram",)  # what this engine drafts with (vLLM's `method` names)
+
+
+@dataclass
+class SpeculativeConfig:
+    """vLLM's `speculative_config`: how drafts are proposed, and how many per step."""
+
+    method: str = "ngram"
+    num_speculative_tokens: int = 1
+    # ngram (prompt lookup): the longest and shortest suffix matched in the context.
+    prompt_lookup_max: int = 5
+    prompt_lookup_min: int = 1
+    model: str | None = None  # a draft model's checkpoint (draft_model / eagle methods)
+
+    @classmethod
+    def from_dict(cls, raw: dict[str, Any] | str | None) -> SpeculativeConfig | None:
+        """Checks vLLM's fields (a dict or its JSON text); None when speculation is off."""
+        if raw is None:
+            return None
+        if isinstance(raw, str):
+            try:
+                raw = json.loads(raw)
+            except json.JSONDecodeError as e:
+                raise ParameterError("speculative_config", f"not valid JSON: {e}") from e
+        if not isinstance(raw, dict):
+            raise ParameterError("speculative_config", "must be a JSON object")
+        known = {f.name for f in dataclasses.fields(cls)}
+        unknown = set(raw) - known
+        if unknown:
+            raise ParameterError("speculative_config", f"unknown fields {sorted(unknown)}; "
+                                 f"known: {sorted(known)}")
+        method = raw.get("method") or ("draft_model" if raw.get("model") else None)
+        if method not in SPEC_METHODS:
+            raise ParameterError("speculative_config.method",
+                                 f"{method!r} is not supported; supported: {list(SPEC_METHODS)}")
+        k = raw.get("num_speculative_tokens")
+        if not isinstance(k, int) or isinstance(k, bool) or not 1 <= k <= 16:
+            raise ParameterError("speculative_config.num_speculative_tokens",
+                                 f"must be an integer in [1, 16], got {k!r}")
+        lo, hi = raw.get("prompt_lookup_min"), raw.get("prompt_lookup_max")
+        # As vLLM: one bound given sets the other; neither gives the defaults.
+        lo, hi = (lo if lo is not None else (hi if hi is not None else cls.prompt_lookup_min),
+                  hi if hi is not None else (lo if lo is not None else cls.prompt_lookup_max))
+        for name, v in (("prompt_lookup_min", lo), ("prompt_lookup_max", hi)):
+            if not isinstance(v, int) or isinstance(v, bool) or v < 1:
+                raise ParameterError(f"speculative_config.{name}",
+                                     f"must be a positive integer, got {v!r}")
+        if lo > hi:
+            raise ParameterError("speculative_config.prompt_lookup_min",
+                                 f"{lo} exceeds prompt_lookup_max {hi}")
+        return cls(method=method, num_speculative_tokens=k, prompt_lookup_max=hi,
+                   prompt_lookup_min=lo, model=raw.get("model"))
+
+
 @dataclass
 class EngineConfig:
     model_config: ModelConfig
@@ -134,6 +188,7 @@ class EngineConfig:
     precompile: bool = True
     # Dispatch step N+1 before step N's sampled tokens reach the host.
     async_scheduling: bool = True
+    speculative_config: SpeculativeConfig | None = None
 
 
 @dataclass
@@ -184,6 +239,8 @@ class EngineArgs:
     request_buckets: list[int] | None = None
     precompile: bool = True
     async_scheduling: bool = True
+    # vLLM's speculative_config: a dict (or its JSON text) of SpeculativeConfig's fields.
+    speculative_config: dict[str, Any] | str | None = None
     trust_remote_code: bool = False  # accepted for vLLM compatibility; never executes code
     disable_log_stats: bool = True
     enforce_eager: bool = False  # accepted for vLLM compatibility (no eager mode in JAX)
@@ -247,7 +304,8 @@ class EngineArgs:
             mlp_backend=self.mlp_backend, mlp_interpret=self.mlp_interpret,
             compilation_cache_dir=self.compilation_cache_dir,
             token_buckets=self.token_buckets, request_buckets=self.request_buckets,
-            precompile=self.precompile, async_scheduling=self.async_scheduling)
+            precompile=self.precompile, async_scheduling=self.async_scheduling,
+            speculative_config=SpeculativeConfig.from_dict(self.speculative_config))
 
     def _model_config(self) -> ModelConfig:
         from transformers import AutoConfig

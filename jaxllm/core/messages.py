@@ -55,6 +55,16 @@ class EngineCoreOutput(msgspec.Struct, array_like=True, omit_defaults=True,  # t
         return self.finish_reason is not None
 
 
+class SpecDecodingStats(msgspec.Struct, gc=False):  # type: ignore[call-arg]
+    """One step's speculative decoding, under vLLM's names."""
+
+    num_spec_tokens: int = 0  # drafts a request may get per step (k)
+    num_drafts: int = 0  # requests that had drafts verified
+    num_draft_tokens: int = 0
+    num_accepted_tokens: int = 0
+    num_accepted_tokens_per_pos: list[int] = []  # [k]: accepted at draft position i
+
+
 class SchedulerStats(msgspec.Struct, omit_defaults=True, gc=False):  # type: ignore[call-arg]
     num_running_reqs: int = 0
     num_waiting_reqs: int = 0
@@ -64,6 +74,7 @@ class SchedulerStats(msgspec.Struct, omit_defaults=True, gc=False):  # type: ign
     num_preemptions: int = 0  # cumulative
     num_prompt_tokens: int = 0  # scheduled this step
     num_generation_tokens: int = 0  # sampled this step
+    spec_decoding_stats: SpecDecodingStats | None = None  # this step's, when speculating
 
 
 class EngineCoreOutputs(msgspec.Struct, omit_defaults=True, gc=False):  # type: ignore[call-arg]

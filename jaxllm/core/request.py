@@ -146,6 +146,8 @@ class Request:
         # Prompt positions below this have had their prompt logprobs scored (in a
         # run cut short by preemption); the resumed run does not score them again.
         self.prompt_logprobs_from = 0
+        # Speculative decoding: the drafts proposed after its last step, for the next.
+        self.spec_token_ids: list[int] = []
 
         if pooling_params is not None:
             self.max_tokens = 1  # a pooling request generates nothing; it ends after its prompt

@@ -27,6 +27,10 @@ class ModelRunnerOutput:
     # sampled_token_ids as one array where each request got at most one
     # token (-1: none), so the scheduler need not walk the lists; optional.
     sampled_array: np.ndarray | None = None
+    # Speculative decoding: where each request's rows start in `logprobs` (None: row
+    # i), and its drafts for the next step (one list per request, maybe empty).
+    logprob_rows: list[int] | None = None
+    spec_token_ids: list[list[int]] | None = None
 
     @classmethod
     def empty(cls) -> ModelRunnerOutput:

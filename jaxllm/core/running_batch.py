@@ -196,7 +196,9 @@ class RunningBatch:
             assert r.batch_index == i and self.ids[i] == r.request_id, (i, r)
             nb, nc = block_state(r.request_id)
             assert r._batch is self
-            assert 0 <= self.computed[i] <= len(r.all_token_ids) + self.pending[i], r
+            # Scheduled drafts (speculative decoding) count until their step returns.
+            assert 0 <= self.computed[i] <= (len(r.all_token_ids) + self.pending[i]
+                                             + len(r.spec_token_ids)), r
             got = (self.num_tokens[i], self.num_output[i], self.num_blocks[i],
                    self.num_cached_blocks[i], self.max_tokens[i], self.num_prompt[i])
             want = (len(r.all_token_ids), len(r.output_token_ids), nb, nc, r.max_tokens,

@@ -75,6 +75,9 @@ class SchedulerOutput:
     # request (row j for req_ids[j], all ones when unconstrained); None when no
     # request of the step is constrained (structured_output/manager.py).
     grammar_bitmask: np.ndarray | None = None
+    # Speculative decoding: the draft tokens scheduled after each request's last
+    # known token (they are the last of its `num_tokens`); only requests with drafts.
+    scheduled_spec_decode_tokens: dict[str, list[int]] = field(default_factory=dict)
 
     @functools.cached_property
     def num_scheduled_tokens(self) -> dict[str, int]:

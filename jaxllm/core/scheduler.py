@@ -32,9 +32,11 @@ from jaxllm.core.kv_cache_manager import KVCacheManager
 from jaxllm.core.messages import EngineCoreOutput, EngineCoreOutputs, SchedulerStats
 from jaxllm.core.request import Request, RequestStatus
 from jaxllm.core.request_queue import SchedulingPolicy, create_request_queue
+from jaxllm.core.request_update import update_request
 from jaxllm.core.runner_output import ModelRunnerOutput
 from jaxllm.core.running_batch import RunningBatch, StepLimits
 from jaxllm.core.sched_output import CachedRequestData, NewRequestData, SchedulerOutput
+from jaxllm.core.spec_schedule import DraftPlanner
 
 logger = logging.getLogger(__name__)
 
@@ -71,7 +73,11 @@ class Scheduler:
         self.running = RunningBatch(self.max_num_seqs, self.limits)
         # Plan steps and apply their results with array passes over the running
         # batch (off: one request at a time, the reference the tests compare with).
-        self.vectorized = True
+        self.vectorized = config.speculative_config is None
+        # Speculative decoding (spec_schedule.py) takes the per-request path: the
+        # array path plans one token per request.
+        spec = config.speculative_config
+        self.spec = spec and DraftPlanner(spec.num_speculative_tokens, self.max_request_tokens)
         # Verify the running batch's arrays against the requests after every
         # schedule and update (tests set JAXLLM_CHECK_INVARIANTS=1).
         self.check_invariants = os.environ.get("JAXLLM_CHECK_INVARIANTS") == "1"
@@ -159,6 +165,7 @@ class Scheduler:
         request.prompt_logprobs_from = max(request.prompt_logprobs_from, min(
             request.num_computed_tokens, request.num_prompt_tokens - 1))
         request.num_computed_tokens = 0
+        request.spec_token_ids = []
         request.num_preemptions += 1
         self.num_preemptions += 1
         self.waiting.prepend(request)
@@ -187,6 +194,7 @@ class Scheduler:
                 request.num_output_placeholders += 1
 
         kv = self.kv_cache_manager
+        spec_tokens: dict[str, list[int]] = {}
 
         # Running requests in priority order, so the preemption victim, always
         # the last of the batch, is the lowest-priority, latest-arrived one and
@@ -197,6 +205,8 @@ class Scheduler:
             running.sort(self._priority_key)
             self._running_unsorted = False
         i, num_prompt_tokens = 0, 0
+        drafting = self.spec and self.spec.allowed(running, self.waiting.peek()
+                                                   if self.waiting else None)
         if self.vectorized and running:
             (i, token_budget, num_prompt_tokens, ids, counts, samples,
              computed_before) = running.schedule_running(token_budget, kv, cached)
@@ -206,7 +216,10 @@ class Scheduler:
         while i < len(running) and token_budget > 0:
             request = running[i]
             num_new = self.limits.wanted_tokens(request, request.num_computed_tokens)
-            num_new = self.limits.fit_tokens(num_new, request.num_computed_tokens, token_budget)
+            drafts = (self.spec.drafts(request) if drafting and num_new == 1
+                      and request.num_output_placeholders == 0 else ())
+            num_new = self.limits.fit_tokens(num_new + len(drafts), request.num_computed_tokens,
+                                             token_budget)
             if num_new <= 0:
                 i += 1
                 continue
@@ -221,6 +234,8 @@ class Scheduler:
                     break
             if new_blocks is None:
                 break  # the current request itself was preempted; nothing below fits
+            if num_new > 1 and drafts:
+                spec_tokens[request.request_id] = list(drafts[:num_new - 1])
             req_id, computed = request.request_id, request.num_computed_tokens
             running.num_blocks[i], running.num_cached_blocks[i] = kv.block_state(req_id)
             cached.req_ids.append(req_id)
@@ -239,6 +254,8 @@ class Scheduler:
             if len(running) >= self.max_num_seqs:
                 break
             request = self.waiting.peek()
+            if spec_tokens and not DraftPlanner.allowed((), request):
+                break  # it waits for a step without drafts
             hit_blocks, num_computed = kv.get_computed_blocks(request)
             num_new = self.limits.wanted_tokens(request, num_computed)
             # Without chunked prefill a prompt waits for a step with room for
@@ -280,7 +297,8 @@ class Scheduler:
             num_tokens=counts, samples=samples,
             total_num_scheduled_tokens=self.max_num_batched_tokens - token_budget,
             finished_req_ids=self.finished_req_ids,
-            preempted_req_ids={r.request_id for r in preempted})
+            preempted_req_ids={r.request_id for r in preempted},
+            scheduled_spec_decode_tokens=spec_tokens)
         self.finished_req_ids = set()
         self._last_num_prompt_tokens = num_prompt_tokens
         if self.check_invariants:
@@ -305,8 +323,8 @@ class Scheduler:
                 scheduler_output, runner, self.requests, self._block_hasher, outputs, finished)
         for j in rest:
             try:
-                num_generated += self._update_request(j, req_ids[j], scheduler_output, runner,
-                                                      outputs, finished)
+                num_generated += update_request(self, j, req_ids[j], scheduler_output, runner,
+                                                outputs, finished)
             except Exception:  # one request's failure ends that request, never the core
                 logger.exception("request %s failed in the scheduler's update", req_ids[j])
                 request = self.requests[req_ids[j]]
@@ -333,59 +351,6 @@ class Scheduler:
                                  scheduler_stats=self.make_stats(), timestamp=time.time(),
                                  token_req_ids=compact[0] or None, token_ids=compact[1] or None)
 
-    def _update_request(self, j: int, req_id: str, so: SchedulerOutput,
-                        runner: ModelRunnerOutput, outputs: list[EngineCoreOutput | None],
-                        finished: list[tuple[int, Request]]) -> int:
-        """`update_from_output` for the request at position `j` of the step, one at a time."""
-        request = self.requests.get(req_id)
-        if request is None or request.status > RequestStatus.PREEMPTED:
-            return 0  # finished or aborted while the step ran
-        row = request.batch_index
-        if so.samples[j]:
-            request.num_output_placeholders -= 1
-        index = runner.req_id_to_index.get(req_id)
-        sampled = runner.tokens_of(index) if index is not None else ()
-
-        new_token_ids: list[int] = []
-        for token_id in sampled:
-            request.append_output_token_ids(token_id)
-            new_token_ids.append(token_id)
-            if request.check_stop(self.max_request_tokens):
-                break
-        if row >= 0 and new_token_ids:
-            self.running.num_output[row] += len(new_token_ids)
-            self.running.num_tokens[row] += len(new_token_ids)
-
-        pooling_output = None
-        if (request.pooling_params is not None
-                and request.num_computed_tokens >= request.num_prompt_tokens):
-            pooling_output = runner.pooler_output.get(req_id)
-            # A finished prompt without pooled output would never be
-            # scheduled again; fail it rather than hang the engine.
-            request.status = (RequestStatus.FINISHED_STOPPED if pooling_output is not None
-                              else RequestStatus.FINISHED_ERROR)
-
-        new_logprobs = None
-        if (new_token_ids and index is not None and runner.logprobs is not None
-                and request.sampling_params is not None
-                and request.sampling_params.logprobs is not None):
-            new_logprobs = runner.logprobs.slice(index, index + 1)
-        prompt_logprobs = (runner.prompt_logprobs.get(req_id) if runner.prompt_logprobs
-                           else None)
-        is_finished = request.status > RequestStatus.PREEMPTED
-
-        if (new_token_ids or pooling_output is not None or prompt_logprobs is not None
-                or is_finished):
-            outputs[j] = EngineCoreOutput(
-                request_id=req_id, new_token_ids=new_token_ids, new_logprobs=new_logprobs,
-                new_prompt_logprobs=prompt_logprobs, pooling_output=pooling_output,
-                finish_reason=request.status.finish_reason() if is_finished else None,
-                stop_reason=request.stop_reason,
-                num_cached_tokens=max(0, request.num_cached_tokens))
-        if is_finished:
-            finished.append((j, request))
-        return len(new_token_ids)
-
     # ------------------------------------------------------------------- stats
 
     def make_stats(self) -> SchedulerStats:
@@ -396,4 +361,6 @@ class Scheduler:
             prefix_cache_queries=cache_stats.queries, prefix_cache_hits=cache_stats.hits,
             num_preemptions=self.num_preemptions,
             num_prompt_tokens=self._last_num_prompt_tokens,
-            num_generation_tokens=self._last_num_generation_tokens)
+            num_generation_tokens=self._last_num_generation_tokens,
+            spec_decoding_stats=self.spec and self.spec.take_stats())
+

@@ -81,7 +81,10 @@ class EngineCore:
         config.cache_config.num_blocks = self.model_runner.num_kv_blocks
         self.scheduler = (EncoderScheduler if config.model_config.is_encoder
                           else Scheduler)(config)
-        self.async_scheduling = config.async_scheduling
+        # Speculation steps synchronously: a step's drafts are proposed from the
+        # tokens the step before accepted, and how many it accepted sets where the
+        # next step's tokens sit, so the next step cannot be planned before it returns.
+        self.async_scheduling = config.async_scheduling and config.speculative_config is None
         self._inflight: tuple[SchedulerOutput, StepHandle | None] | None = None
         # Structured outputs: made on the first constrained request.
         self.structured: StructuredOutputManager | None = None

@@ -28,6 +28,7 @@ class IncrementalDetokenizer:
             tokenizer, "_tokenizer", None)
         self.skip_special = params.skip_special_tokens
         self.stop = list(params.stop or ())
+        self.consumed = 0  # of the last update's tokens (see update)
         self.include_stop = params.include_stop_str_in_output
         self.hold_back = 0 if self.include_stop or not self.stop else max(map(len, self.stop)) - 1
         self.output_text = ""
@@ -40,8 +41,11 @@ class IncrementalDetokenizer:
             self._stream = None
 
     def update(self, new_token_ids: list[int], stop_checked: bool = True) -> str | None:
-        """Appends tokens; returns the stop string if one ended the text."""
-        for tid in new_token_ids:
+        """Appends tokens; returns the stop string if one ended the text. `consumed` is
+        then how many of `new_token_ids` it took, up to the one that ended it (a step
+        may emit several: speculative decoding)."""
+        self.consumed = len(new_token_ids)
+        for i, tid in enumerate(new_token_ids):
             self._token_ids.append(tid)
             before = len(self.output_text)
             if self._stream is not None:
@@ -54,6 +58,7 @@ class IncrementalDetokenizer:
             if self.stop and stop_checked:
                 hit = self._find_stop(before)
                 if hit is not None:
+                    self.consumed = i + 1
                     return hit
         return None
 

@@ -168,6 +168,7 @@ class OutputProcessor:
     def _update(self, state: RequestState, out: EngineCoreOutput) -> None:
         new_ids = out.new_token_ids
         stop_str = None
+        new_logprobs = out.new_logprobs
         if state.detokenizer is not None and new_ids:
             text_ids = new_ids
             if out.finish_reason == FinishReason.STOP and not state.detokenizer.include_stop:
@@ -175,9 +176,15 @@ class OutputProcessor:
                 # as in vLLM (it shows with skip_special_tokens=False otherwise).
                 text_ids = new_ids[:-1]
             stop_str = state.detokenizer.update(text_ids) if text_ids else None
+            if stop_str is not None and state.detokenizer.consumed < len(new_ids):
+                # Tokens after the one that completed a stop string are dropped (a step
+                # may emit several: speculative decoding).
+                new_ids = new_ids[:state.detokenizer.consumed]
+                if new_logprobs is not None:
+                    new_logprobs = new_logprobs.slice(0, len(new_ids))
         state.token_ids.extend(new_ids)
-        if out.new_logprobs is not None and state.logprobs is not None:
-            self._append_logprobs(state, out.new_logprobs)
+        if new_logprobs is not None and state.logprobs is not None:
+            self._append_logprobs(state, new_logprobs)
         if out.new_prompt_logprobs is not None:
             k = state.request.sampling_params.prompt_logprobs or 0
             if state.prompt_logprobs is None:

@@ -17,7 +17,7 @@ from jaxllm.config import EngineArgs
 DEFAULT_MAX_REQUEST_BYTES = 32 * 1024 * 1024
 
 _SKIP = {"model", "token_buckets", "request_buckets", "gpu_memory_utilization",
-         "num_gpu_blocks_override"}
+         "num_gpu_blocks_override", "speculative_config"}
 _SHORT = {"tensor_parallel_size": "-tp", "data_parallel_size": "-dp"}  # vLLM's short flags
 _HELP = {"data_parallel_size": "engine cores, each a full replica on its own "
                                "tensor-parallel-size devices, behind this one server"}
@@ -46,6 +46,9 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
                         default=None, help="comma-separated token bucket sizes")
     parser.add_argument("--request-buckets", type=lambda s: [int(x) for x in s.split(",")],
                         default=None, help="comma-separated request bucket sizes")
+    parser.add_argument("--speculative-config", default=None,
+                        help='speculative decoding as JSON (vLLM\'s fields), e.g. '
+                             '\'{"method": "ngram", "num_speculative_tokens": 3}\'')
 
 
 def engine_args_from(ns: argparse.Namespace) -> EngineArgs:

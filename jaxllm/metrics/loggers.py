@@ -16,7 +16,7 @@ from dataclasses import dataclass
 
 import prometheus_client as prom
 
-from jaxllm.core.messages import SchedulerStats
+from jaxllm.core.messages import SchedulerStats, SpecDecodingStats
 
 logger = logging.getLogger("jaxllm.stats")
 
@@ -89,6 +89,7 @@ class LoggingStatLogger(StatLogger):
         self.cumulative: dict[int, _Cumulative] = {}
         self.queries = 0
         self.hits = 0
+        self.draft_tokens = self.accepted_tokens = 0  # speculative decoding, this interval
         self._logged_idle = False
 
     def record_scheduler(self, stats: SchedulerStats, engine: int = 0) -> None:
@@ -97,6 +98,9 @@ class LoggingStatLogger(StatLogger):
         self.generation_tokens += stats.num_generation_tokens
         self.queries += cumulative.delta("queries", stats.prefix_cache_queries)
         self.hits += cumulative.delta("hits", stats.prefix_cache_hits)
+        if stats.spec_decoding_stats is not None:
+            self.draft_tokens += stats.spec_decoding_stats.num_draft_tokens
+            self.accepted_tokens += stats.spec_decoding_stats.num_accepted_tokens
 
     def record_first_token(self, ttft: float, num_prompt_tokens: int, engine: int = 0) -> None:
         self.prompt_tokens += num_prompt_tokens
@@ -120,10 +124,14 @@ class LoggingStatLogger(StatLogger):
                 f"Running: {running} reqs, Waiting: {waiting} reqs, "
                 f"KV cache usage: {100 * kv_usage:.1f}%, "
                 f"Prefix cache hit rate: {100 * hit_rate:.1f}%")
+        if self.draft_tokens:
+            line += (f", Draft acceptance rate: "
+                     f"{100 * self.accepted_tokens / self.draft_tokens:.1f}%")
         logger.info(line)
         self.last_log = now
         self.prompt_tokens = self.generation_tokens = 0
         self.queries = self.hits = 0
+        self.draft_tokens = self.accepted_tokens = 0
         return line
 
 
@@ -159,6 +167,7 @@ class _EngineMetrics:
         self.total_hits = 0
         self.twins = {name: _Twin([f.labels(*label_values) for f in fams])
                       for name, fams in families.items() if name != "request_success"}
+        self.spec: tuple | None = None  # speculative decoding's series, from its first step
         # Every finish reason is exported from the start.
         self.success = {reason: self.success_twin(reason) for reason in FINISH_REASONS}
 
@@ -227,6 +236,8 @@ class PrometheusStatLogger(StatLogger):
                                                 [*labels, "finished_reason"], registry=r)
                                    for p in PREFIXES]
         self._families = fams
+        self._labels = labels
+        self._spec_families: dict[str, list] | None = None  # made on the first speculative step
         self._engines: dict[int, _EngineMetrics] = {}
         for e in range(num_engines):
             self._engine(e)
@@ -254,6 +265,38 @@ class PrometheusStatLogger(StatLogger):
             t["prefix_cache_hit_rate"].set(m.total_hits / m.total_queries)
         t["num_preemptions"].inc(m.cumulative.delta("preemptions", stats.num_preemptions))
         t["generation_tokens"].inc(stats.num_generation_tokens)
+        if stats.spec_decoding_stats is not None:
+            self._record_spec(m, stats.spec_decoding_stats)
+
+    def _record_spec(self, m: _EngineMetrics, spec: SpecDecodingStats) -> None:
+        """vLLM's spec_decode_* counters; acceptance per draft position is labelled
+        `position`."""
+        if self._spec_families is None:
+            fams: dict[str, list] = {}
+            names = {"spec_decode_num_drafts": "Requests whose drafts were verified.",
+                     "spec_decode_num_draft_tokens": "Draft tokens verified.",
+                     "spec_decode_num_accepted_tokens": "Draft tokens accepted."}
+            for name, doc in names.items():
+                fams[name] = [prom.Counter(p + name, doc, self._labels, registry=self.registry)
+                              for p in PREFIXES]
+            fams["per_pos"] = [prom.Counter(p + "spec_decode_num_accepted_tokens_per_pos",
+                                            "Accepted draft tokens at each draft position.",
+                                            [*self._labels, "position"],
+                                            registry=self.registry) for p in PREFIXES]
+            self._spec_families = fams
+        if m.spec is None:
+            f = self._spec_families
+            m.spec = tuple(_Twin([c.labels(*m.label_values) for c in f[name]])
+                           for name in ("spec_decode_num_drafts", "spec_decode_num_draft_tokens",
+                                        "spec_decode_num_accepted_tokens")) + (
+                [_Twin([c.labels(*m.label_values, str(i)) for c in f["per_pos"]])
+                 for i in range(spec.num_spec_tokens)],)
+        drafts, draft_tokens, accepted, per_pos = m.spec
+        drafts.inc(spec.num_drafts)
+        draft_tokens.inc(spec.num_draft_tokens)
+        accepted.inc(spec.num_accepted_tokens)
+        for twin, n in zip(per_pos, spec.num_accepted_tokens_per_pos, strict=False):
+            twin.inc(n)
 
     def record_first_token(self, ttft: float, num_prompt_tokens: int, engine: int = 0) -> None:
         t = self._engine(engine).twins

@@ -12,6 +12,7 @@ import numpy as np
 
 from jaxllm.core.sched_output import NewRequestData
 from jaxllm.sampling_params import PoolingParams, SamplingParams
+from jaxllm.spec_decode.policy import can_draft
 from jaxllm.worker.sampling_rows import SamplingRows
 
 
@@ -38,6 +39,8 @@ class InputBatch:
         self.pools = np.zeros(max_num_reqs, bool)  # an embedding request
         self.wants_prompt_logprobs = np.zeros(max_num_reqs, bool)
         self.prompt_logprobs_from = np.zeros(max_num_reqs, np.int32)  # NewRequestData's
+        # Speculative decoding: the request's tokens may be drafted (spec_verify.can_draft).
+        self.can_draft = np.zeros(max_num_reqs, bool)
         # Bumped whenever a request changes rows, so that row indices taken at
         # dispatch can be reused at collect when nothing moved in between.
         self.layout_version = 0
@@ -71,6 +74,7 @@ class InputBatch:
         self.wants_prompt_logprobs[row] = (new.sampling_params is not None and
                                            new.sampling_params.prompt_logprobs is not None)
         self.prompt_logprobs_from[row] = new.prompt_logprobs_from
+        self.can_draft[row] = new.pooling_params is None and can_draft(new.sampling_params)
         if new.sampling_params is not None:
             self.sampling.add(row, new.sampling_params, new.prompt_token_ids,
                               new.output_token_ids)
@@ -96,7 +100,7 @@ class InputBatch:
             self.token_ids[row, :n] = self.token_ids[last, :n]
             for arr in (self.num_tokens, self.num_prompt_tokens, self.num_computed_tokens,
                         self.num_blocks, self.inflight_index, self.generates, self.pools,
-                        self.wants_prompt_logprobs, self.prompt_logprobs_from):
+                        self.wants_prompt_logprobs, self.prompt_logprobs_from, self.can_draft):
                 arr[row] = arr[last]
             self.block_table[row] = self.block_table[last]
             self.params[row] = self.params[last]
@@ -107,6 +111,17 @@ class InputBatch:
         self.params[last] = None
         self.pooling[last] = None
         self.generates[last] = self.pools[last] = self.wants_prompt_logprobs[last] = False
+        self.can_draft[last] = False
+
+    def write_drafts(self, rows: np.ndarray, drafts: list[list[int]],
+                     num_drafts: np.ndarray) -> None:
+        """Places each row's draft tokens after its known ones and counts them as known
+        (the caller takes them back off `num_tokens` once the step's inputs are packed;
+        accepted ones are written again when they come back)."""
+        for row, d, start in zip(rows.tolist(), drafts, self.num_tokens[rows].tolist(),
+                                 strict=True):
+            self.token_ids[row, start:start + len(d)] = d
+        self.num_tokens[rows] += num_drafts
 
     def append_sampled(self, rows: np.ndarray, token_ids: np.ndarray) -> None:
         """Records one sampled token for each of `rows` (vectorized)."""

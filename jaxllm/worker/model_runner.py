@@ -50,6 +50,7 @@ from jaxllm.worker.programs import (
     aot_context,
     enable_compilation_cache,
 )
+from jaxllm.worker.spec_verify import SpecVerifier, VerifyOutput
 from jaxllm.worker.step_inputs import (
     StepInputs,
     prepare_step_inputs,
@@ -77,6 +78,10 @@ class StepHandle:
     prompt_lp: tuple | None  # (device (ids, logprobs, ranks), {req_id: slice})
     r_pad: int = 0  # the request bucket
     out_index: jax.Array | None = None  # the forward's output indices, for the sampler
+    # Speculative decoding: (drafts per request, their counts, the verify forward's
+    # hidden rows), and the verify sampler's output once dispatched.
+    verify: tuple | None = None
+    verified: VerifyOutput | None = None
 
 
 @dataclasses.dataclass(frozen=True)
@@ -118,6 +123,8 @@ class ModelRunner:
         self.buckets = b = Buckets.make(sc.max_num_batched_tokens, sc.max_num_seqs,
                                         mc.max_model_len, cc.block_size, config.token_buckets,
                                         config.request_buckets)
+        spec = config.speculative_config
+        k1 = spec.num_speculative_tokens + 1 if spec else 1  # logits rows per request
         self.num_layers, self.num_kv_heads, self.head_dim = kv_cache_spec(
             mc.hf_config, self.mesh.shape["model"])
         kv = PagedKVCache(self.attn_backend, self.mesh, self.num_layers, self.num_kv_heads,
@@ -125,7 +132,8 @@ class ModelRunner:
         # The caller hands this count to the scheduler (EngineCore).
         self.num_kv_blocks = kv.num_blocks(
             cc, sc.max_num_seqs, mc.max_model_len,
-            lambda: activation_reserve(mc.hf_config, b.token_buckets[-1], b.request_buckets[-1],
+            lambda: activation_reserve(mc.hf_config, b.token_buckets[-1],
+                                       b.request_buckets[-1] * k1,
                                        self.vocab_size, self.dtype, PROMPT_LOGPROBS_ROWS))
         self.kv_cache = kv.allocate(self.num_kv_blocks)
         self.input_batch = InputBatch(sc.max_num_seqs, mc.max_model_len, b.max_blocks_per_req,
@@ -152,6 +160,9 @@ class ModelRunner:
                                      list(self.mesh.devices.flat))
         self.programs = StepPrograms(graphdef, jax.tree.structure(state),
                                      model.logits_head[...], model.head_logits, b, aot)
+        # What a verify program is built from (spec_verify.py; benchmarks make their own).
+        self.graph = (graphdef, jax.tree.structure(state), model.head_logits)
+        self.spec = None if spec is None else SpecVerifier(spec, *self.graph, b)
 
     @property
     def aot_cache(self) -> ExecutableCache | None:
@@ -162,6 +173,10 @@ class ModelRunner:
         self.kv_cache = self.programs.precompile(self.state, self.kv_cache, self._no_prev,
                                                  self.vocab_size,
                                                  self.input_batch.sampling.device_put)
+        if self.spec is not None:
+            self.kv_cache = self.spec.precompile(
+                self.state, self.programs.head, self.kv_cache, self.programs.dummy_inputs,
+                self.vocab_size, self.input_batch.sampling.device_put)
 
     # ------------------------------------------------------------------- step
 
@@ -201,14 +216,29 @@ class ModelRunner:
         req_ids, nsched = so.req_ids, so.num_tokens
         n = len(req_ids)
         rows = self._rows_of(req_ids)
+        drafts = so.scheduled_spec_decode_tokens
+        verify = None
+        if drafts:  # the drafts are the step's tokens past each request's known ones
+            draft_lists = [drafts.get(r, []) for r in req_ids]
+            num_drafts = np.fromiter(map(len, draft_lists), np.int32, n)
+            ib.write_drafts(rows, draft_lists, num_drafts)
         inputs = prepare_step_inputs(ib, rows, nsched, self.buckets, self.block_size,
                                      self._arange)
         end = inputs.kv_lens
-        prev_tokens = self._last_sampled if inputs.reads_prev else self._no_prev
-        self.kv_cache, states, last_hidden, out_index = self.programs.run_forward(
-            self.state, self.kv_cache, inputs.packed, prev_tokens)
+        if drafts:
+            ib.num_tokens[rows] -= num_drafts
+            self.kv_cache, hidden = self.spec.forward(
+                self.state, self.kv_cache, inputs.packed,
+                self.spec.verify_rows(inputs.first, nsched, num_drafts))
+            verify, states, last_hidden, out_index = (draft_lists, num_drafts, hidden), None, \
+                None, None
+        else:
+            prev_tokens = self._last_sampled if inputs.reads_prev else self._no_prev
+            self.kv_cache, states, last_hidden, out_index = self.programs.run_forward(
+                self.state, self.kv_cache, inputs.packed, prev_tokens)
         prompt_lp = None
-        if ib.wants_prompt_logprobs[:ib.num_reqs].any():  # none for most steps
+        # (A verify step scores no prompt: the scheduler drafts in no step that does.)
+        if verify is None and ib.wants_prompt_logprobs[:ib.num_reqs].any():  # rare
             prompt_lp = self._dispatch_prompt_logprobs(req_ids, rows, nsched, inputs, states)
         # The scheduler decides which requests reach their end this step (a prompt
         # chunk that stops short of the prompt's end does not); of those, the
@@ -229,7 +259,7 @@ class ModelRunner:
         knobs = [(p.normalize, p.dimensions) for p in (ib.pooling[rows[i]] for i in pool)]
         return StepHandle(req_ids, rows, ib.layout_version, gen, None, last_hidden, pool,
                           knobs, prompt_lp,
-                          self.buckets.pad_requests(n), out_index)
+                          self.buckets.pad_requests(n), out_index, verify)
 
     def _sample(self, h: StepHandle, grammar_bitmask: np.ndarray | None) -> None:
         """Launches the sampler of a step whose forward is dispatched."""
@@ -237,6 +267,9 @@ class ModelRunner:
         rows = h.rows
         if ib.layout_version != h.layout_version:  # rows moved since the forward
             rows = self._rows_of(h.req_ids)
+        if h.verify is not None:
+            self.spec.dispatch_sample(self, h, rows, grammar_bitmask)
+            return
         smd = ib.sampling.make_metadata(rows, h.r_pad, self.seed, h.out_index)
         if grammar_bitmask is not None:  # structured outputs: only then a bitmask copy
             smd = dataclasses.replace(smd, token_bitmask=self._pad_bitmask(grammar_bitmask,
@@ -254,6 +287,8 @@ class ModelRunner:
         """Waits for a dispatched step and records its sampled tokens on the host."""
         if h is None:
             return ModelRunnerOutput.empty()
+        if self.spec is not None:
+            return self.spec.collect(self, h)
         ib, n, out = self.input_batch, len(h.req_ids), h.sampled
         t0 = time.perf_counter()
         sampled = np.asarray(out.token_ids)[:n]
@@ -320,7 +355,11 @@ class ModelRunner:
         if not h.pool_indices:
             return {}
         # Rare path: one host copy of the step's hidden states, no extra compilation.
-        vecs = np.asarray(h.last_hidden, np.float32)[h.pool_indices]
+        hidden = h.last_hidden
+        if h.verify is not None:  # a verify step: position 0 is a pooled request's last token
+            hidden = self.spec.first_rows(h.verify[2], np.zeros(self.buckets.max_num_seqs,
+                                                                np.int32))[0]
+        vecs = np.asarray(hidden, np.float32)[h.pool_indices]
         out = {}
         for v, i, (normalize, dim) in zip(vecs, h.pool_indices, h.pool_normalize, strict=True):
             v = v if dim is None else v[:dim]  # matryoshka dimensions

@@ -205,3 +205,38 @@ def test_each_data_parallel_engine_core_has_its_own_series_and_cumulative_counts
     log.record_scheduler(SchedulerStats(num_running_reqs=2, num_waiting_reqs=1), engine=0)
     log.record_scheduler(SchedulerStats(num_running_reqs=3, num_waiting_reqs=0), engine=1)
     assert "Running: 5 reqs, Waiting: 1 reqs" in log.log()
+
+
+def test_speculative_decoding_counts_are_exported_under_vllm_names():
+    from jaxllm.core.messages import SpecDecodingStats
+
+    logger = PrometheusStatLogger("m")
+    logger.record_scheduler(SchedulerStats())
+    assert not any("spec_decode" in name for name in exported(logger))  # none until used
+    for drafts, tokens, accepted, per_pos in ((2, 6, 3, [2, 1, 0]), (1, 3, 3, [1, 1, 1])):
+        logger.record_scheduler(SchedulerStats(spec_decoding_stats=SpecDecodingStats(
+            num_spec_tokens=3, num_drafts=drafts, num_draft_tokens=tokens,
+            num_accepted_tokens=accepted, num_accepted_tokens_per_pos=per_pos)))
+    m = exported(logger)
+    for prefix in ("vllm:", "jaxllm:"):
+        assert m[prefix + "spec_decode_num_drafts_total"] == 3
+        assert m[prefix + "spec_decode_num_draft_tokens_total"] == 9
+        assert m[prefix + "spec_decode_num_accepted_tokens_total"] == 6
+    text = logger.expose().decode()
+    per_pos = {s.labels["position"]: s.value
+               for f in text_string_to_metric_families(text) for s in f.samples
+               if s.name == "vllm:spec_decode_num_accepted_tokens_per_pos_total"}
+    assert per_pos == {"0": 3, "1": 2, "2": 1}
+
+
+def test_the_periodic_log_line_reports_the_draft_acceptance_rate():
+    from jaxllm.core.messages import SpecDecodingStats
+    from jaxllm.metrics.loggers import LoggingStatLogger
+
+    logger = LoggingStatLogger()
+    logger.record_scheduler(SchedulerStats(num_running_reqs=1, num_generation_tokens=4))
+    assert "Draft acceptance" not in logger.log()
+    spec = SpecDecodingStats(num_spec_tokens=4, num_drafts=2, num_draft_tokens=8,
+                             num_accepted_tokens=6, num_accepted_tokens_per_pos=[2, 2, 1, 1])
+    logger.record_scheduler(SchedulerStats(num_running_reqs=1, spec_decoding_stats=spec))
+    assert logger.log().endswith("Draft acceptance rate: 75.0%")

@@ -1,0 +1,1 @@
+"""Speculative decoding: draft proposers (ngram prompt lookup)."""

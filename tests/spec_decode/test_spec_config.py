@@ -1,0 +1,59 @@
+"""`speculative_config` as vLLM spells it: offline argument, CLI JSON flag, bad input."""
+
+import argparse
+
+import pytest
+
+from jaxllm.config import EngineArgs, SpeculativeConfig
+from jaxllm.entrypoints.arg_utils import add_engine_args, engine_args_from
+from jaxllm.errors import ParameterError
+
+
+def test_ngram_config_takes_vllms_fields_and_defaults_one_lookup_bound_from_the_other():
+    c = SpeculativeConfig.from_dict({"method": "ngram", "num_speculative_tokens": 4,
+                                     "prompt_lookup_max": 3})
+    assert (c.method, c.num_speculative_tokens, c.prompt_lookup_min, c.prompt_lookup_max) == (
+        "ngram", 4, 3, 3)
+    assert SpeculativeConfig.from_dict(None) is None
+
+
+def test_cli_flag_parses_json_into_the_engine_config():
+    parser = argparse.ArgumentParser()
+    add_engine_args(parser)
+    ns = parser.parse_args(["--speculative-config",
+                            '{"method": "ngram", "num_speculative_tokens": 2}'])
+    args = engine_args_from(ns)
+    assert isinstance(args, EngineArgs)
+    assert SpeculativeConfig.from_dict(args.speculative_config).num_speculative_tokens == 2
+
+
+@pytest.mark.parametrize("raw, field", [
+    ("{not json", "speculative_config"),
+    ([1, 2], "speculative_config"),
+    ({"method": "ngram", "num_speculative_tokens": 2, "bogus": 1}, "speculative_config"),
+    ({"method": "medusa", "num_speculative_tokens": 2}, "speculative_config.method"),
+    ({"model": "/some/draft", "num_speculative_tokens": 2}, "speculative_config.method"),
+    ({"method": "ngram"}, "speculative_config.num_speculative_tokens"),
+    ({"method": "ngram", "num_speculative_tokens": 0},
+     "speculative_config.num_speculative_tokens"),
+    ({"method": "ngram", "num_speculative_tokens": 2, "prompt_lookup_min": 0},
+     "speculative_config.prompt_lookup_min"),
+    ({"method": "ngram", "num_speculative_tokens": 2, "prompt_lookup_min": 4,
+      "prompt_lookup_max": 2}, "speculative_config.prompt_lookup_min"),
+])
+def test_bad_speculative_config_names_the_field(raw, field):
+    with pytest.raises(ParameterError) as e:
+        SpeculativeConfig.from_dict(raw)
+    assert e.value.field == field
+
+
+def test_spec_decoding_counts_cross_the_engine_core_socket_intact():
+    from jaxllm.core.messages import EngineCoreOutputs, SchedulerStats, SpecDecodingStats
+    from jaxllm.engine.codec import Codec
+
+    codec = Codec()
+    outs = EngineCoreOutputs(scheduler_stats=SchedulerStats(
+        num_running_reqs=2, spec_decoding_stats=SpecDecodingStats(
+            num_spec_tokens=3, num_drafts=2, num_draft_tokens=6, num_accepted_tokens=4,
+            num_accepted_tokens_per_pos=[2, 1, 1])))
+    assert codec.outputs_decoder.decode(codec.encode(outs)) == outs
