@@ -10,6 +10,7 @@ from typing import Any
 
 from jaxllm.errors import ParameterError
 from jaxllm.pooler_config import PoolerConfig, load_pooler_config
+from jaxllm.quant_config import resolve_quantization
 
 _DTYPES = ("auto", "float32", "bfloat16", "float16")
 
@@ -198,10 +199,8 @@ class EngineArgs:
     model: str | None = None
     tokenizer: str | None = None
     dtype: str = "auto"
-    # Weight quantization: None (the checkpoint's: fp8 for an FP8 checkpoint, else none),
-    # "fp8" (W8A8 e4m3) or "int8" (weight-only); see jaxllm/layers/quant.py.
-    quantization: str | None = None
-    kv_cache_dtype: str = "auto"  # "auto" = the model dtype
+    quantization: str | None = None  # None (the checkpoint's) | "fp8" | "int8": quant_config
+    kv_cache_dtype: str = "auto"  # "auto" = the model dtype, or "fp8"
     max_model_len: int | None = None
     max_num_seqs: int = 128
     max_num_batched_tokens: int | None = None
@@ -364,10 +363,7 @@ class EngineArgs:
         if self.load_format not in ("auto", "safetensors", "orbax", "dummy"):
             raise ParameterError("load_format", "must be 'auto', 'safetensors', 'orbax' or "
                                  f"'dummy', got {self.load_format!r}")
-        quantization = _resolve_quantization(self.quantization, raw, model)
-        if self.kv_cache_dtype not in _KV_CACHE_DTYPES:
-            raise ParameterError("kv_cache_dtype", f"must be one of {_KV_CACHE_DTYPES}, got "
-                                 f"{self.kv_cache_dtype!r}")
+        quant = resolve_quantization(self.quantization, self.kv_cache_dtype, raw, model)
         eos = getattr(hf_config, "eos_token_id", None)
         gen_defaults: dict[str, Any] = {}
         gen_path = os.path.join(model, "generation_config.json")
@@ -383,8 +379,7 @@ class EngineArgs:
             seed=self.seed, skip_tokenizer_init=self.skip_tokenizer_init,
             load_format=self.load_format, served_model_name=self.served_model_name or model,
             hf_config=hf_config, eos_token_ids=eos_ids, generation_defaults=gen_defaults,
-            is_encoder=is_encoder, supported_tasks=tasks, pooler_config=pooler,
-            quantization=quantization, kv_cache_dtype=self.kv_cache_dtype)
+            is_encoder=is_encoder, supported_tasks=tasks, pooler_config=pooler, **quant)
 
     def _supported_tasks(self, is_encoder: bool) -> tuple[str, ...]:
         runners = ("auto", "generate", "pooling")
@@ -403,51 +398,3 @@ class EngineArgs:
             return ("embed",)
         return {"auto": ("generate", "embed"), "generate": ("generate",),
                 "pooling": ("embed",)}[runner]
-
-
-_QUANTIZATIONS = ("fp8", "int8")
-_KV_CACHE_DTYPES = ("auto", "fp8", "fp8_e4m3")  # vLLM's names; fp8 is e4m3
-
-
-def kv_cache_dtype(model_config: ModelConfig) -> str:
-    """The KV cache's dtype: the model's for "auto", else float8_e4m3fn."""
-    return model_config.dtype if model_config.kv_cache_dtype == "auto" else "float8_e4m3fn"
-
-
-def _checkpoint_quantization(raw: dict) -> str | None:
-    """The quantization a config.json's `quantization_config` implies (None: float
-    weights): transformers' / vLLM's `quant_method: "fp8"`, or compressed-tensors with
-    8-bit float weights."""
-    qc = raw.get("quantization_config")
-    if not qc:
-        return None
-    method = qc.get("quant_method")
-    if method == "fp8":
-        return "fp8"
-    if method == "compressed-tensors":
-        for group in (qc.get("config_groups") or {}).values():
-            weights = group.get("weights") or {}
-            if weights.get("type") != "float" or weights.get("num_bits") != 8:
-                raise ParameterError("config.json:quantization_config",
-                                     "compressed-tensors is read for 8-bit float weights "
-                                     f"only, got {weights}")
-        return "fp8"
-    raise ParameterError("config.json:quantization_config",
-                         f"quant_method {method!r} is not supported (supported: 'fp8', "
-                         "'compressed-tensors' with 8-bit float weights)")
-
-
-def _resolve_quantization(requested: str | None, raw: dict, model: str) -> str | None:
-    if requested is not None and requested not in _QUANTIZATIONS:
-        raise ParameterError("quantization", f"must be one of {_QUANTIZATIONS} or None, "
-                             f"got {requested!r}")
-    stored = _checkpoint_quantization(raw)
-    orbax_meta = os.path.join(model, "jaxllm_orbax.json")  # models/orbax_io.py's metadata
-    if stored is None and os.path.isfile(orbax_meta):
-        with open(orbax_meta) as f:
-            stored = json.load(f).get("quantization")
-    if stored is not None and requested not in (None, stored):
-        # As vLLM: a quantized checkpoint runs in its own format.
-        raise ParameterError("quantization", f"{requested!r}, but the checkpoint is already "
-                             f"quantized as {stored!r}")
-    return requested or stored

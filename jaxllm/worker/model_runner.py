@@ -30,7 +30,7 @@ from flax import nnx
 from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
-from jaxllm.config import EngineConfig, kv_cache_dtype
+from jaxllm.config import EngineConfig
 from jaxllm.core.runner_output import ModelRunnerOutput
 from jaxllm.core.sched_output import SchedulerOutput
 from jaxllm.distributed.dp_devices import core_devices
@@ -38,6 +38,7 @@ from jaxllm.distributed.mesh import make_mesh
 from jaxllm.layers.attention import get_attention_backend
 from jaxllm.layers.mlp import get_swiglu
 from jaxllm.models.loader import kv_cache_spec, load_model
+from jaxllm.quant_config import kv_cache_dtype
 from jaxllm.sample.logprobs import LogprobsLists
 from jaxllm.sample.sampler import SamplerOutput
 from jaxllm.worker.aot_cache import ExecutableCache

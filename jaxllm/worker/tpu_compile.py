@@ -31,7 +31,7 @@ from flax import nnx
 from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
-from jaxllm.config import EngineConfig, kv_cache_dtype
+from jaxllm.config import EngineConfig
 from jaxllm.distributed.mesh import (
     kv_cache_sharding,
     make_mesh,
@@ -42,6 +42,7 @@ from jaxllm.distributed.tpu_topology import hbm_bytes_per_device
 from jaxllm.errors import ParameterError
 from jaxllm.layers.mlp import SwiGLU, get_swiglu
 from jaxllm.models.loader import abstract_model, kv_cache_spec
+from jaxllm.quant_config import kv_cache_dtype
 from jaxllm.sample.metadata import SamplingMetadata, variant_metadata
 from jaxllm.sample.staged import STAGED, is_plain
 from jaxllm.worker.aot_cache import ExecutableCache
