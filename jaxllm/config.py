@@ -11,6 +11,7 @@ from typing import Any
 from jaxllm.errors import ParameterError
 from jaxllm.lora.config import LoRAConfig
 from jaxllm.pooler_config import PoolerConfig, load_pooler_config
+from jaxllm.quant_config import resolve_quantization
 
 _DTYPES = ("auto", "float32", "bfloat16", "float16")
 
@@ -45,6 +46,8 @@ class ModelConfig:
     # What the engine serves, vLLM's names: "generate" and/or "embed" (`runner`).
     supported_tasks: tuple[str, ...] = ("generate", "embed")
     pooler_config: PoolerConfig = field(default_factory=lambda: PoolerConfig("LAST", True))
+    quantization: str | None = None  # resolved: None | "fp8" | "int8" (layers/quant.py)
+    kv_cache_dtype: str = "auto"
 
     @property
     def architecture(self) -> str:
@@ -198,6 +201,8 @@ class EngineArgs:
     model: str | None = None
     tokenizer: str | None = None
     dtype: str = "auto"
+    quantization: str | None = None  # None (the checkpoint's) | "fp8" | "int8": quant_config
+    kv_cache_dtype: str = "auto"  # "auto" = the model dtype, or "fp8"
     max_model_len: int | None = None
     max_num_seqs: int = 128
     max_num_batched_tokens: int | None = None
@@ -364,6 +369,7 @@ class EngineArgs:
         if self.load_format not in ("auto", "safetensors", "orbax", "dummy"):
             raise ParameterError("load_format", "must be 'auto', 'safetensors', 'orbax' or "
                                  f"'dummy', got {self.load_format!r}")
+        quant = resolve_quantization(self.quantization, self.kv_cache_dtype, raw, model)
         eos = getattr(hf_config, "eos_token_id", None)
         gen_defaults: dict[str, Any] = {}
         gen_path = os.path.join(model, "generation_config.json")
@@ -379,7 +385,7 @@ class EngineArgs:
             seed=self.seed, skip_tokenizer_init=self.skip_tokenizer_init,
             load_format=self.load_format, served_model_name=self.served_model_name or model,
             hf_config=hf_config, eos_token_ids=eos_ids, generation_defaults=gen_defaults,
-            is_encoder=is_encoder, supported_tasks=tasks, pooler_config=pooler)
+            is_encoder=is_encoder, supported_tasks=tasks, pooler_config=pooler, **quant)
 
     def _supported_tasks(self, is_encoder: bool) -> tuple[str, ...]:
         runners = ("auto", "generate", "pooling")

@@ -44,12 +44,19 @@ def measure_hbm_bandwidth(gib: float = 2.0) -> float:
     return 2 * n * 2 / t
 
 
-def measure_matmul_peak(n: int = 8192) -> float:
-    """FLOP/s of a jitted n^3 bf16 matmul on random data."""
+def measure_matmul_peak(n: int = 8192, dtype: str = "bfloat16") -> float:
+    """FLOP/s of a jitted n^3 matmul on random data: bf16, or with "float8_e4m3fn" the
+    product the fp8 Linear runs (e4m3 operands, `x @ W.T` with W `[out, in]`, float32
+    result)."""
     ka, kb = jax.random.split(jax.random.key(1))
-    a = jax.random.normal(ka, (n, n), jnp.bfloat16)
-    b = jax.random.normal(kb, (n, n), jnp.bfloat16)
-    t = median_time(jax.jit(lambda x, y: x @ y), a, b, iters=10, reps=5)
+    a = jax.random.normal(ka, (n, n), jnp.bfloat16).astype(dtype)
+    b = jax.random.normal(kb, (n, n), jnp.bfloat16).astype(dtype)
+    if jnp.dtype(dtype) == jnp.bfloat16:
+        fn = jax.jit(lambda x, y: x @ y)
+    else:
+        fn = jax.jit(lambda x, y: jnp.einsum("ti,oi->to", x, y,
+                                             preferred_element_type=jnp.float32))
+    t = median_time(fn, a, b, iters=10, reps=5)
     return 2 * n**3 / t
 
 
@@ -113,12 +120,16 @@ def measure_allreduce_bandwidth(devices: Any, gib: float = 1.0) -> float:
 
 
 def add_model_args(ap: Any) -> None:
-    """--model, --load-format, --dtype: the Llama-3-8B shape with random bf16 weights."""
+    """--model, --load-format, --dtype, --quantization, --kv-cache-dtype: the Llama-3-8B
+    shape with random bf16 weights."""
     ap.add_argument("--model", default="configs/llama-3-8b",
                     help="checkpoint or config directory (default: the Llama-3-8B shape)")
     ap.add_argument("--load-format", default="dummy",
                     help="dummy: random weights made on the device; auto: the checkpoint's")
     ap.add_argument("--dtype", default="bfloat16")
+    ap.add_argument("--quantization", default=None, choices=["fp8", "int8"],
+                    help="weight quantization (jaxllm/layers/quant.py)")
+    ap.add_argument("--kv-cache-dtype", default="auto", help="auto: the model dtype")
 
 
 def add_parallel_args(ap: Any) -> None:
@@ -140,6 +151,13 @@ def add_parallel_args(ap: Any) -> None:
 
 def param_count(state: Any) -> int:
     return int(sum(np.prod(x.shape) for x in jax.tree.leaves(state)))
+
+
+def weight_bytes(state: Any) -> int:
+    """Bytes of every weight as held: a quantized projection counts 1 byte per element
+    plus its float32 per-channel scales."""
+    return int(sum(np.prod(x.shape) * jnp.dtype(x.dtype).itemsize
+                   for x in jax.tree.leaves(state)))
 
 
 def kv_bytes_per_token(hf_config: Any, itemsize: int = 2) -> int:
@@ -166,7 +184,9 @@ def allreduce_bytes_per_device(rec: Any, hf_config: Any, tp: int, itemsize: int 
 
 
 def step_floor(rec: Any, params: int, hf_config: Any, bw: float, peak: float,
-               itemsize: int = 2, tp: int = 1, link_bw: float | None = None) -> float:
+               itemsize: int = 2, tp: int = 1, link_bw: float | None = None,
+               weight_nbytes: float | None = None, linear_peak: float | None = None,
+               kv_itemsize: int | None = None) -> float:
     """The least time of one executed step (StepRecord) on `tp` tensor-parallel devices:
     max(FLOPs / (tp * peak), per-device bytes / bw) plus the all-reduces at `link_bw`.
 
@@ -176,7 +196,15 @@ def step_floor(rec: Any, params: int, hf_config: Any, bw: float, peak: float,
     1/tp of the weights and its share of the KV cache. A mixture of experts counts the
     experts the step's tokens are routed to (benchmarks/moe_counts.py); its experts
     split over the devices, each reads 1/tp of those.
+
+    Quantized weights: `weight_nbytes` is what the weights take as held (`weight_bytes`;
+    default `itemsize * params`; experts, kept in the model dtype, not read this step
+    are taken off at `itemsize`), and `linear_peak` the peak of the projections (the
+    fp8 matmul peak under fp8 W8A8; default `peak`), while attention and the LM head
+    (kept in the model dtype) run at `peak`. `kv_itemsize`: the KV cache's bytes per
+    element (default `itemsize`; 1 for an fp8 cache).
     """
+    kv_itemsize = itemsize if kv_itemsize is None else kv_itemsize
     head_dim = getattr(hf_config, "head_dim", None) or (
         hf_config.hidden_size // hf_config.num_attention_heads)
     # Weight matmuls: 2 FLOPs per parameter per token (the embedding lookup is not a matmul,
@@ -200,18 +228,28 @@ def step_floor(rec: Any, params: int, hf_config: Any, bw: float, peak: float,
     flops -= 2 * rows_only * max(rec.num_tokens - rec.num_reqs, 0)
     # Sliding-window layers (Gemma, Mistral) are counted as full attention: exact while
     # every context fits the window, an over-count beyond it.
-    flops += 4 * heads * head_dim * (
+    attn = 4 * heads * head_dim * (
         (hf_config.num_hidden_layers - 1) * rec.attn_pairs + rec.kv_tokens)
+    flops += attn
+    if weight_nbytes is None:
+        weights = itemsize * read_params
+    else:
+        weights = weight_nbytes - itemsize * (params - read_params)
+    if linear_peak is None:
+        compute = flops / peak
+    else:  # the projections at linear_peak; the LM head and attention at peak
+        head = 2 * embed * rec.num_reqs
+        compute = (flops - head - attn) / linear_peak + (head + attn) / peak
     if tp == 1:
-        nbytes = itemsize * read_params + rec.kv_tokens * kv_bytes_per_token(hf_config, itemsize)
-        return max(flops / peak, nbytes / bw)
+        nbytes = weights + rec.kv_tokens * kv_bytes_per_token(hf_config, kv_itemsize)
+        return max(compute, nbytes / bw)
     if link_bw is None or link_bw <= 0:
         raise ValueError(f"link_bw: tp={tp} needs the measured all-reduce bandwidth, "
                          f"got {link_bw}")
-    nbytes = (itemsize * read_params / tp
-              + rec.kv_tokens * kv_bytes_per_device_token(hf_config, tp, itemsize))
+    nbytes = (weights / tp
+              + rec.kv_tokens * kv_bytes_per_device_token(hf_config, tp, kv_itemsize))
     comm = allreduce_bytes_per_device(rec, hf_config, tp, itemsize) / link_bw
-    return max(flops / (tp * peak), nbytes / bw) + comm
+    return max(compute / tp, nbytes / bw) + comm
 
 
 def git_commit() -> str:

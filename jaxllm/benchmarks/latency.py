@@ -26,6 +26,7 @@ from jaxllm.benchmarks.common import (
     param_count,
     print_table,
     step_floor,
+    weight_bytes,
     write_json,
 )
 
@@ -72,6 +73,7 @@ def main(argv: list[str] | None = None) -> dict:
     max_len = -(-(n_in + n_out + 16) // 128) * 128
     t0 = time.perf_counter()
     llm = LLM(args.model, load_format=args.load_format, dtype=args.dtype,
+              quantization=args.quantization, kv_cache_dtype=args.kv_cache_dtype,
               skip_tokenizer_init=True, max_model_len=max_len, max_num_seqs=b,
               max_num_batched_tokens=n_in * b, token_buckets=[8, n_in * b],
               request_buckets=[b], enable_prefix_caching=False,
@@ -102,18 +104,24 @@ def main(argv: list[str] | None = None) -> dict:
     avg_ctx = n_in + n_out / 2
     step = StepRecord(num_tokens=b, padded_tokens=b, num_reqs=b, kv_tokens=b * avg_ctx,
                       attn_pairs=b * avg_ctx)
-    floor_ms = step_floor(step, params, hf, bw, float("inf"), tp=tp, link_bw=link) * 1e3
+    wbytes = weight_bytes(runner.state)
+    floor_ms = step_floor(step, params, hf, bw, float("inf"), tp=tp, link_bw=link,
+                          weight_nbytes=wbytes,
+                          kv_itemsize=1 if args.kv_cache_dtype != "auto" else 2) * 1e3
     # A decode step's all-reduces are a few KiB, where a collective's fixed latency, not
     # the bus bandwidth, sets its time: a second floor takes each at the measured time
     # of one in-program psum of [batch, hidden] bf16, to tell that cost apart from the engine's.
     small_s = (measure_allreduce_chain_seconds(jax.devices()[:tp], b * hf.hidden_size * 2)
                if tp > 1 else 0.0)
     memory_ms = step_floor(step, params, hf, bw, float("inf"), tp=tp,
-                           link_bw=float("inf")) * 1e3
+                           link_bw=float("inf"), weight_nbytes=wbytes,
+                           kv_itemsize=1 if args.kv_cache_dtype != "auto" else 2) * 1e3
     collective_floor_ms = memory_ms + 2 * hf.num_hidden_layers * small_s * 1e3
     result = {
         "workload": "decode-1", "batch_size": b, "input_len": n_in, "output_len": n_out,
         "attention_backend": runner.attn_backend.name, "params": params,
+        "quantization": args.quantization, "kv_cache_dtype": args.kv_cache_dtype,
+        "weight_bytes": wbytes,
         "async_scheduling": args.async_scheduling, "tensor_parallel_size": tp,
         "data_parallel_size": 1, "num_devices": tp,
         "hbm_bandwidth_GBps": bw / 1e9, "allreduce_bus_GBps": link / 1e9 if link else None,

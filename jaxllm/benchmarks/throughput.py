@@ -37,6 +37,7 @@ from jaxllm.benchmarks.common import (
     param_count,
     print_table,
     step_floor,
+    weight_bytes,
     write_json,
 )
 
@@ -104,9 +105,13 @@ def main(argv: list[str] | None = None) -> dict:
 
     bw = measure_hbm_bandwidth(args.probe_gib)
     peak = measure_matmul_peak(args.probe_matmul_n)
+    # Under fp8 W8A8 the layers' projections run fp8 GEMMs: their peak, measured the same way.
+    linear_peak = (measure_matmul_peak(args.probe_matmul_n, "float8_e4m3fn")
+                   if args.quantization == "fp8" else None)
     link = measure_allreduce_bandwidth(jax.devices()[:tp], args.probe_gib / 2) if tp > 1 else None
     t0 = time.perf_counter()
     llm = LLM(args.model, load_format=args.load_format, dtype=args.dtype,
+              quantization=args.quantization, kv_cache_dtype=args.kv_cache_dtype,
               skip_tokenizer_init=True,
               max_model_len=-(-(args.input_len + args.output_len + 16) // 128) * 128,
               max_num_seqs=args.max_num_seqs, block_size=args.block_size,
@@ -149,7 +154,10 @@ def main(argv: list[str] | None = None) -> dict:
     n_out = sum(len(o.outputs[0].token_ids) for o in outs)
     n_in = len(prompts) * args.input_len
     nparams = param_count(runner.state)
-    floor = sum(step_floor(s, nparams, hf, bw, peak, tp=tp, link_bw=link) for s in steps)
+    wbytes = weight_bytes(runner.state)
+    floor = sum(step_floor(s, nparams, hf, bw, peak, tp=tp, link_bw=link, weight_nbytes=wbytes,
+                           kv_itemsize=1 if args.kv_cache_dtype != "auto" else 2,
+                           linear_peak=linear_peak) for s in steps)
     computed = sum(s.num_tokens for s in steps)
     padded = sum(s.padded_tokens for s in steps)
     out_tps = n_out / elapsed
@@ -164,6 +172,9 @@ def main(argv: list[str] | None = None) -> dict:
         "allreduce_bus_GBps": link / 1e9 if link else None,
         "async_scheduling": args.async_scheduling,
         "hbm_bandwidth_GBps": bw / 1e9, "matmul_TFLOPs": peak / 1e12,
+        "quantization": args.quantization, "kv_cache_dtype": args.kv_cache_dtype,
+        "weight_bytes": wbytes,
+        "fp8_matmul_TFLOPs": linear_peak / 1e12 if linear_peak else None,
         "elapsed_s": elapsed, "output_tokens_per_s": out_tps,
         "total_tokens_per_s": (n_out + n_in) / elapsed, "num_steps": len(steps),
         "roofline_s": floor, "time_over_roofline": elapsed / floor,

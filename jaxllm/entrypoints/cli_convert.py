@@ -1,5 +1,5 @@
-"""`jaxllm convert MODEL OUT [--tensor-parallel-size N] [--dtype D]`: a Hugging Face
-safetensors checkpoint rewritten as a jaxllm orbax checkpoint (models/orbax_io.py).
+"""`jaxllm convert MODEL OUT [--tensor-parallel-size N] [--dtype D] [--quantization Q]`: a
+Hugging Face safetensors checkpoint rewritten as a jaxllm orbax checkpoint (models/orbax_io.py).
 
 The weights are loaded as the engine loads them (fused, cast to the dtype, sharded
 over N devices) and saved in that layout, so `LLM(model=OUT)` and `jaxllm serve OUT`
@@ -30,11 +30,14 @@ def add_convert_parser(subparsers: Any) -> argparse.ArgumentParser:
                    help="the tensor-parallel size to lay the weights out for (default 1)")
     p.add_argument("--dtype", default="auto",
                    help="dtype to store: auto (config.json's), float32, bfloat16, float16")
+    p.add_argument("--quantization", default=None, choices=["fp8", "int8"],
+                   help="store the projections quantized (loads back quantized)")
     p.set_defaults(func=cmd_convert)
     return p
 
 
-def convert(model: str, out: str, tensor_parallel_size: int = 1, dtype: str = "auto") -> None:
+def convert(model: str, out: str, tensor_parallel_size: int = 1, dtype: str = "auto",
+            quantization: str | None = None) -> None:
     """Writes the orbax checkpoint of `model` (laid out for `tensor_parallel_size`) to `out`."""
     from jaxllm.config import EngineArgs
     from jaxllm.distributed.mesh import make_mesh
@@ -43,20 +46,21 @@ def convert(model: str, out: str, tensor_parallel_size: int = 1, dtype: str = "a
     from jaxllm.models.orbax_io import save_orbax
 
     config = EngineArgs(model=model, tensor_parallel_size=tensor_parallel_size, dtype=dtype,
-                        load_format="safetensors",
+                        load_format="safetensors", quantization=quantization,
                         skip_tokenizer_init=True).create_engine_config()
     mc = config.model_config
     mesh = make_mesh(tensor_parallel_size, hf_config=mc.hf_config)
     # The attention body shapes no weight; the reference one builds on every platform.
     loaded = load_model(mc, mesh, get_attention_backend("reference"))
-    save_orbax(loaded, mc.hf_config, model, out, mc.dtype, tensor_parallel_size)
+    save_orbax(loaded, mc.hf_config, model, out, mc.dtype, tensor_parallel_size,
+               mc.quantization)
 
 
 def cmd_convert(ns: argparse.Namespace) -> int:
     # orbax logs every save phase at INFO through absl; the command prints its own summary.
     logging.getLogger("absl").setLevel(logging.WARNING)
     t0 = time.perf_counter()
-    convert(ns.model, ns.out, ns.tensor_parallel_size, ns.dtype)
+    convert(ns.model, ns.out, ns.tensor_parallel_size, ns.dtype, ns.quantization)
     print(f"wrote {ns.out} (tensor_parallel_size={ns.tensor_parallel_size}) in "
           f"{time.perf_counter() - t0:.1f}s")
     return 0

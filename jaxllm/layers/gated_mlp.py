@@ -15,6 +15,7 @@ mixture-of-experts MLP drops in beside this one.
 from __future__ import annotations
 
 import functools
+from typing import Any
 
 import jax
 import jax.numpy as jnp
@@ -43,13 +44,14 @@ def activation_name(hf_name: str, field: str = "config.json:hidden_act") -> str:
 
 class GatedMLP(nnx.Module):
     def __init__(self, hidden: int, inter: int, *, activation: str, bias: bool,
-                 dtype: jnp.dtype, rngs: nnx.Rngs, swiglu: SwiGLU):
+                 dtype: jnp.dtype, rngs: nnx.Rngs, swiglu: SwiGLU, method: Any = None):
         self.activation = activation
         self.swiglu = swiglu
         self.gate_up_proj = Linear((2, inter), (hidden,), P(None, "model", None), dtype=dtype,
-                                   rngs=rngs, bias=bias)
+                                   rngs=rngs, bias=bias, method=method)
         self.down_proj = Linear((hidden,), (inter,), P(None, "model"), dtype=dtype, rngs=rngs,
-                                bias=bias, bias_spec=P(None), matmul_add=swiglu.matmul_add)
+                                bias=bias, bias_spec=P(None), matmul_add=swiglu.matmul_add,
+                                method=method)
 
     def __call__(self, x: jax.Array, residual: jax.Array | None) -> jax.Array:
         """`residual + mlp(x)` (`mlp(x)` when `residual` is None) for the normed input `x`."""

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import dataclasses
 import string
+from typing import Any
 
 import jax
 import jax.numpy as jnp
@@ -63,14 +64,23 @@ class Linear(nnx.Module):
 
     def __init__(self, out_shape: tuple[int, ...], in_shape: tuple[int, ...], spec: P, *,
                  dtype: jnp.dtype, rngs: nnx.Rngs, bias: bool = False,
-                 bias_spec: P | None = None, method: UnquantizedLinear | None = None,
+                 bias_spec: P | None = None, method: Any = None,
                  matmul_add: MatmulAdd | None = None):
         self.in_dims = len(in_shape)
-        self.weight = make_param(rngs, (*out_shape, *in_shape), dtype, spec)
+        self.method = method or UnquantizedLinear()
+        if isinstance(self.method, UnquantizedLinear):
+            self.weight = make_param(rngs, (*out_shape, *in_shape), dtype, spec)
+            self.weight_scale = None
+        else:  # quantized (layers/quant.py): dummy weights are quantized random ones
+            w = make_param(rngs, (*out_shape, *in_shape), jnp.float32, spec)
+            q, scale = _quantize_traced(self.method, w[...], self.in_dims)
+            self.weight = nnx.Param(q, out_sharding=spec, eager_sharding=False)
+            # One scale per output channel, sharded with the output channels.
+            self.weight_scale = nnx.Param(scale, out_sharding=P(*spec[:len(out_shape)]),
+                                          eager_sharding=False)
         self.bias = (make_param(rngs, out_shape, dtype,
                                 bias_spec if bias_spec is not None else P(*spec[:len(out_shape)]),
                                 "zeros") if bias else None)
-        self.method = method or UnquantizedLinear()
         self.matmul_add = matmul_add or MatmulAdd()
         # Multi-LoRA's adapter tables (jaxllm/lora/layers.py), attached after loading
         # when LoRA is enabled; None keeps the product exactly the base one.
@@ -91,3 +101,16 @@ class Linear(nnx.Module):
         if self.lora is not None:
             residual = residual + self.lora(x)
         return self.method.apply_add(self, x, residual)
+
+
+def _quantize_traced(method: Any, w: jax.Array, in_dims: int) -> tuple[jax.Array, jax.Array]:
+    """Per-output-channel quantization of a (traced) float weight, as
+    layers/quant.py's host quantizer does it (for dummy weights)."""
+    in_axes = tuple(range(w.ndim - in_dims, w.ndim))
+    qmax = 127.0 if method.weight_dtype == jnp.int8 else 448.0
+    amax = jnp.max(jnp.abs(w), axis=in_axes)
+    scale = jnp.where(amax > 0, amax / qmax, 1.0)
+    scaled = w / scale.reshape(scale.shape + (1,) * in_dims)
+    if method.weight_dtype == jnp.int8:
+        scaled = jnp.round(scaled)
+    return jnp.clip(scaled, -qmax, qmax).astype(method.weight_dtype), scale

@@ -39,6 +39,7 @@ a jitted step pays the host per array it takes.
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Callable
 from typing import Any
 
@@ -54,6 +55,7 @@ from jaxllm.layers.linear import Linear, make_param
 from jaxllm.layers.mlp import SwiGLU
 from jaxllm.layers.moe import SparseMoE
 from jaxllm.layers.norm import RMSNorm, rms_norm
+from jaxllm.layers.quant import FP8_MAX, linear_method
 from jaxllm.models.contract import KVCacheSpec, LogitsHead, WeightSource
 from jaxllm.models.decoder_arch import DecoderArch
 from jaxllm.models.decoder_weights import hf_weight_map
@@ -62,7 +64,8 @@ from jaxllm.models.decoder_weights import hf_weight_map
 def dense_mlp(arch: DecoderArch, layer: int, *, dtype: jnp.dtype, rngs: nnx.Rngs,
               swiglu: SwiGLU, mesh: Mesh | None) -> nnx.Module:
     return GatedMLP(arch.hidden_size, arch.intermediate_size, activation=arch.activation,
-                    bias=arch.mlp_bias, dtype=dtype, rngs=rngs, swiglu=swiglu)
+                    bias=arch.mlp_bias, dtype=dtype, rngs=rngs, swiglu=swiglu,
+                    method=linear_method(arch.quantization))
 
 
 def sparse_moe(arch: DecoderArch, layer: int, *, dtype: jnp.dtype, rngs: nnx.Rngs,
@@ -87,10 +90,12 @@ class DecoderAttention(nnx.Module):
         kv, g, d, h = arch.num_kv_heads, arch.group, arch.head_dim, arch.hidden_size
         self.group = g
         self.qkv_proj = Linear((kv, g + 2, d), (h,), P("model", None, None, None), dtype=dtype,
-                               rngs=rngs, bias=arch.qkv_bias)
+                               rngs=rngs, bias=arch.qkv_bias,
+                               method=linear_method(arch.quantization))
         self.o_proj = Linear((h,), (arch.num_heads, d), P(None, "model", None), dtype=dtype,
                              rngs=rngs, bias=arch.o_bias, bias_spec=P(None),
-                             matmul_add=swiglu.matmul_add)
+                             matmul_add=swiglu.matmul_add,
+                             method=linear_method(arch.quantization))
         self.qk_norm, self.eps, self.offset = arch.qk_norm, arch.rms_norm_eps, arch.norm_offset
         self.rope = arch.ropes[layer]
         self.sm_scale = arch.sm_scale
@@ -102,13 +107,18 @@ class DecoderAttention(nnx.Module):
     def __call__(self, x: jax.Array, positions: jax.Array, kv_cache: jax.Array,
                  md: AttentionMetadata, qk_norms: jax.Array | None, residual: jax.Array,
                  post_norm: jax.Array | None = None, rows: jax.Array | None = None,
-                 write: bool = True) -> tuple[jax.Array, jax.Array]:
+                 write: bool = True, kv_scale: jax.Array | None = None
+                 ) -> tuple[jax.Array, jax.Array]:
         """`residual` plus the attention block's output (for the normed input `x`;
         normed by `post_norm` first where given), and the updated cache.
 
         `rows` (one per request, its last token): every token's K/V still goes to the
         cache, but only those rows' outputs are computed and returned. `write=False`:
         this step's K/V are in the cache already (`DecoderForCausalLM.finish_states`).
+        `kv_scale` `[2]`: an fp8 cache's per-tensor K and V scales (the cache holds
+        K / k_scale and V / v_scale). Applied here, not in the attention bodies:
+        q . (k_scale K) = (k_scale q) . K and P (v_scale V) = v_scale (P V), so every
+        body only upcasts the fp8 tiles it loads.
         """
         qkv = self.qkv_proj(x)
         t, kv_heads, _, d = qkv.shape
@@ -118,6 +128,9 @@ class DecoderAttention(nnx.Module):
             q = rms_norm(q, qk_norms[0], self.eps, self.offset)
             k = rms_norm(k, qk_norms[1], self.eps, self.offset)
         q, k = self.rope(q, positions), self.rope(k, positions)
+        if kv_scale is not None:
+            k, v = _to_fp8_range(k, kv_scale[0]), _to_fp8_range(v, kv_scale[1])
+            q = q * kv_scale[0].astype(q.dtype)
         # The cache holds every layer's pages; this layer's come after the previous ones'.
         page_offset = self.layer * (kv_cache.shape[0] // self.num_layers)
         if write:
@@ -127,9 +140,16 @@ class DecoderAttention(nnx.Module):
         o = self.attn_backend.attend(q, kv_cache, md, sm_scale=self.sm_scale,
                                      sliding_window=self.sliding_window,
                                      soft_cap=self.soft_cap, page_offset=page_offset)
+        if kv_scale is not None:
+            o = o * kv_scale[1].astype(o.dtype)
         if post_norm is None:
             return self.o_proj.add(o, residual), kv_cache
         return residual + rms_norm(self.o_proj(o), post_norm, self.eps, self.offset), kv_cache
+
+
+def _to_fp8_range(x: jax.Array, scale: jax.Array) -> jax.Array:
+    """`x / scale`, saturated to e4m3's finite range (the cache write casts it)."""
+    return jnp.clip(x.astype(jnp.float32) / scale, -FP8_MAX, FP8_MAX)
 
 
 class DecoderLayer(nnx.Module):
@@ -145,8 +165,8 @@ class DecoderLayer(nnx.Module):
 
     def __call__(self, x: jax.Array, positions: jax.Array, kv_cache: jax.Array,
                  md: AttentionMetadata, norms: jax.Array, qk_norms: jax.Array | None,
-                 rows: jax.Array | None = None, write: bool = True
-                 ) -> tuple[jax.Array, jax.Array]:
+                 rows: jax.Array | None = None, write: bool = True,
+                 kv_scale: jax.Array | None = None) -> tuple[jax.Array, jax.Array]:
         """`norms`: this layer's RMSNorm weights `[2 or 4, hidden]` in
         `DecoderArch.norm_names` order; `rows`, `write`: as in `DecoderAttention`
         (the output has `rows`' rows)."""
@@ -155,7 +175,7 @@ class DecoderLayer(nnx.Module):
 
         x, kv_cache = self.self_attn(norm(x, 0), positions, kv_cache, md, qk_norms, residual=x,
                                      post_norm=norms[1] if self.sandwich else None,
-                                     rows=rows, write=write)
+                                     rows=rows, write=write, kv_scale=kv_scale)
         if self.sandwich:
             return x + norm(self.mlp(norm(x, 2), None), 3), kv_cache
         return self.mlp(norm(x, 1), x), kv_cache
@@ -171,8 +191,11 @@ class DecoderForCausalLM(nnx.Module):
 
     def __init__(self, hf_config: Any, *, dtype: str | jnp.dtype, rngs: nnx.Rngs,
                  attn_backend: AttentionBackend, swiglu: SwiGLU | None = None,
-                 tensor_parallel_size: int = 1):
+                 tensor_parallel_size: int = 1, quantization: str | None = None,
+                 kv_cache_dtype: str = "auto"):
         arch = self.arch_from_hf_config(hf_config, tensor_parallel_size)
+        if quantization is not None:  # every attention and dense MLP projection
+            arch = dataclasses.replace(arch, quantization=quantization)
         swiglu = swiglu or SwiGLU()
         dtype = jnp.dtype(dtype)
         self.arch = arch
@@ -195,6 +218,9 @@ class DecoderForCausalLM(nnx.Module):
                         make_param(rngs, (arch.vocab_size, arch.hidden_size), dtype,
                                    P("model", None)))
         self.head_logits = LogitsHead(arch.final_soft_cap)
+        # An fp8 KV cache's per-layer K and V scales (the checkpoint's, else 1.0 as vLLM).
+        self.kv_scales = (make_param(rngs, (arch.num_layers, 2), jnp.float32, P(None, None),
+                                     "ones") if kv_cache_dtype != "auto" else None)
 
     def __call__(self, input_ids: jax.Array, positions: jax.Array, kv_cache: jax.Array,
                  md: AttentionMetadata) -> tuple[jax.Array, jax.Array]:
@@ -249,6 +275,8 @@ class DecoderForCausalLM(nnx.Module):
                md: AttentionMetadata, **kw: Any) -> tuple[jax.Array, jax.Array]:
         i %= len(self.layers)
         qk_norms = None if self.qk_norms is None else self.qk_norms[i]
+        if self.kv_scales is not None:
+            kw["kv_scale"] = self.kv_scales[i]
         return self.layers[i](x, positions, kv_cache, md, self.layer_norms[i], qk_norms, **kw)
 
     @property

@@ -20,6 +20,7 @@ shards, or any `*.safetensors` files in the directory; bf16/fp16/fp32 on disk.
 from __future__ import annotations
 
 import glob
+import inspect
 import json
 import os
 from collections.abc import Callable
@@ -39,6 +40,8 @@ from jaxllm.errors import ParameterError
 from jaxllm.layers.attention_sharded import shard_attention
 from jaxllm.models.contract import KVCacheSpec
 from jaxllm.models.orbax_io import ORBAX_DIR, is_orbax_checkpoint, load_orbax
+from jaxllm.models.quant_load import KV_SCALES, kv_scales, read_source, scale_name
+from jaxllm.models.quant_load import ignored as quant_ignored
 from jaxllm.models.registry import get_model_class
 
 _ST_DTYPES = {
@@ -76,6 +79,16 @@ def _model_factory(model_config: ModelConfig, mesh: Mesh, attn_backend: Any,
     dtype = jnp.dtype(model_config.dtype)
     attn_backend = shard_attention(attn_backend, mesh)
     layout = {} if tp == 1 else {"tensor_parallel_size": tp}
+    quantization = getattr(model_config, "quantization", None)
+    accepts = inspect.signature(cls.__init__).parameters
+    if quantization is not None:
+        if "quantization" not in accepts:
+            raise ParameterError("quantization", f"{cls.__name__} has no quantized form")
+        layout["quantization"] = quantization
+    if getattr(model_config, "kv_cache_dtype", "auto") != "auto":
+        if "kv_cache_dtype" not in accepts:
+            raise ParameterError("kv_cache_dtype", f"{cls.__name__} keeps no KV cache")
+        layout["kv_cache_dtype"] = model_config.kv_cache_dtype
 
     def create() -> nnx.Module:
         return cls(hf_config, dtype=dtype, rngs=nnx.Rngs(model_config.seed),
@@ -107,7 +120,14 @@ def load_model(model_config: ModelConfig, mesh: Mesh, attn_backend: Any,
         values = jax.jit(lambda: nnx.to_pure_dict(nnx.state(create())),
                          out_shardings=shardings)()
     elif uses_orbax(model_config):
-        values = load_orbax(model_config.model, hf_config, state, shardings, tp)
+        # An fp8 KV cache's scales are not weights a conversion stores: 1.0 (vLLM's default).
+        kv = KV_SCALES[0]
+        weights = nnx.State({k: v for k, v in state.items() if k != kv})
+        values = load_orbax(model_config.model, hf_config, weights,
+                            {k: v for k, v in shardings.items() if k != kv}, tp)
+        if kv in state:
+            values[kv] = _place(np.ones(state[kv].get_value().shape, np.float32),
+                                shardings[kv])
     else:
         values = _load_safetensors(cls, hf_config, model_config.model, state, shardings, tp)
     nnx.replace_by_pure_dict(state, values)
@@ -187,33 +207,51 @@ def _load_safetensors(cls: type, hf_config: Any, model_dir: str, state: nnx.Stat
     variables = dict(nnx.to_flat_state(state))
     available = ckpt.names()
     needed = {name for src in sources for name in src.tensors}
+    needed |= {scale for name in needed if (scale := scale_name(available, name))}
     missing = sorted(needed - available)
     if missing:
         more = f" (and {len(missing) - 1} more)" if len(missing) > 1 else ""
         raise ParameterError("model", f"checkpoint {model_dir!r} is missing tensor "
                              f"{missing[0]!r}{more}")
-    unexpected = sorted(n for n in available - needed if not cls.hf_ignored_tensor(hf_config, n))
+    unexpected = sorted(n for n in available - needed
+                        if not (cls.hf_ignored_tensor(hf_config, n) or quant_ignored(n)))
     if unexpected:
         more = f" (and {len(unexpected) - 1} more)" if len(unexpected) > 1 else ""
         raise ParameterError("model", f"checkpoint {model_dir!r} has unexpected tensor "
                              f"{unexpected[0]!r}{more}, which {cls.__name__} does not use")
-    unsourced = sorted(str(p) for p in set(variables) - {src.path for src in sources})
+    sourced = {src.path for src in sources}
+    sourced |= {p[:-1] + ("weight_scale",) for p in sourced if p[-1] == "weight"}
+    sourced.add(KV_SCALES)
+    unsourced = sorted(str(p) for p in set(variables) - sourced)
     if unsourced:
         raise RuntimeError(f"{cls.__name__} parameters without a checkpoint source: {unsourced}")
 
     values: dict = {}
     with tqdm(total=len(needed), desc="Loading safetensors", unit="tensor") as bar:
         for src in sources:
-            var = variables[src.path]
-            want = var.get_value()
-            host = src.combine([ckpt.read(name) for name in src.tensors])
+            want = variables[src.path].get_value()
+            scale_path = src.path[:-1] + ("weight_scale",)
+            scale_var = variables.get(scale_path) if src.path[-1] == "weight" else None
+            kind = None
+            if scale_var is not None:
+                kind = "int8" if want.dtype == jnp.int8 else "fp8"
+            in_dims = len(want.shape) - (0 if scale_var is None
+                                         else len(scale_var.get_value().shape))
+            host, scale = read_source(src, ckpt.read, available, hf_config, kind, in_dims)
             if tuple(host.shape) != tuple(want.shape):
                 raise ParameterError(
                     "model", f"tensor(s) {', '.join(src.tensors)} in {model_dir!r} give shape "
                     f"{tuple(host.shape)}, but config.json implies {tuple(want.shape)}")
             host = host.astype(want.dtype, copy=False)
             values[src.path] = _place(host, _lookup(shardings, src.path))
+            if scale is not None:
+                values[scale_path] = _place(scale.astype(np.float32),
+                                            _lookup(shardings, scale_path))
             bar.update(len(src.tensors))
+    if KV_SCALES in variables:  # an fp8 KV cache's scales: the checkpoint's or 1.0
+        num_layers = variables[KV_SCALES].get_value().shape[0]
+        values[KV_SCALES] = _place(kv_scales(ckpt.read, available, num_layers),
+                                   _lookup(shardings, KV_SCALES))
     return _nest(values)
 
 

@@ -48,6 +48,8 @@ class OrbaxMetadata:
     dtype: str
     tensor_parallel_size: int
     kv_head_replicas: int
+    # "fp8" / "int8": projections stored quantized (config.py reads this file for it)
+    quantization: str | None = None
 
 
 def is_orbax_checkpoint(model_dir: str) -> bool:
@@ -70,7 +72,8 @@ def read_metadata(model_dir: str) -> OrbaxMetadata:
 
 
 def save_orbax(model: nnx.Module, hf_config: Any, source_dir: str, out_dir: str,
-               dtype: str, tensor_parallel_size: int) -> None:
+               dtype: str, tensor_parallel_size: int, quantization: str | None = None
+               ) -> None:
     """Writes `model`'s weights (already placed on the mesh) and the source's config and
     tokenizer files to `out_dir`; config.json's dtype becomes `dtype`, so that
     dtype='auto' restores the weights as stored."""
@@ -89,6 +92,9 @@ def save_orbax(model: nnx.Module, hf_config: Any, source_dir: str, out_dir: str,
     with open(cfg_path) as f:
         cfg = json.load(f)
     cfg["torch_dtype"] = cfg["dtype"] = dtype
+    # Weights are stored in jaxllm's layout: a source FP8 checkpoint's format no longer
+    # describes them (the quantization is in METADATA_FILE).
+    cfg.pop("quantization_config", None)
     with open(cfg_path, "w") as f:
         json.dump(cfg, f, indent=2)
 
@@ -97,7 +103,7 @@ def save_orbax(model: nnx.Module, hf_config: Any, source_dir: str, out_dir: str,
                    _string_keys(nnx.to_pure_dict(nnx.state(model))))
         ckptr.wait_until_finished()
     meta = OrbaxMetadata(FORMAT_VERSION, dtype, tensor_parallel_size,
-                         kv_head_replicas(hf_config, tensor_parallel_size))
+                         kv_head_replicas(hf_config, tensor_parallel_size), quantization)
     with open(os.path.join(out_dir, METADATA_FILE), "w") as f:
         json.dump(asdict(meta), f, indent=2)
 

@@ -38,6 +38,7 @@ from jaxllm.distributed.mesh import make_mesh
 from jaxllm.layers.attention import get_attention_backend
 from jaxllm.layers.mlp import get_swiglu
 from jaxllm.models.loader import kv_cache_spec, load_model
+from jaxllm.quant_config import kv_cache_dtype
 from jaxllm.sample.logprobs import LogprobsLists
 from jaxllm.sample.sampler import SamplerOutput
 from jaxllm.worker.aot_cache import ExecutableCache
@@ -130,7 +131,7 @@ class ModelRunner:
         self.num_layers, self.num_kv_heads, self.head_dim = kv_cache_spec(
             mc.hf_config, self.mesh.shape["model"])
         kv = PagedKVCache(self.attn_backend, self.mesh, self.num_layers, self.num_kv_heads,
-                          self.head_dim, cc.block_size, self.dtype)
+                          self.head_dim, cc.block_size, jnp.dtype(kv_cache_dtype(mc)))
         # The caller hands this count to the scheduler (EngineCore).
         self.num_kv_blocks = kv.num_blocks(
             cc, sc.max_num_seqs, mc.max_model_len,

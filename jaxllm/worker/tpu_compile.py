@@ -42,6 +42,7 @@ from jaxllm.distributed.tpu_topology import hbm_bytes_per_device
 from jaxllm.errors import ParameterError
 from jaxllm.layers.mlp import SwiGLU, get_swiglu
 from jaxllm.models.loader import abstract_model, kv_cache_spec
+from jaxllm.quant_config import kv_cache_dtype
 from jaxllm.sample.metadata import SamplingMetadata, variant_metadata
 from jaxllm.sample.staged import STAGED, is_plain
 from jaxllm.worker.aot_cache import ExecutableCache
@@ -228,7 +229,8 @@ def compile_programs(config: EngineConfig, devices: Sequence[jax.Device], target
     b = Buckets.make(sc.max_num_batched_tokens, sc.max_num_seqs, mc.max_model_len,
                      cc.block_size, config.token_buckets, config.request_buckets)
     num_layers, num_kv_heads, head_dim = kv_cache_spec(mc.hf_config, pc.tensor_parallel_size)
-    kv = PagedKVCache(attn, mesh, num_layers, num_kv_heads, head_dim, cc.block_size, dtype)
+    kv_dtype = jnp.dtype(kv_cache_dtype(mc))
+    kv = PagedKVCache(attn, mesh, num_layers, num_kv_heads, head_dim, cc.block_size, kv_dtype)
     reserve = activation_reserve(mc.hf_config, b.token_buckets[-1], b.request_buckets[-1],
                                  mc.vocab_size, dtype, PROMPT_LOGPROBS_ROWS)
     hbm = hbm_bytes_per_device(devices[0]) if platform == "tpu" else 0
@@ -238,7 +240,7 @@ def compile_programs(config: EngineConfig, devices: Sequence[jax.Device], target
                                memory_stats=stats)
     cache_shape = attn.kv_cache_shape(num_layers * num_blocks, cc.block_size, num_kv_heads,
                                       head_dim)
-    kv_cache = jax.ShapeDtypeStruct(cache_shape, dtype,
+    kv_cache = jax.ShapeDtypeStruct(cache_shape, kv_dtype,
                                     sharding=kv_cache_sharding(mesh, attn))
     kv_bytes = _shard_bytes(kv_cache)
     resident = weight_bytes + kv_bytes

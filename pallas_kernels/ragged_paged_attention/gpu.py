@@ -288,6 +288,8 @@ def _kernel(item_req_ref, item_tok_ref, cu_ref, kvlen_ref, pidx_ref, off_ref, q_
             else:
                 k = _load(kv_ref, (krow, kd_iota), eviction_policy=evict)
                 v = _load(kv_ref, (krow + page_size, kd_iota), eviction_policy=evict)
+            if k.dtype != q.dtype:  # an fp8 cache: its scales are applied outside the kernel
+                k, v = k.astype(q.dtype), v.astype(q.dtype)
             s = lax.dot_general(q, k, (((1,), (1,)), ((), ())), precision=precision,
                                 preferred_element_type=jnp.float32)
             s = s * scale

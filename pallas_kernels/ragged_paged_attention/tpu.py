@@ -184,6 +184,8 @@ def _kernel(kvlen_ref, pidx_ref, cu_ref, nseq_ref, lo_ref, hi_ref,  # scalar pre
             q = q_ref[h]
             k = kv_buf[slot, 2 * h]
             v = kv_buf[slot, 2 * h + 1]
+            if k.dtype != q.dtype:  # an fp8 cache: its scales are applied outside the kernel
+                k, v = k.astype(q.dtype), v.astype(q.dtype)
             s = lax.dot_general(q, k, (((1,), (1,)), ((), ())), precision=precision,
                                 preferred_element_type=jnp.float32) * sm_scale
             if soft_cap is not None:

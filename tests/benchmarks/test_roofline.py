@@ -202,3 +202,55 @@ def test_qwen3_30b_a3b_decode_reads_about_3b_parameters_at_batch_1_and_all_at_ba
     # Split over 2 devices (expert parallel), each reads half.
     assert step_floor(one, params, hf, bw=1.0, peak=float("inf"), tp=2,
                       link_bw=float("inf")) == pytest.approx(active)
+
+
+def test_weight_bytes_count_quantized_projections_at_one_byte_plus_their_scales(tmp_path):
+    import dataclasses
+
+    from flax import nnx
+
+    from jaxllm.benchmarks.common import param_count, weight_bytes
+    from jaxllm.distributed.mesh import make_mesh
+    from jaxllm.layers.attention import get_attention_backend
+    from jaxllm.models.loader import load_model
+    from tests.models.test_model_parity import model_config
+    from tests.models.tiny_checkpoints import make_tiny_checkpoint
+
+    model_dir = make_tiny_checkpoint(tmp_path, arch="llama")  # float32, untied
+    mc = dataclasses.replace(model_config(model_dir), quantization="fp8")
+    state = nnx.state(load_model(mc, make_mesh(1, hf_config=mc.hf_config),
+                                 get_attention_backend("reference")))
+    h, inter, layers, heads, kv, d, vocab = 64, 128, 2, 4, 2, 16, 256
+    projections = layers * (h * (heads + 2 * kv) * d + heads * d * h + 3 * h * inter)
+    channels = layers * ((heads + 2 * kv) * d + h + 2 * inter + h)  # one scale per row
+    floats = 2 * vocab * h + h + layers * 2 * h  # embeddings, lm_head and norms
+    assert weight_bytes(state) == projections * 1 + channels * 4 + floats * 4
+    assert param_count(state) == projections + channels + floats
+
+
+def test_step_floor_reads_weights_as_held_and_runs_projections_at_the_linear_peak():
+    hf = _llama_3_8b()
+    params = 8_030_261_248
+    embed = hf.vocab_size * hf.hidden_size
+    # A decode step of 1 token at no context: bandwidth-bound; the weights' bytes count.
+    dec = StepRecord(num_tokens=1, padded_tokens=1, num_reqs=1, kv_tokens=0, attn_pairs=0)
+    bf16 = step_floor(dec, params, hf, bw=1e12, peak=float("inf"))
+    assert bf16 == pytest.approx(2 * params / 1e12)
+    fp8_bytes = (params - 2 * embed) * 1 + 2 * embed * 2
+    assert step_floor(dec, params, hf, bw=1e12, peak=float("inf"),
+                      weight_nbytes=fp8_bytes) == pytest.approx(fp8_bytes / 1e12)
+    # A long prefill is compute-bound: with the projections at twice the peak, their
+    # FLOPs take half the time while the LM head's and attention's do not change.
+    pre = StepRecord(num_tokens=4096, padded_tokens=4096, num_reqs=1, kv_tokens=4096,
+                     attn_pairs=4096 * 4097 // 2)
+    same = step_floor(pre, params, hf, bw=float("inf"), peak=1e15)
+    assert step_floor(pre, params, hf, bw=float("inf"), peak=1e15,
+                      linear_peak=1e15) == pytest.approx(same, rel=1e-12)
+    head_dim = hf.hidden_size // hf.num_attention_heads
+    attn = 4 * hf.num_attention_heads * head_dim * (
+        (hf.num_hidden_layers - 1) * pre.attn_pairs + pre.kv_tokens)
+    head = 2 * embed * 1
+    linear = same * 1e15 - attn - head
+    fast = step_floor(pre, params, hf, bw=float("inf"), peak=1e15, linear_peak=2e15)
+    assert fast == pytest.approx(linear / 2e15 + (attn + head) / 1e15, rel=1e-9)
+    assert fast < 0.6 * same

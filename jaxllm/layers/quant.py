@@ -1,0 +1,130 @@
+"""Quantized linear methods: int8 weight-only and FP8 (e4m3) W8A8.
+
+A quantized `Linear` (layers/linear.py) stores its weight `[*out, *in]` in the
+method's `weight_dtype` next to a float32 `weight_scale` `[*out]`, one scale per
+output channel, sharded with the output channels; the real weight is
+`weight * weight_scale[..., None]`. Both methods leave the activations' dtype
+as it comes and return it:
+
+  * `Int8WeightOnly` (`--quantization int8`): the int8 weight is upcast to the
+    activations' dtype inside the product (XLA fuses the convert into the dot),
+    accumulated in float32, and scaled per output channel.
+  * `Fp8Linear` (`--quantization fp8`): activations get a dynamic per-token
+    scale (`amax / 448` over the token's input features), both operands go to
+    float8_e4m3fn and the dot takes fp8 operands with a float32 result (XLA's
+    FP8 GEMM on Hopper; upcast elsewhere), then both scales are applied.
+
+The host-side quantizers (`quantize_per_channel`) are what the loader uses on
+a float checkpoint; they round the same way on every host.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import string
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import ml_dtypes
+import numpy as np
+
+from jaxllm.errors import ParameterError
+
+QUANTIZATIONS = ("fp8", "int8")
+FP8_MAX = float(ml_dtypes.finfo(ml_dtypes.float8_e4m3fn).max)  # 448
+INT8_MAX = 127.0
+
+
+def _einsum_spec(x_ndim_in: int, w_ndim: int) -> str:
+    letters = string.ascii_lowercase
+    ins, outs = letters[:x_ndim_in], letters[x_ndim_in:w_ndim]
+    return f"T{ins},{outs}{ins}->T{outs}"
+
+
+class _QuantizedMethod:
+    """`Linear`'s method interface (layers/linear.py) over `product`."""
+
+    def apply(self, layer: Any, x: jax.Array) -> jax.Array:
+        out = self.product(x, layer.weight[...], layer.weight_scale[...], layer.in_dims)
+        return out if layer.bias is None else out + layer.bias[...]
+
+    def apply_add(self, layer: Any, x: jax.Array, residual: jax.Array) -> jax.Array:
+        # The fused matmul-add kernel reads float weights only: a plain add here.
+        return residual + self.apply(layer, x)
+
+
+@dataclasses.dataclass(frozen=True)
+class Int8WeightOnly(_QuantizedMethod):
+    """`x @ (int8 W * scale).T` with the scale applied after the float32 accumulation."""
+
+    name = "int8"
+    weight_dtype = jnp.dtype(jnp.int8)
+
+    def product(self, x: jax.Array, w: jax.Array, scale: jax.Array, in_dims: int) -> jax.Array:
+        out = jnp.einsum(_einsum_spec(in_dims, w.ndim), x, w.astype(x.dtype),
+                         preferred_element_type=jnp.float32)
+        return (out * scale).astype(x.dtype)
+
+    def quantize(self, w: np.ndarray, in_dims: int) -> tuple[np.ndarray, np.ndarray]:
+        return quantize_per_channel(w, in_dims, "int8")
+
+
+@dataclasses.dataclass(frozen=True)
+class Fp8Linear(_QuantizedMethod):
+    """W8A8 e4m3: per-output-channel weight scales, dynamic per-token activation scales."""
+
+    name = "fp8"
+    weight_dtype = jnp.dtype(jnp.float8_e4m3fn)
+
+    def product(self, x: jax.Array, w: jax.Array, scale: jax.Array, in_dims: int) -> jax.Array:
+        xf = x.astype(jnp.float32)
+        in_axes = tuple(range(1, 1 + in_dims))
+        amax = jnp.max(jnp.abs(xf), axis=in_axes, keepdims=True)
+        x_scale = jnp.maximum(amax, 1e-12) / FP8_MAX  # an all-zero token stays zero
+        xq = (xf / x_scale).astype(jnp.float8_e4m3fn)
+        out = jnp.einsum(_einsum_spec(in_dims, w.ndim), xq, w,
+                         preferred_element_type=jnp.float32)
+        x_scale = x_scale.reshape(x.shape[0], *([1] * (out.ndim - 1)))
+        return (out * x_scale * scale).astype(x.dtype)
+
+    def quantize(self, w: np.ndarray, in_dims: int) -> tuple[np.ndarray, np.ndarray]:
+        return quantize_per_channel(w, in_dims, "fp8")
+
+
+METHODS = {"int8": Int8WeightOnly(), "fp8": Fp8Linear()}
+
+
+def linear_method(quantization: str | None):
+    """The `Linear` method for a `--quantization` value (None: the plain product)."""
+    if quantization is None:
+        return None
+    try:
+        return METHODS[quantization]
+    except KeyError:
+        raise ParameterError("quantization", f"must be one of {QUANTIZATIONS} or None, "
+                             f"got {quantization!r}") from None
+
+
+def quantize_per_channel(w: np.ndarray, in_dims: int, kind: str
+                         ) -> tuple[np.ndarray, np.ndarray]:
+    """`(q, scale)` with `q * scale[..., None...] ~= w`: one float32 scale per output
+    channel (the leading `w.ndim - in_dims` axes), `amax / qmax` over the trailing
+    input axes (a zero channel gets scale 1)."""
+    w = np.asarray(w, np.float32)
+    in_axes = tuple(range(w.ndim - in_dims, w.ndim))
+    amax = np.max(np.abs(w), axis=in_axes)
+    qmax = INT8_MAX if kind == "int8" else FP8_MAX
+    scale = np.where(amax > 0, amax / qmax, 1.0).astype(np.float32)
+    scaled = w / scale.reshape(scale.shape + (1,) * in_dims)
+    if kind == "int8":
+        q = np.clip(np.rint(scaled), -INT8_MAX, INT8_MAX).astype(np.int8)
+    else:
+        q = np.clip(scaled, -FP8_MAX, FP8_MAX).astype(ml_dtypes.float8_e4m3fn)
+    return q, scale
+
+
+def dequantize(q: np.ndarray, scale: np.ndarray) -> np.ndarray:
+    """The float32 weight a quantized (weight, per-output-channel scale) pair stands for."""
+    scale = np.asarray(scale, np.float32)
+    return q.astype(np.float32) * scale.reshape(scale.shape + (1,) * (q.ndim - scale.ndim))

@@ -1,0 +1,67 @@
+"""Which weight quantization and KV cache dtype an engine runs (`EngineArgs`' checks).
+
+`quantization`: None, "fp8" or "int8" (jaxllm/layers/quant.py), or what the
+checkpoint's `quantization_config` (or a jaxllm orbax checkpoint's metadata)
+says; `kv_cache_dtype`: vLLM's "auto" (the model dtype), "fp8" / "fp8_e4m3".
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from typing import Any
+
+from jaxllm.errors import ParameterError
+
+_QUANTIZATIONS = ("fp8", "int8")
+KV_CACHE_DTYPES = ("auto", "fp8", "fp8_e4m3")  # vLLM's names; fp8 is e4m3
+
+
+def kv_cache_dtype(model_config: Any) -> str:
+    """The KV cache's dtype: the model's for "auto", else float8_e4m3fn."""
+    return model_config.dtype if model_config.kv_cache_dtype == "auto" else "float8_e4m3fn"
+
+
+def _checkpoint_quantization(raw: dict) -> str | None:
+    """The quantization a config.json's `quantization_config` implies (None: float
+    weights): transformers' / vLLM's `quant_method: "fp8"`, or compressed-tensors with
+    8-bit float weights."""
+    qc = raw.get("quantization_config")
+    if not qc:
+        return None
+    method = qc.get("quant_method")
+    if method == "fp8":
+        return "fp8"
+    if method == "compressed-tensors":
+        for group in (qc.get("config_groups") or {}).values():
+            weights = group.get("weights") or {}
+            if weights.get("type") != "float" or weights.get("num_bits") != 8:
+                raise ParameterError("config.json:quantization_config",
+                                     "compressed-tensors is read for 8-bit float weights "
+                                     f"only, got {weights}")
+        return "fp8"
+    raise ParameterError("config.json:quantization_config",
+                         f"quant_method {method!r} is not supported (supported: 'fp8', "
+                         "'compressed-tensors' with 8-bit float weights)")
+
+
+def resolve_quantization(requested: str | None, kv_cache_dtype: str, raw: dict,
+                         model: str) -> dict[str, Any]:
+    """ModelConfig's `quantization` and `kv_cache_dtype` for the requested values and
+    the checkpoint (config.json `raw` in directory `model`)."""
+    if kv_cache_dtype not in KV_CACHE_DTYPES:
+        raise ParameterError("kv_cache_dtype", f"must be one of {KV_CACHE_DTYPES}, got "
+                             f"{kv_cache_dtype!r}")
+    if requested is not None and requested not in _QUANTIZATIONS:
+        raise ParameterError("quantization", f"must be one of {_QUANTIZATIONS} or None, "
+                             f"got {requested!r}")
+    stored = _checkpoint_quantization(raw)
+    orbax_meta = os.path.join(model, "jaxllm_orbax.json")  # models/orbax_io.py's metadata
+    if stored is None and os.path.isfile(orbax_meta):
+        with open(orbax_meta) as f:
+            stored = json.load(f).get("quantization")
+    if stored is not None and requested not in (None, stored):
+        # As vLLM: a quantized checkpoint runs in its own format.
+        raise ParameterError("quantization", f"{requested!r}, but the checkpoint is already "
+                             f"quantized as {stored!r}")
+    return {"quantization": requested or stored, "kv_cache_dtype": kv_cache_dtype}
