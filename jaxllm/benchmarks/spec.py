@@ -77,8 +77,8 @@ def synthetic_step(b: int, q: int, ctx: int, buckets, block_size: int, vocab: in
 def verify_times(args: argparse.Namespace, b: int, ks: list[int]) -> dict:
     """Median seconds of a decode step and of a verify step for each k, at batch `b`."""
     from jaxllm import LLM
-    from jaxllm.config import SpeculativeConfig
     from jaxllm.sample.metadata import variant_metadata
+    from jaxllm.spec_decode.config import SpeculativeConfig
     from jaxllm.worker.spec_verify import SpecVerifier
 
     k_max, bs, ctx = max(ks), args.block_size, args.context_len

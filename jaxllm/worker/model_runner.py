@@ -1,9 +1,8 @@
 """The model runner: dispatch one scheduled step to the device, and collect its results.
 
-It owns the weights, the paged KV cache (sized and allocated by kv_cache.py)
-and the persistent InputBatch; the programs a step runs, their precompile and
-caches live in programs.py, the packing of a step's inputs in step_inputs.py
-and the sampler the programs call in sample/.
+It owns the weights, the paged KV cache (kv_cache.py) and the persistent InputBatch;
+the programs a step runs, their precompile and caches live in programs.py, the
+packing of a step's inputs in step_inputs.py and the sampler in sample/.
 
 Per step it packs a SchedulerOutput into padded device inputs (one packed
 array), runs the forward for the token bucket, which also gathers the last

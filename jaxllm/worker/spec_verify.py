@@ -28,13 +28,13 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
-from jaxllm.config import SpeculativeConfig
 from jaxllm.core.runner_output import ModelRunnerOutput
 from jaxllm.sample.logprobs import LogprobsLists
 from jaxllm.sample.metadata import SamplingMetadata, variant_metadata
 from jaxllm.sample.rejection_sampler import rejection_sample
 from jaxllm.sample.sampler import gather_logprobs
 from jaxllm.sampling_params import MAX_LOGPROBS
+from jaxllm.spec_decode.config import SpeculativeConfig
 from jaxllm.spec_decode.ngram import propose_ngram
 from jaxllm.worker.buckets import Buckets
 from jaxllm.worker.step_inputs import unpack_step_inputs

@@ -4,9 +4,10 @@ import argparse
 
 import pytest
 
-from jaxllm.config import EngineArgs, SpeculativeConfig
+from jaxllm.config import EngineArgs
 from jaxllm.entrypoints.arg_utils import add_engine_args, engine_args_from
 from jaxllm.errors import ParameterError
+from jaxllm.spec_decode.config import SpeculativeConfig
 
 
 def test_ngram_config_takes_vllms_fields_and_defaults_one_lookup_bound_from_the_other():
