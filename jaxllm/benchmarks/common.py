@@ -60,8 +60,8 @@ def measure_matmul_peak(n: int = 8192, dtype: str = "bfloat16") -> float:
     return 2 * n**3 / t
 
 
-def measure_allreduce_seconds(devices: Any, nbytes: int) -> float:
-    """Median seconds of one jitted psum of `nbytes` of bf16 on each of `devices`."""
+def _psum_operand(devices: Any, nbytes: int) -> tuple[Any, jax.Array]:
+    """A mesh over `devices` (axis "x") and `nbytes` of bf16 on each of them."""
     from jax.sharding import Mesh, NamedSharding
     from jax.sharding import PartitionSpec as P
 
@@ -73,6 +73,14 @@ def measure_allreduce_seconds(devices: Any, nbytes: int) -> float:
     # Made in place, each device its own row: no device holds all n buffers at once.
     x = jax.jit(lambda: jnp.ones((n, max(nbytes // 2, 1)), jnp.bfloat16),
                 out_shardings=NamedSharding(mesh, P("x")))()
+    return mesh, x
+
+
+def measure_allreduce_seconds(devices: Any, nbytes: int) -> float:
+    """Median seconds of one jitted psum of `nbytes` of bf16 on each of `devices`."""
+    from jax.sharding import PartitionSpec as P
+
+    mesh, x = _psum_operand(devices, nbytes)
     psum = jax.jit(jax.shard_map(lambda b: jax.lax.psum(b, "x"), mesh=mesh,
                                  in_specs=P("x"), out_specs=P("x")))
     t = median_time(psum, x, iters=5, reps=5)
@@ -85,16 +93,9 @@ def measure_allreduce_chain_seconds(devices: Any, nbytes: int, chain: int = 64) 
     a jitted chain of `chain` dependent psums, less the same program without them,
     over `chain`. A lone jitted psum (`measure_allreduce_seconds`) also times the
     host's launch on every device, which a step pays once, not per all-reduce."""
-    from jax.sharding import Mesh, NamedSharding
     from jax.sharding import PartitionSpec as P
 
-    devices = list(devices)
-    n = len(devices)
-    if n < 2:
-        raise ValueError(f"devices: an all-reduce needs at least 2, got {n}")
-    mesh = Mesh(np.asarray(devices), ("x",))
-    x = jax.jit(lambda: jnp.ones((n, max(nbytes // 2, 1)), jnp.bfloat16),
-                out_shardings=NamedSharding(mesh, P("x")))()
+    mesh, x = _psum_operand(devices, nbytes)
 
     def program(links: int) -> Any:
         def body(b: jax.Array) -> jax.Array:

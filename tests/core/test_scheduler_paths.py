@@ -16,12 +16,14 @@ from jaxllm.core.runner_output import ModelRunnerOutput
 from jaxllm.core.sched_output import SchedulerOutput
 from jaxllm.core.scheduler import Scheduler
 from jaxllm.sampling_params import PoolingParams, SamplingParams
+from jaxllm.spec_decode.config import SpeculativeConfig
 from tests.core.scheduler_workloads import scheduler_shapes
 
 VOCAB, EOS = 16, 0
 
 
-def make_scheduler(w: dict, vectorized: bool) -> Scheduler:
+def make_scheduler(w: dict, vectorized: bool,
+                   speculative_config: SpeculativeConfig | None = None) -> Scheduler:
     model = ModelConfig(model="fake", tokenizer="fake", dtype="float32",
                         max_model_len=w["max_model_len"], seed=0, skip_tokenizer_init=True,
                         load_format="dummy", served_model_name="fake", hf_config=None)
@@ -33,7 +35,7 @@ def make_scheduler(w: dict, vectorized: bool) -> Scheduler:
             max_num_seqs=w["max_num_seqs"], max_num_batched_tokens=w["max_num_batched_tokens"],
             max_model_len=w["max_model_len"], enable_chunked_prefill=w["chunked"],
             policy=w["policy"], long_prefill_token_threshold=w["threshold"]),
-        parallel_config=ParallelConfig()))
+        parallel_config=ParallelConfig(), speculative_config=speculative_config))
     sched.vectorized = vectorized
     sched.check_invariants = True
     return sched

@@ -16,11 +16,6 @@ from hypothesis import HealthCheck, event, given, settings
 from hypothesis import strategies as st
 
 from jaxllm.config import (
-    CacheConfig,
-    EngineConfig,
-    ModelConfig,
-    ParallelConfig,
-    SchedulerConfig,
     SpeculativeConfig,
 )
 from jaxllm.core.messages import LogprobsLists
@@ -39,21 +34,9 @@ from tests.core.test_scheduler_paths import (
 
 
 def make_spec_scheduler(w: dict) -> Scheduler:
-    model = ModelConfig(model="fake", tokenizer="fake", dtype="float32",
-                        max_model_len=w["max_model_len"], seed=0, skip_tokenizer_init=True,
-                        load_format="dummy", served_model_name="fake", hf_config=None)
-    sched = Scheduler(EngineConfig(
-        model_config=model,
-        cache_config=CacheConfig(block_size=w["block_size"], enable_prefix_caching=w["caching"],
-                                 num_blocks=w["num_blocks"]),
-        scheduler_config=SchedulerConfig(
-            max_num_seqs=w["max_num_seqs"], max_num_batched_tokens=w["max_num_batched_tokens"],
-            max_model_len=w["max_model_len"], enable_chunked_prefill=w["chunked"],
-            policy=w["policy"], long_prefill_token_threshold=w["threshold"]),
-        parallel_config=ParallelConfig(),
-        speculative_config=SpeculativeConfig(num_speculative_tokens=w["k"])))
-    sched.check_invariants = True
-    return sched
+    # Speculating requests take the per-request path.
+    return make_scheduler(w, vectorized=False,
+                          speculative_config=SpeculativeConfig(num_speculative_tokens=w["k"]))
 
 
 class DraftingRunner:
