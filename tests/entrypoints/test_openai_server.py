@@ -453,6 +453,24 @@ def test_metrics_count_prefix_hits_tokens_and_requests_of_a_repeated_prompt(serv
         m2["jaxllm:prefix_cache_hits_total"] / m2["jaxllm:prefix_cache_queries_total"])
 
 
+def test_decoder_embeddings_over_http_are_the_normalized_last_hidden_state(client, server):
+    import numpy as np
+    import torch
+    from transformers import AutoModel
+
+    prompts = [[5, 6, 7, 8], [9, 10]]
+    resp = client.embeddings.create(model=MODEL, input=prompts, encoding_format="float")
+    assert resp.usage.prompt_tokens == 6
+    # The model directory: /v1/models' root.
+    root = httpx.get(server.url + "/v1/models", headers={"Authorization": f"Bearer {API_KEY}"},
+                     timeout=30).json()["data"][0]["root"]
+    hf = AutoModel.from_pretrained(root, dtype=torch.float32)
+    for d, p in zip(resp.data, prompts, strict=True):
+        with torch.no_grad():
+            ref = hf(torch.tensor([p])).last_hidden_state[0, -1].numpy()
+        np.testing.assert_allclose(d.embedding, ref / np.linalg.norm(ref), atol=1e-4)
+
+
 def test_sigterm_finishes_in_flight_requests_and_leaves_no_process(server, client):
     # Runs last: it stops the module's server.
     result = {}
@@ -476,21 +494,3 @@ def test_sigterm_finishes_in_flight_requests_and_leaves_no_process(server, clien
     assert len(result["ids"]) == 200
     assert server.proc.wait(30) == 0
     assert server.engine_pid is not None and not pid_alive(server.engine_pid)
-
-
-def test_decoder_embeddings_over_http_are_the_normalized_last_hidden_state(client, server):
-    import numpy as np
-    import torch
-    from transformers import AutoModel
-
-    prompts = [[5, 6, 7, 8], [9, 10]]
-    resp = client.embeddings.create(model=MODEL, input=prompts, encoding_format="float")
-    assert resp.usage.prompt_tokens == 6
-    # The model directory: /v1/models' root.
-    root = httpx.get(server.url + "/v1/models", headers={"Authorization": f"Bearer {API_KEY}"},
-                     timeout=30).json()["data"][0]["root"]
-    hf = AutoModel.from_pretrained(root, dtype=torch.float32)
-    for d, p in zip(resp.data, prompts, strict=True):
-        with torch.no_grad():
-            ref = hf(torch.tensor([p])).last_hidden_state[0, -1].numpy()
-        np.testing.assert_allclose(d.embedding, ref / np.linalg.norm(ref), atol=1e-4)
