@@ -12,3 +12,18 @@ os.environ.setdefault("JAXLLM_CHECK_INVARIANTS", "1")
 import jax  # noqa: E402
 
 jax.config.update("jax_default_matmul_precision", "highest")
+
+import gc  # noqa: E402
+
+import pytest  # noqa: E402
+
+
+@pytest.fixture(autouse=True, scope="module")
+def _release_compiled_programs():
+    """Drops every compiled program after each test module. One pytest process runs the
+    whole suite, and each CPU executable keeps its own memory mappings; kept for the
+    whole run they approach the kernel's per-process mapping limit, and the process
+    then crashes in a later module's compile."""
+    yield
+    gc.collect()
+    jax.clear_caches()
