@@ -126,6 +126,9 @@ class _FakeEngine:
         generation_defaults: dict = {}
         supported_tasks = ("generate",)
 
+    class config:  # noqa: N801 - the server reads its LoRA settings from it
+        lora_config = None
+
     def get_tokenizer(self):
         return None
 
