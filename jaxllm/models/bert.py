@@ -28,9 +28,9 @@ from flax import nnx
 from jax.sharding import PartitionSpec as P
 
 from jaxllm.errors import ParameterError
+from jaxllm.layers.linear import make_param as _param
 from jaxllm.models.contract import WeightSource
 
-_INIT_STD = 0.02  # dummy weights: small enough that activations stay finite
 _ACTIVATIONS = {"gelu": lambda x: jax.nn.gelu(x, approximate=False),
                 "gelu_new": lambda x: jax.nn.gelu(x, approximate=True),
                 "gelu_pytorch_tanh": lambda x: jax.nn.gelu(x, approximate=True),
@@ -76,15 +76,6 @@ class BertArch:
                    type_vocab_size=int(getattr(cfg, "type_vocab_size", 2) or 1),
                    layer_norm_eps=float(getattr(cfg, "layer_norm_eps", 1e-12)),
                    hidden_act=act)
-
-
-def _param(rngs: nnx.Rngs, shape: tuple[int, ...], dtype: jnp.dtype, spec: P,
-           init: str = "normal") -> nnx.Param:
-    if init == "normal":
-        value = (_INIT_STD * jax.random.normal(rngs.params(), shape, jnp.float32)).astype(dtype)
-    else:
-        value = (jnp.ones if init == "ones" else jnp.zeros)(shape, dtype)
-    return nnx.Param(value, out_sharding=spec, eager_sharding=False)
 
 
 def layer_norm(x: jax.Array, weight: jax.Array, bias: jax.Array, eps: float) -> jax.Array:
