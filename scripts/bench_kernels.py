@@ -34,7 +34,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from jaxllm.benchmarks.common import measure_hbm_bandwidth, measure_matmul_peak, median_time
-from pallas_kernels.ragged_paged_attention import gpu, reference
+from pallas_kernels.ragged_paged_attention import gpu, xla
 
 
 def measure_ceilings() -> dict:
@@ -87,7 +87,7 @@ def kernel_fn(bs=None, **kw):
 
 
 def reference_fn(**kw):
-    return jax.jit(lambda b: reference.ragged_paged_attention(
+    return jax.jit(lambda b: xla.ragged_paged_attention(
         b.q, b.kv_ref, b.kv_lens, b.page_indices, b.cu_q_lens, b.num_seqs, **kw))
 
 

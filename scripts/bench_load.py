@@ -116,7 +116,7 @@ def child_load(model_dir: str, load_format: str, tp: int, dtype: str) -> dict:
     mc = EngineArgs(model=model_dir, load_format=load_format, tensor_parallel_size=tp,
                     dtype=dtype, skip_tokenizer_init=True).create_engine_config().model_config
     mesh = make_mesh(tp, hf_config=mc.hf_config)
-    attn = get_attention_backend("reference")
+    attn = get_attention_backend("xla")
     jax.block_until_ready(jax.device_put(np.zeros(1)))  # backend up before the clock
     baseline, peak, stop = _rss_bytes(), [0], threading.Event()
 

@@ -48,7 +48,7 @@ from jaxllm.sample import sampler  # noqa: E402
 from jaxllm.sample.metadata import SamplingMetadata  # noqa: E402
 from jaxllm.sample.rng import key_base_data  # noqa: E402
 from jaxllm.sampling_params import MAX_LOGPROBS  # noqa: E402
-from pallas_kernels.sampling import reference, topk_topp  # noqa: E402
+from pallas_kernels.sampling import sort_topk, topk_topp  # noqa: E402
 
 
 def time_fn(fn, args, iters: int, warmup: int = 3) -> dict:
@@ -98,8 +98,8 @@ def main() -> None:
         "jax": jax.__version__, "batch": R, "vocab": V, "hbm_bytes_per_s": bw,
         "one_read_of_logits_ms": 1e3 * read_s, "rows": {}}
 
-    sort_mask = jax.jit(reference.top_k_top_p_mask)(logits, top_k, top_p)
-    cases = {"sort (reference)": jax.jit(reference.apply_top_k_top_p)}
+    sort_mask = jax.jit(sort_topk.top_k_top_p_mask)(logits, top_k, top_p)
+    cases = {"sort (reference)": jax.jit(sort_topk.apply_top_k_top_p)}
     for bits in (1, 2, 4):
         cases[f"threshold, {bits} bit/round"] = jax.jit(
             lambda x, k, p, b=bits: topk_topp.apply_top_k_top_p(x, k, p, bits_per_round=b))

@@ -51,7 +51,7 @@ def convert(model: str, out: str, tensor_parallel_size: int = 1, dtype: str = "a
     mc = config.model_config
     mesh = make_mesh(tensor_parallel_size, hf_config=mc.hf_config)
     # The attention body shapes no weight; the reference one builds on every platform.
-    loaded = load_model(mc, mesh, get_attention_backend("reference"))
+    loaded = load_model(mc, mesh, get_attention_backend("xla"))
     save_orbax(loaded, mc.hf_config, model, out, mc.dtype, tensor_parallel_size,
                mc.quantization)
 

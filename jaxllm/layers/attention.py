@@ -7,7 +7,7 @@ prefill chunks and decodes. The layers of a model share one cache array of
 `num_layers * num_blocks` pages (axis 0 of every layout): layer l's block b is
 page `l * num_blocks + b`, and both calls take that `page_offset`. One array
 instead of one per layer: every array a jitted step takes and returns costs
-host time on every call. Backends: "reference" (plain jnp, the oracle, used
+host time on every call. Backends: "xla" (plain jnp, the oracle, used
 on the CPU), "pallas_tpu", "pallas_gpu" (Triton) and "pallas_gpu_mosaic" (Mosaic
 GPU prefill body on Hopper, Triton for the rest; pallas_kernels/), chosen by
 platform unless `attention_backend` names one.
@@ -28,7 +28,8 @@ from jaxllm.layers.attention_backend import AttentionBackend, AttentionMetadata
 __all__ = ["BACKENDS", "AttentionBackend", "AttentionMetadata", "get_attention_backend"]
 
 
-BACKENDS = ("auto", "reference", "pallas_tpu", "pallas_gpu", "pallas_gpu_mosaic")
+# "reference" is the XLA body's earlier name, still accepted.
+BACKENDS = ("auto", "xla", "reference", "pallas_tpu", "pallas_gpu", "pallas_gpu_mosaic")
 
 
 def _mosaic_gpu_available() -> bool:
@@ -43,22 +44,22 @@ def get_attention_backend(name: str = "auto", interpret: bool = False) -> Attent
     """Backend by name; "auto" picks by the default device's platform.
 
     "auto": "pallas_tpu" on a TPU; on a GPU "pallas_gpu_mosaic" where the Mosaic GPU
-    prefill body runs (Hopper), else "pallas_gpu"; "reference" elsewhere.
+    prefill body runs (Hopper), else "pallas_gpu"; "xla" elsewhere.
     """
     if name == "auto":
         platform = jax.devices()[0].platform
         name = {"tpu": "pallas_tpu", "gpu": "pallas_gpu", "cuda": "pallas_gpu"}.get(
-            platform, "reference")
+            platform, "xla")
         if name == "pallas_gpu" and _mosaic_gpu_available():
             name = "pallas_gpu_mosaic"
-    if name == "reference":
+    if name in ("xla", "reference"):
         return AttentionBackend(interpret)
     want = {"pallas_tpu": "tpu", "pallas_gpu": "gpu", "pallas_gpu_mosaic": "gpu"}.get(name)
     platform = jax.devices()[0].platform
     if want is not None and not interpret and {"cuda": "gpu", "rocm": "gpu"}.get(
             platform, platform) != want:
         raise ParameterError("attention_backend", f"{name!r} runs on a {want.upper()}; this "
-                             f"process's devices are {platform!r} (use 'auto' or 'reference')")
+                             f"process's devices are {platform!r} (use 'auto' or 'xla')")
     if name == "pallas_tpu":
         from jaxllm.layers.attention_pallas import PallasTPUBackend
 

@@ -1,6 +1,7 @@
-"""The attention backend interface and its reference body; the metadata every body reads.
+"""The attention backend interface and its XLA body; the metadata every body reads.
 
-`AttentionBackend` is the reference (plain jnp) body and the base the Pallas
+`AttentionBackend` is the XLA (plain jnp) body, the oracle the kernels are held
+to and the body the CPU runs, and the base the Pallas
 bodies extend (layers/attention_pallas.py); `get_attention_backend` in
 layers/attention.py picks one by name or platform.
 """
@@ -14,7 +15,7 @@ import jax
 import jax.numpy as jnp
 from jax.sharding import PartitionSpec as P
 
-from pallas_kernels.ragged_paged_attention import reference
+from pallas_kernels.ragged_paged_attention import xla
 
 
 @jax.tree_util.register_dataclass
@@ -38,16 +39,16 @@ class AttentionMetadata:
 
 
 class AttentionBackend:
-    """The reference body; subclasses replace `attend` (and the layout if they must)."""
+    """The XLA body; subclasses replace `attend` (and the layout if they must)."""
 
-    name = "reference"
+    name = "xla"
 
     def __init__(self, interpret: bool = False):
         self.interpret = interpret
 
     def kv_cache_shape(self, num_blocks: int, block_size: int, num_kv_heads: int,
                        head_dim: int) -> tuple[int, ...]:
-        return reference.kv_cache_shape(num_blocks, block_size, num_kv_heads, head_dim)
+        return xla.kv_cache_shape(num_blocks, block_size, num_kv_heads, head_dim)
 
     def kv_cache_spec(self, axis: str) -> P:
         """How the cache splits over a mesh axis of tensor parallelism: by kv head
@@ -56,12 +57,12 @@ class AttentionBackend:
 
     def write_kv(self, kv_cache: jax.Array, k: jax.Array, v: jax.Array,
                  md: AttentionMetadata, page_offset: int = 0) -> jax.Array:
-        return reference.write_kv(kv_cache, k, v, md.slot_mapping, page_offset)
+        return xla.write_kv(kv_cache, k, v, md.slot_mapping, page_offset)
 
     def attend(self, q: jax.Array, kv_cache: jax.Array, md: AttentionMetadata, *,
                sm_scale: float, sliding_window: int | None = None,
                soft_cap: float | None = None, page_offset: int = 0) -> jax.Array:
-        return reference.ragged_paged_attention(
+        return xla.ragged_paged_attention(
             q, kv_cache, md.kv_lens, md.page_indices, md.cu_q_lens, md.num_seqs,
             sm_scale=sm_scale, sliding_window=sliding_window, soft_cap=soft_cap,
             page_offset=page_offset)

@@ -27,11 +27,10 @@ import jax.numpy as jnp
 
 from jaxllm.sample.metadata import Penalties, SamplingMetadata
 from jaxllm.sample.rng import rng_keys
-from pallas_kernels.sampling import reference as sort_topk
-from pallas_kernels.sampling import topk_topp
+from pallas_kernels.sampling import sort_topk, topk_topp
 
 # Top-k/top-p: "threshold" (a sort-free radix search, 4 bits a round) or "sort"
-# (reference.py). "auto" takes the search on accelerators, where it is the faster
+# (sort_topk.py). "auto" takes the search on accelerators, where it is the faster
 # (scripts/bench_sampling.py; figures in BENCHMARKS.md), and the sort on the CPU
 # (tests, development), where it compiles several times faster and speed does not matter.
 TOP_K_TOP_P_IMPL = "auto"

@@ -1,6 +1,6 @@
 """Ragged paged attention as a Pallas GPU kernel (Triton lowering).
 
-Same semantics as `reference.py` (the oracle); only the KV cache layout differs.
+Same semantics as `xla.py` (the oracle); only the KV cache layout differs.
 
 Layout. The cache is head-major inside each page:
 `[num_pages, 2 * num_kv_heads, page_size, head_dim]`, K of kv head h at 2h and V
@@ -342,7 +342,7 @@ def ragged_paged_attention(
     page_offset: int = 0,
 ) -> jax.Array:
     """Ragged paged attention; `kv_cache` is `[P, 2 * Hkv, page_size, D]` (see module doc;
-    `page_offset` as in reference.py, but an input of the kernel: it may be traced).
+    `page_offset` as in xla.py, but an input of the kernel: it may be traced).
     `items`, if given, must be
     `work_items(cu_q_lens, num_seqs, T, bs.block_q, skip_decode=bs.decode is not None)`."""
     num_tokens, num_q_heads, head_dim = q.shape

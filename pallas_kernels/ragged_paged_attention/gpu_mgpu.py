@@ -1,7 +1,7 @@
 """Ragged paged attention for prefill-shaped calls as a Pallas Mosaic GPU (Hopper) kernel.
 
 Same semantics and cache layout as `gpu.py` (`[num_pages, 2 * num_kv_heads,
-page_size, head_dim]`, K of kv head h at 2h, V at 2h + 1); `reference.py` is the
+page_size, head_dim]`, K of kv head h at 2h, V at 2h + 1); `xla.py` is the
 oracle. `ragged_paged_attention` here takes the same arguments as
 `gpu.ragged_paged_attention` and calls it for everything the fast path below
 does not cover.
@@ -465,7 +465,7 @@ def ragged_paged_attention(
     `items` (optional) must come from this module's
     `work_items(..., 128 // G, skip_decode=True)` (used on the fast path only);
     `fallback_block_sizes` goes to `gpu.ragged_paged_attention` on the fallback;
-    `page_offset` as in reference.py, but an input of the kernels: it may be traced.
+    `page_offset` as in xla.py, but an input of the kernels: it may be traced.
     """
     if not supported(q, kv_cache, page_indices, sliding_window=sliding_window,
                      soft_cap=soft_cap, interpret=interpret, block_sizes=block_sizes):

@@ -1,6 +1,6 @@
 """Ragged paged attention as a Mosaic TPU Pallas kernel.
 
-Same semantics as `reference.py` (the oracle); only the KV cache layout differs.
+Same semantics as `xla.py` (the oracle); only the KV cache layout differs.
 
 Layout. `[num_pages, 2 * num_kv_heads, page_size, head_dim]`, K of kv head h at
 2h and V at 2h + 1: one page is one contiguous DMA of every head's K and V, and
@@ -263,7 +263,7 @@ def ragged_paged_attention(
     page_offset: int = 0,
 ) -> jax.Array:
     """Ragged paged attention; `kv_cache` is `[P, 2 * Hkv, page_size, D]`, D q's head_dim
-    or lane-padded past it (see module doc; `page_offset` as in reference.py).
+    or lane-padded past it (see module doc; `page_offset` as in xla.py).
 
     `interpret=True` runs in TPU interpret mode (any host); a
     `pltpu.InterpretParams` is passed through as is.

@@ -15,7 +15,7 @@ bits the threshold is exact (always the key of some token), so, per row:
   `F(t) = sum(e[key >= t]) >= top_p * Z`. A token is kept iff its key is
   `>= t`, which is the reference's rule "mass strictly before it `< top_p`".
 
-Where it may differ from `reference.py` (document, do not "fix"):
+Where it may differ from `sort_topk.py` (document, do not "fix"):
 
 * Ties at the top-p cut: the whole tied group is kept; the reference, which
   orders ties by token id, may keep only part of it.

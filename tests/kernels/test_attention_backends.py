@@ -22,8 +22,11 @@ from jaxllm.layers.attention_sharded import ShardedAttention
 BLOCK, NUM_BLOCKS, HKV, GROUP, D = 8, 12, 2, 2, 32
 
 
-def test_auto_picks_reference_on_cpu_and_names_override():
-    assert type(get_attention_backend("auto")) is AttentionBackend
+def test_auto_picks_xla_on_cpu_and_names_override():
+    auto = get_attention_backend("auto")
+    assert type(auto) is AttentionBackend and auto.name == "xla"
+    # The XLA body's earlier name stays accepted.
+    assert type(get_attention_backend("reference")) is AttentionBackend
     tpu = get_attention_backend("pallas_tpu", interpret=True)
     gpu = get_attention_backend("pallas_gpu", interpret=True)
     assert isinstance(tpu, PallasTPUBackend) and tpu.interpret

@@ -18,7 +18,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from pallas_kernels.ragged_paged_attention import gpu, reference, tpu
+from pallas_kernels.ragged_paged_attention import gpu, tpu, xla
 
 TOL = {jnp.float32: (1e-4, 1e-5), jnp.bfloat16: (6e-2, 1e-2)}
 
@@ -120,7 +120,7 @@ def test_kernel_matches_reference(backend: str, name: str):
     kw = dict(sm_scale=case.head_dim**-0.5, sliding_window=case.sliding_window,
               soft_cap=case.soft_cap)
     with jax.default_matmul_precision("highest"):
-        ref = reference.ragged_paged_attention(
+        ref = xla.ragged_paged_attention(
             q.astype(jnp.float32), cache.astype(jnp.float32), kv_lens, page_indices, cu,
             num_seqs, **kw)
     out = run_kernel(backend, case, q, cache, kv_lens, page_indices, cu, num_seqs, **kw)
@@ -186,7 +186,7 @@ def test_gpu_decode_split_matches_single_call(dtype):
     (q, kv_lens, page_indices, cu, num_seqs), cache, num_real = make_batch(case, seed=7)
     kw = dict(sm_scale=case.head_dim**-0.5)
     with jax.default_matmul_precision("highest"):
-        ref = np.asarray(reference.ragged_paged_attention(
+        ref = np.asarray(xla.ragged_paged_attention(
             q.astype(jnp.float32), cache.astype(jnp.float32), kv_lens, page_indices, cu,
             num_seqs, **kw))
     num_tokens, num_req = q.shape[0], page_indices.shape[0]
@@ -225,7 +225,7 @@ def test_write_kv_matches_reference_layout(module):
     k = jnp.asarray(rng.standard_normal((tokens, hkv, d)), jnp.float32)
     v = jnp.asarray(rng.standard_normal((tokens, hkv, d)), jnp.float32)
     slots = jnp.asarray(rng.permutation(np.arange(ps, num_pages * ps))[:tokens], jnp.int32)
-    want = reference.write_kv(cache, k, v, slots).transpose(0, 2, 1, 3)
+    want = xla.write_kv(cache, k, v, slots).transpose(0, 2, 1, 3)
     got = module.write_kv(cache.transpose(0, 2, 1, 3), k, v, slots)
     assert module.kv_cache_shape(num_pages, ps, hkv, d) == got.shape
     np.testing.assert_array_equal(np.asarray(got), np.asarray(want))
@@ -251,7 +251,7 @@ def test_tpu_kernel_on_a_lane_padded_cache_matches_reference(head_dim: int):
                                   np.asarray(cache.transpose(0, 2, 1, 3)))
     kw = dict(sm_scale=d**-0.5)
     with jax.default_matmul_precision("highest"):
-        ref = reference.ragged_paged_attention(q, cache, kv_lens, page_indices, cu, num_seqs,
+        ref = xla.ragged_paged_attention(q, cache, kv_lens, page_indices, cu, num_seqs,
                                                **kw)
     out = tpu.ragged_paged_attention(q, padded, kv_lens, page_indices, cu, num_seqs,
                                      interpret=True, **kw)

@@ -31,7 +31,7 @@ import numpy as np
 import pytest
 
 from pallas_kernels.mosaic_gpu_util import kernel_mode
-from pallas_kernels.ragged_paged_attention import gpu_mgpu, reference
+from pallas_kernels.ragged_paged_attention import gpu_mgpu, xla
 
 MAX_ABS, REL_L2 = 6e-2, 1e-2
 
@@ -158,7 +158,7 @@ def test_kernel_matches_reference(name: str):
     (q, cache, kv_lens, page_indices, cu, num_seqs), num_real = make_batch(
         shape, seqs, seed=list(BATCHES).index(name))
     with jax.default_matmul_precision("highest"):
-        ref = reference.ragged_paged_attention(
+        ref = xla.ragged_paged_attention(
             q.astype(jnp.float32), cache.astype(jnp.float32), kv_lens, page_indices, cu,
             num_seqs, sm_scale=d**-0.5)
     out = kernel_fn(shape)(q, cache.transpose(0, 2, 1, 3), kv_lens, page_indices, cu, num_seqs)
@@ -298,7 +298,7 @@ def test_page_offset_reads_the_pages_of_a_later_layer():
     off = 5
     garbage = jnp.full((off, *cache.shape[1:]), 1e4, cache.dtype)
     with jax.default_matmul_precision("highest"):
-        ref = reference.ragged_paged_attention(
+        ref = xla.ragged_paged_attention(
             q.astype(jnp.float32), cache.astype(jnp.float32), kv_lens, page_indices, cu,
             num_seqs, sm_scale=d**-0.5)
     shifted = jnp.concatenate([garbage, cache]).transpose(0, 2, 1, 3)

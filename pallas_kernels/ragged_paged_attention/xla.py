@@ -1,4 +1,5 @@
-"""Ragged paged attention in plain jnp: the oracle for the Pallas TPU and GPU bodies.
+"""Ragged paged attention in plain jnp (XLA): the body the CPU runs, and the
+oracle for the Pallas TPU and GPU bodies.
 
 Semantics (shared/DESIGN.md, "Kernels"):
 
