@@ -10,11 +10,11 @@ The job is named the way vLLM / tpu-inference users name it: the flags
 `--distributed-coordinator-address host:port`, `--distributed-num-processes N`,
 `--distributed-process-id i` (the same `LLM(...)` keywords), else the
 environment (`JAX_COORDINATOR_ADDRESS`, `JAX_NUM_PROCESSES`, `JAX_PROCESS_ID`).
-A flag wins over its variable. On a TPU VM slice none is needed:
-`--distributed-num-processes 0` (or `JAX_NUM_PROCESSES=0`) asks for a bare
-`jax.distributed.initialize()`, which finds the slice's hosts itself; the
-lockstep side channel then needs the coordinator's host, which the TPU
-metadata does not give here, so the address stays required.
+A flag wins over its variable. On a TPU VM slice the rest can be found:
+`--distributed-num-processes 0` (or `JAX_NUM_PROCESSES=0`) asks JAX's own
+cluster detection (what a bare `jax.distributed.initialize()` runs) for the
+coordinator, the process count and this host's id. The job is opt-in: with
+none of these set the engine is one process, and no metadata server is asked.
 
 The lockstep side channel (host 0 to the followers) listens on the
 coordinator's host at the coordinator's port + 1.
@@ -36,7 +36,7 @@ ENV = {"coordinator_address": "JAX_COORDINATOR_ADDRESS", "num_processes": "JAX_N
 
 @dataclass(frozen=True)
 class DistributedSpec:
-    """One process's place in a multi-host job (`num_processes` 0: found by JAX, TPU)."""
+    """One process's place in a multi-host job."""
 
     coordinator_address: str
     num_processes: int
@@ -86,11 +86,13 @@ def resolve_distributed(coordinator_address: str | None = None,
         pid = _int_field("process_id", os.environ.get(ENV["process_id"]))
     if address is None and n in (None, 1) and pid in (None, 0):
         return None
-    if n is None or n < 0:
+    if n == 0:
+        address, n, pid = _detect_job(address, pid)
+    if n is None or n < 1:
         raise ParameterError("distributed_num_processes",
                              f"must be given and at least 1 (0: found by JAX on a TPU "
                              f"slice) for a multi-host engine, got {n}")
-    if n == 1 and address is None:
+    if n == 1:
         return None
     if address is None:
         raise ParameterError("distributed_coordinator_address",
@@ -98,40 +100,46 @@ def resolve_distributed(coordinator_address: str | None = None,
                              f"(flag or {ENV['coordinator_address']})")
     _split_address(address)
     if pid is None:
-        if n:
-            raise ParameterError("distributed_process_id",
-                                 f"must be given (flag or {ENV['process_id']}) with "
-                                 f"distributed_num_processes={n}")
-        pid = -1  # found by JAX at initialize
-    elif pid < 0 or (n and pid >= n):
+        raise ParameterError("distributed_process_id",
+                             f"must be given (flag or {ENV['process_id']}) with "
+                             f"distributed_num_processes={n}")
+    if not 0 <= pid < n:
         raise ParameterError("distributed_process_id",
                              f"must be in [0, {n}) for distributed_num_processes={n}, "
                              f"got {pid}")
     return DistributedSpec(address, n, pid)
 
 
+def _detect_job(address: str | None, pid: int | None) -> tuple[str | None, int, int | None]:
+    """(coordinator address, process count, process id) as `jax.distributed.initialize()`
+    would find them on a TPU VM slice (the given values win)."""
+    try:
+        from jax._src.clusters import ClusterEnv
+
+        found = ClusterEnv.auto_detect_unset_distributed_params(address, None, pid, None,
+                                                                None, 60)
+    except Exception as e:  # no cluster environment here, or JAX moved its detection
+        raise ParameterError("distributed_num_processes",
+                             f"0 asks JAX to find the job (a TPU VM slice), which failed: "
+                             f"{type(e).__name__}: {e}") from None
+    if found[1] is None:
+        raise ParameterError("distributed_num_processes",
+                             "0 asks JAX to find the job, but this host is in no cluster "
+                             "JAX knows (a TPU VM slice); give the job's flags")
+    return found[0], int(found[1]), None if found[2] is None else int(found[2])
+
+
 def initialize(spec: DistributedSpec) -> DistributedSpec:
-    """Joins the `jax.distributed` job (once per process; before JAX's backends start).
-    Returns the spec with the process id JAX assigned where it found the job itself."""
+    """Joins the `jax.distributed` job (once per process; before JAX's backends start)."""
     import jax
 
     if jax.distributed.is_initialized():
-        return _with_jax_id(spec)
+        return spec
     # Cross-process collectives between CPU devices (fake devices in tests); the
     # setting touches the CPU backend alone, so it is harmless beside an accelerator.
     jax.config.update("jax_cpu_collectives_implementation", "gloo")
-    if spec.num_processes == 0:
-        jax.distributed.initialize()  # a TPU slice: JAX finds the hosts itself
-    else:
-        jax.distributed.initialize(spec.coordinator_address, spec.num_processes,
-                                   spec.process_id)
-    return _with_jax_id(spec)
-
-
-def _with_jax_id(spec: DistributedSpec) -> DistributedSpec:
-    import jax
-
-    return DistributedSpec(spec.coordinator_address, jax.process_count(), jax.process_index())
+    jax.distributed.initialize(spec.coordinator_address, spec.num_processes, spec.process_id)
+    return spec
 
 
 def agree_min(value: int) -> int:
