@@ -378,9 +378,7 @@ def run_server(args: argparse.Namespace) -> int:
         uvicorn_log_level=args.uvicorn_log_level,
         access_log=not args.disable_uvicorn_access_log,
         enable_tokenizer_info_endpoint=args.enable_tokenizer_info_endpoint,
-        # A multi-host core cannot come back alone: its followers leave with it.
-        engine_restarts=0 if args.exit_on_engine_death or engine_args.distributed_spec()
-        else args.engine_restarts,
+        engine_restarts=0 if args.exit_on_engine_death else args.engine_restarts,
         tools=ToolSettings(args.enable_auto_tool_choice, args.tool_call_parser),
         lora_modules=list(args.lora_modules or []))
     # SamplingParams reads the bound on n (and best_of) here, as vLLM reads

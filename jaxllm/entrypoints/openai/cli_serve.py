@@ -156,6 +156,8 @@ def cmd_serve(ns: argparse.Namespace) -> int:
     spec = engine_args_from(args).distributed_spec()
     if spec is not None and not spec.is_leader:  # a follower host of a multi-host engine
         return run_follower_process(spec)
+    if spec is not None:  # a multi-host core cannot come back alone: its followers left
+        args.engine_restarts = 0
     return run_server(args)
 
 
