@@ -214,6 +214,16 @@ class EngineArgs:
                                    self.distributed_num_processes, self.distributed_process_id)
 
     def create_engine_config(self) -> EngineConfig:
+        distributed = self.distributed_spec()
+        if distributed is not None and distributed.process_id > 0:
+            raise ParameterError("distributed_process_id",
+                                 f"process {distributed.process_id} is a follower host, which "
+                                 "builds no engine: run `jaxllm serve` there with the same "
+                                 "--distributed-* flags (it follows host 0)")
+        if distributed is not None and self.data_parallel_size > 1:
+            raise ParameterError("data_parallel_size",
+                                 "a multi-host engine runs one replica; use "
+                                 "data_parallel_size=1 with distributed_num_processes")
         model_config = self._model_config()
         max_len = model_config.max_model_len
         max_batched = self.max_num_batched_tokens or max(2048, min(max_len, 8192))
@@ -248,16 +258,6 @@ class EngineArgs:
         if self.data_parallel_size < 1:
             raise ParameterError("data_parallel_size",
                                  f"must be at least 1, got {self.data_parallel_size}")
-        distributed = self.distributed_spec()
-        if distributed is not None and distributed.process_id > 0:
-            raise ParameterError("distributed_process_id",
-                                 f"process {distributed.process_id} is a follower host, which "
-                                 "builds no engine: run `jaxllm serve` there with the same "
-                                 "--distributed-* flags (it follows host 0)")
-        if distributed is not None and self.data_parallel_size > 1:
-            raise ParameterError("data_parallel_size",
-                                 "a multi-host engine runs one replica; use "
-                                 "data_parallel_size=1 with distributed_num_processes")
         lora = LoRAConfig.from_args(self, model_config.is_encoder)
         return EngineConfig(
             model_config=model_config, lora_config=lora,

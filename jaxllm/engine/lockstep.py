@@ -64,18 +64,30 @@ def _socket(ctx: zmq.Context, kind: int) -> tuple[zmq.Socket, zmq.Socket]:
     return sock, sock.get_monitor_socket(zmq.EVENT_DISCONNECTED)
 
 
-def _watch(monitor: zmq.Socket, stopping: threading.Event, lost: Callable[[], None]) -> None:
-    """Calls `lost` on the first disconnect that is not part of a shutdown."""
-    while True:
-        try:
-            event = recv_monitor_message(monitor)
-        except zmq.ZMQError:
-            return  # the socket closed: a shutdown
-        if stopping.is_set():
-            return
-        if event["event"] == zmq.EVENT_DISCONNECTED:
-            lost()
-            return
+class _Watch:
+    """A thread that calls `lost` on the first disconnect of a socket, until `stop()`."""
+
+    def __init__(self, monitor: zmq.Socket, lost: Callable[[], None]):
+        self.monitor, self.lost = monitor, lost
+        self.stopping = threading.Event()
+        self.thread = threading.Thread(target=self._run, name="lockstep-watch", daemon=True)
+        self.thread.start()
+
+    def _run(self) -> None:
+        while not self.stopping.is_set():
+            # Polled, so that `stop` ends the thread before the socket closes.
+            if not self.monitor.poll(200):
+                continue
+            event = recv_monitor_message(self.monitor)
+            if event["event"] == zmq.EVENT_DISCONNECTED and not self.stopping.is_set():
+                self.lost()
+                return
+
+    def stop(self) -> None:
+        self.stopping.set()
+        if self.thread is not threading.current_thread():
+            self.thread.join(timeout=2.0)
+        self.monitor.close(linger=0)
 
 
 def _address(spec: DistributedSpec) -> str:
@@ -97,6 +109,7 @@ class LockstepLeader:
         # before this process exits; the core process reports it to the frontend.
         self.on_lost: Callable[[str], None] | None = None
         self._stopping = threading.Event()
+        self._watch: _Watch | None = None
         self.followers: list[bytes] = []
         want = spec.num_processes - 1
         deadline = time.monotonic() + timeout_s
@@ -112,8 +125,7 @@ class LockstepLeader:
         for ident in self.followers:
             self.sock.send_multipart((ident, payload))
         logger.info("lockstep: %d follower host(s) joined", want)
-        threading.Thread(target=_watch, args=(self._monitor, self._stopping, self._lost),
-                         name="lockstep-watch", daemon=True).start()
+        self._watch = _Watch(self._monitor, self._lost)
 
     def send(self, call: tuple) -> None:
         """One runner call to every follower (before host 0 makes it)."""
@@ -149,8 +161,10 @@ class LockstepLeader:
         except zmq.ZMQError:
             pass
         self.followers = []
-        self.sock.disable_monitor()
-        self._monitor.close(linger=0)
+        if self._watch is not None:
+            self._watch.stop()
+        else:
+            self._monitor.close(linger=0)
         self.sock.close()
         self.ctx.term()
 
@@ -217,14 +231,12 @@ def run_follower(spec: DistributedSpec, timeout_s: float = STARTUP_TIMEOUT_S) ->
     if not sock.poll(int(timeout_s * 1000)):
         raise TimeoutError(f"host 0 did not answer within {timeout_s:.0f}s")
     config: EngineConfig = pickle.loads(sock.recv())
-    stopping = threading.Event()
 
     def leader_lost() -> None:
         logger.error("lockstep: host 0 disconnected; this follower exits")
         os._exit(1)
 
-    threading.Thread(target=_watch, args=(monitor, stopping, leader_lost),
-                     name="lockstep-watch", daemon=True).start()
+    watch = _Watch(monitor, leader_lost)
     logger.info("lockstep follower %d of %d: building the model runner", spec.process_id,
                 spec.num_processes)
     runner = make_runner(config)
@@ -247,10 +259,8 @@ def run_follower(spec: DistributedSpec, timeout_s: float = STARTUP_TIMEOUT_S) ->
             break
         else:
             raise RuntimeError(f"lockstep: unknown call {kind!r} from host 0")
-    stopping.set()
+    watch.stop()
     logger.info("lockstep follower %d: host 0 stopped the engine", spec.process_id)
-    sock.disable_monitor()
-    monitor.close(linger=0)
     sock.close(linger=0)
     ctx.term()
     return 0

@@ -171,7 +171,8 @@ def test_a_killed_follower_fails_health_within_seconds_and_ends_the_server(
     try:
         no_job_env.setenv("XLA_FLAGS", TWO_DEVICES)
         no_job_env.setenv("JAXLLM_NO_PROGRESS", "1")
-        server = RemoteServer([*ENGINE_FLAGS, "--tensor-parallel-size", "4",
+        # Compiled on first use (the offline test covers the lockstep precompile).
+        server = RemoteServer([*ENGINE_FLAGS, "--tensor-parallel-size", "4", "--no-precompile",
                                *_job_flags(port, 0)], startup_timeout=STARTUP_S)
         reply = httpx.post(server.url + "/v1/completions", timeout=120, json={
             "model": "demo", "prompt": PROMPTS[0], "max_tokens": 6, "temperature": 0.0,
