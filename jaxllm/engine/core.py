@@ -15,6 +15,9 @@ scheduler, until their grammar is compiled; a step with constrained requests
 launches its forward, then finishes the step in flight (whose tokens advance
 the grammars), fills the token bitmask on the host while the forward runs,
 and launches the sampler with it.
+
+On host 0 of a multi-host engine the runner is wrapped so that the follower
+hosts make each of its device calls too (lockstep.py); nothing else changes.
 """
 
 from __future__ import annotations

@@ -85,6 +85,14 @@ def test_bad_job_values_are_errors_naming_the_field(no_job_env, kwargs, field):
     assert e.value.field == field
 
 
+def test_serve_reports_a_bad_job_flag_in_one_line_naming_it(no_job_env, capsys):
+    from jaxllm.entrypoints.cli import main
+
+    assert main(["serve", "--distributed-coordinator-address", "127.0.0.1:5",
+                 "--distributed-num-processes", "2", "--distributed-process-id", "3"]) == 2
+    assert "error: distributed_process_id: must be in [0, 2)" in capsys.readouterr().err
+
+
 def test_an_engine_is_built_on_host_0_only_and_without_data_parallelism(no_job_env):
     job = dict(distributed_coordinator_address="127.0.0.1:1", distributed_num_processes=2)
     with pytest.raises(ParameterError) as e:
