@@ -130,17 +130,18 @@ def test_prefix_cache_hits_keep_greedy_output_and_the_drafts_kv(model_dir, draft
 
 
 def test_temperature_one_distribution_equals_no_speculation(tmp_path):
-    """The second and third tokens (the first two verified positions) over many seeds,
-    a two-sample chi-square test against the engine without speculation. A small,
-    peaked model (vocabulary 64) and a noisy copy of it as the draft, so that drafts
-    are often but not always accepted."""
+    """The second and third tokens (the two drafts of the first verify step) over many
+    seeds, a two-sample chi-square test against the engine without speculation. A
+    small model (vocabulary 64) and a slightly noisy copy of it as the draft: its
+    greedy drafts are accepted about a third of the time, so both the accepted
+    drafts and the residual draws after a rejection shape the counts."""
     from tests.spec_decode.chi_square import chi2_threshold, homogeneity
 
-    model_dir = make_tiny_checkpoint(tmp_path, init_std=0.8, vocab_size=64)
-    draft = noisy_copy(model_dir, tmp_path / "draft", std=0.2)
+    model_dir = make_tiny_checkpoint(tmp_path, init_std=0.5, vocab_size=64)
+    draft = noisy_copy(model_dir, tmp_path / "draft", std=0.02)
     prompt = list(range(8, 24))
     n = 1000
-    params = [SamplingParams(temperature=1.0, max_tokens=3, seed=s, ignore_eos=True)
+    params = [SamplingParams(temperature=1.0, max_tokens=4, seed=s, ignore_eos=True)
               for s in range(n)]
     kw = dict(BASE, max_num_seqs=32, request_buckets=[32], token_buckets=[32, 64],
               max_num_batched_tokens=64, max_model_len=40)
@@ -152,7 +153,7 @@ def test_temperature_one_distribution_equals_no_speculation(tmp_path):
         outs[name] = np.array([o.outputs[0].token_ids for o in got])
         if spec:
             num_drafts, draft_tokens, accepted = _totals(stats)
-            assert num_drafts >= n and draft_tokens // 5 < accepted < draft_tokens, (
+            assert num_drafts >= n and draft_tokens // 10 < accepted < draft_tokens // 2, (
                 num_drafts, draft_tokens, accepted)
     for pos in (1, 2):
         a, b = (np.bincount(outs[k][:, pos], minlength=64) for k in ("plain", "spec"))
