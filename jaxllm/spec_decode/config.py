@@ -1,4 +1,5 @@
-"""vLLM's `speculative_config`, checked: the method and how many drafts a step verifies."""
+"""vLLM's `speculative_config`, checked: the method, its draft model and how many drafts a
+step verifies."""
 
 from __future__ import annotations
 
