@@ -201,8 +201,9 @@ def test_server_takes_a_draft_model_in_speculative_config(model_dir, drafts):
         [{"prompt_token_ids": prompt}],
         SamplingParams(temperature=0.0, max_tokens=12, ignore_eos=True),
         use_tqdm=False)[0].outputs[0].text
+    # BASE's shapes, so that the server's programs come from the compilation cache.
     srv = RemoteServer([model_dir, *TINY_ENGINE_FLAGS, "--max-model-len", "128",
-                        "--max-num-seqs", "8", "--num-kv-blocks", "64",
+                        "--max-num-seqs", "8", "--request-buckets", "4,8",
                         "--speculative-config", json.dumps(spec_config(drafts["self"]))])
     try:
         client = OpenAI(base_url=srv.url + "/v1", api_key="x")
