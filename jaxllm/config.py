@@ -13,7 +13,7 @@ from jaxllm.errors import ParameterError
 from jaxllm.lora.config import LoRAConfig
 from jaxllm.pooler_config import PoolerConfig, load_pooler_config
 from jaxllm.quant_config import resolve_quantization
-from jaxllm.spec_decode.config import SpeculativeConfig
+from jaxllm.spec_decode.config import MODEL_METHODS, SpeculativeConfig
 
 _DTYPES = ("auto", "float32", "bfloat16", "float16")
 
@@ -81,11 +81,14 @@ class PlainHFConfig:
 
 def portable_config(config: EngineConfig) -> EngineConfig:
     """`config` with its model config made picklable without transformers."""
-    hf = config.model_config.hf_config
-    if isinstance(hf, PlainHFConfig) or not hasattr(hf, "to_dict"):
-        return config
-    mc = dataclasses.replace(config.model_config, hf_config=PlainHFConfig(hf.to_dict()))
-    return dataclasses.replace(config, model_config=mc)
+    def plain(mc: ModelConfig | None) -> ModelConfig | None:
+        hf = mc and mc.hf_config
+        if hf is None or isinstance(hf, PlainHFConfig) or not hasattr(hf, "to_dict"):
+            return mc
+        return dataclasses.replace(mc, hf_config=PlainHFConfig(hf.to_dict()))
+
+    return dataclasses.replace(config, model_config=plain(config.model_config),
+                               draft_model_config=plain(config.draft_model_config))
 
 
 @dataclass
@@ -141,6 +144,8 @@ class EngineConfig:
     # Dispatch step N+1 before step N's sampled tokens reach the host.
     async_scheduling: bool = True
     speculative_config: SpeculativeConfig | None = None
+    # The draft model of speculative decoding's model methods (draft_model), checked.
+    draft_model_config: ModelConfig | None = None
     lora_config: LoRAConfig | None = None  # None: LoRA disabled
 
 
@@ -259,6 +264,7 @@ class EngineArgs:
             raise ParameterError("data_parallel_size",
                                  f"must be at least 1, got {self.data_parallel_size}")
         lora = LoRAConfig.from_args(self, model_config.is_encoder)
+        spec = SpeculativeConfig.from_dict(self.speculative_config)
         return EngineConfig(
             model_config=model_config, lora_config=lora,
             cache_config=CacheConfig(
@@ -281,7 +287,31 @@ class EngineArgs:
             compilation_cache_dir=self.compilation_cache_dir,
             token_buckets=self.token_buckets, request_buckets=self.request_buckets,
             precompile=self.precompile, async_scheduling=self.async_scheduling,
-            speculative_config=SpeculativeConfig.from_dict(self.speculative_config))
+            speculative_config=spec,
+            draft_model_config=self._draft_model_config(spec, model_config))
+
+    def _draft_model_config(self, spec: SpeculativeConfig | None,
+                            target: ModelConfig) -> ModelConfig | None:
+        """The draft model's config, checked against the target's: it runs in the target's
+        dtype, over the target's context, on the target's vocabulary."""
+        if spec is None or spec.method not in MODEL_METHODS:
+            return None
+        args = EngineArgs(model=spec.model, dtype=target.dtype, seed=self.seed,
+                          max_model_len=target.max_model_len, load_format=self.load_format,
+                          skip_tokenizer_init=True)
+        try:
+            draft = args._model_config()
+        except ParameterError as e:
+            raise ParameterError("speculative_config.model",
+                                 f"draft model {spec.model!r}: {e.field}: {e.message}") from e
+        if draft.is_encoder:
+            raise ParameterError("speculative_config.model",
+                                 f"{spec.model!r} is an encoder; a draft model must generate")
+        if draft.vocab_size != target.vocab_size:
+            raise ParameterError("speculative_config.model",
+                                 f"the draft's vocabulary ({draft.vocab_size}) differs from the "
+                                 f"target's ({target.vocab_size}); they must share a tokenizer")
+        return draft
 
     def _model_config(self) -> ModelConfig:
         from transformers import AutoConfig

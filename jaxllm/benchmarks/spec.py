@@ -113,7 +113,8 @@ def verify_times(args: argparse.Namespace, b: int, ks: list[int]) -> dict:
         counts = np.full(b, k, np.int32)
 
         def verify(spec=spec, packed_k=packed_k, rows=rows, ids=ids, counts=counts):
-            holder[0], hidden = spec.forward(runner.state, holder[0], packed_k, rows)
+            holder[0], hidden = spec.forward(runner.state, holder[0], packed_k, rows,
+                                             spec.no_drafts)
             return spec.sample(runner.programs.head, hidden, ids, counts, md).tokens
 
         out["verify_ms"][k] = median_time(verify) * 1e3

@@ -52,12 +52,15 @@ class PagedKVCache:
     head_dim: int
     block_size: int
     dtype: Any
+    # Bytes another cache holds per block of this one (a draft model's, same block ids).
+    extra_bytes_per_block: int = 0
 
     def bytes_per_block(self) -> int:
-        """One block of every layer, over the whole mesh."""
+        """One block of every layer, over the whole mesh (and the extra cache's)."""
         shape = self.attn_backend.kv_cache_shape(1, self.block_size, self.num_kv_heads,
                                                  self.head_dim)
-        return int(np.prod(shape)) * jnp.dtype(self.dtype).itemsize * self.num_layers
+        return (int(np.prod(shape)) * jnp.dtype(self.dtype).itemsize * self.num_layers
+                + self.extra_bytes_per_block)
 
     def num_blocks(self, cache: CacheConfig, max_num_seqs: int, max_model_len: int,
                    activation_reserve: Callable[[], int],
