@@ -8,7 +8,7 @@ import os
 from dataclasses import dataclass, field
 from typing import Any
 
-from jaxllm.distributed.multihost import DistributedSpec, resolve_distributed
+from jaxllm.distributed.multihost import DistributedSpec, check_engine_host, resolve_distributed
 from jaxllm.errors import ParameterError
 from jaxllm.lora.config import LoRAConfig
 from jaxllm.pooler_config import PoolerConfig, load_pooler_config
@@ -220,15 +220,7 @@ class EngineArgs:
 
     def create_engine_config(self) -> EngineConfig:
         distributed = self.distributed_spec()
-        if distributed is not None and distributed.process_id > 0:
-            raise ParameterError("distributed_process_id",
-                                 f"process {distributed.process_id} is a follower host, which "
-                                 "builds no engine: run `jaxllm serve` there with the same "
-                                 "--distributed-* flags (it follows host 0)")
-        if distributed is not None and self.data_parallel_size > 1:
-            raise ParameterError("data_parallel_size",
-                                 "a multi-host engine runs one replica; use "
-                                 "data_parallel_size=1 with distributed_num_processes")
+        check_engine_host(distributed, self.data_parallel_size)
         model_config = self._model_config()
         max_len = model_config.max_model_len
         max_batched = self.max_num_batched_tokens or max(2048, min(max_len, 8192))

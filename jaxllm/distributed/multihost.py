@@ -70,6 +70,18 @@ def _int_field(name: str, value: int | str | None) -> int | None:
                              f"must be an integer, got {value!r}") from None
 
 
+def check_engine_host(spec: DistributedSpec | None, data_parallel_size: int) -> None:
+    """An engine is built on host 0 of a job only, as its one replica."""
+    if spec is not None and spec.process_id > 0:
+        raise ParameterError("distributed_process_id",
+                             f"process {spec.process_id} is a follower host, which builds no "
+                             "engine: run `jaxllm serve` there with the same --distributed-* "
+                             "flags (it follows host 0)")
+    if spec is not None and data_parallel_size > 1:
+        raise ParameterError("data_parallel_size", "a multi-host engine runs one replica; use "
+                             "data_parallel_size=1 with distributed_num_processes")
+
+
 def resolve_distributed(coordinator_address: str | None = None,
                         num_processes: int | str | None = None,
                         process_id: int | str | None = None) -> DistributedSpec | None:

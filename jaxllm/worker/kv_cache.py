@@ -19,9 +19,12 @@ import jax.numpy as jnp
 import numpy as np
 from jax.sharding import Mesh
 
-from jaxllm.config import CacheConfig
+from jaxllm.config import CacheConfig, EngineConfig
 from jaxllm.distributed.mesh import kv_cache_sharding
 from jaxllm.distributed.multihost import agree_min
+from jaxllm.models.loader import kv_cache_spec
+from jaxllm.quant_config import kv_cache_dtype
+from jaxllm.worker.buckets import Buckets
 
 logger = logging.getLogger(__name__)
 
@@ -121,3 +124,22 @@ def activation_reserve(hf_config: Any, max_tokens: int, max_reqs: int, vocab_siz
     # Sampling's logits (max_reqs rows) or the prompt-logprobs chunk's, float32, with copies.
     logits = max(max_reqs, min(max_tokens, prompt_logprobs_rows)) * vocab_size * 4 * 6
     return int(2 * act + logits + (256 << 20))
+
+
+def engine_kv_cache(config: EngineConfig, mesh: Mesh, attn_backend: Any, buckets: Buckets,
+                    vocab_size: int, dtype: Any, extra_bytes_per_block: int,
+                    prompt_logprobs_rows: int) -> tuple[PagedKVCache, int]:
+    """The engine's cache parameters and its block count (`PagedKVCache.num_blocks`),
+    with a step's transient memory reserved for the largest buckets (k + 1 logits rows
+    a request when speculating)."""
+    mc, cc, sc = config.model_config, config.cache_config, config.scheduler_config
+    spec = config.speculative_config
+    k1 = spec.num_speculative_tokens + 1 if spec else 1
+    layers, heads, head_dim = kv_cache_spec(mc.hf_config, mesh.shape["model"])
+    kv = PagedKVCache(attn_backend, mesh, layers, heads, head_dim, cc.block_size,
+                      jnp.dtype(kv_cache_dtype(mc)), extra_bytes_per_block)
+    return kv, kv.num_blocks(
+        cc, sc.max_num_seqs, mc.max_model_len,
+        lambda: activation_reserve(mc.hf_config, buckets.token_buckets[-1],
+                                   buckets.request_buckets[-1] * k1, vocab_size, dtype,
+                                   prompt_logprobs_rows))

@@ -36,15 +36,14 @@ from jaxllm.distributed.dp_devices import core_devices
 from jaxllm.distributed.mesh import make_mesh
 from jaxllm.layers.attention import get_attention_backend
 from jaxllm.layers.mlp import get_swiglu
-from jaxllm.models.loader import kv_cache_spec, load_model
-from jaxllm.quant_config import kv_cache_dtype
+from jaxllm.models.loader import load_model
 from jaxllm.sample.logprobs import LogprobsLists
 from jaxllm.sample.sampler import SamplerOutput
 from jaxllm.worker.aot_cache import ExecutableCache
 from jaxllm.worker.buckets import Buckets
 from jaxllm.worker.draft_model import DraftModel
 from jaxllm.worker.input_batch import InputBatch
-from jaxllm.worker.kv_cache import PagedKVCache, activation_reserve
+from jaxllm.worker.kv_cache import engine_kv_cache
 from jaxllm.worker.lora_slots import LoRASlots, lora_args
 from jaxllm.worker.programs import (
     PROMPT_LOGPROBS_ROWS,
@@ -126,21 +125,14 @@ class ModelRunner:
         self.buckets = b = Buckets.make(sc.max_num_batched_tokens, sc.max_num_seqs,
                                         mc.max_model_len, cc.block_size, config.token_buckets,
                                         config.request_buckets)
-        spec = config.speculative_config
-        k1 = spec.num_speculative_tokens + 1 if spec else 1  # logits rows per request
-        self.num_layers, self.num_kv_heads, self.head_dim = kv_cache_spec(
-            mc.hf_config, self.mesh.shape["model"])
         # A draft model loads first (its weights are used memory); its cache mirrors ours.
         drafter = DraftModel.load(config, self.mesh, self.attn_backend, self.swiglu, b)
-        kv = PagedKVCache(self.attn_backend, self.mesh, self.num_layers, self.num_kv_heads,
-                          self.head_dim, cc.block_size, jnp.dtype(kv_cache_dtype(mc)),
-                          drafter.bytes_per_block() if drafter else 0)
-        # The caller hands this count to the scheduler (EngineCore).
-        self.num_kv_blocks = kv.num_blocks(
-            cc, sc.max_num_seqs, mc.max_model_len,
-            lambda: activation_reserve(mc.hf_config, b.token_buckets[-1],
-                                       b.request_buckets[-1] * k1,
-                                       self.vocab_size, self.dtype, PROMPT_LOGPROBS_ROWS))
+        # The caller hands the block count to the scheduler (EngineCore).
+        kv, self.num_kv_blocks = engine_kv_cache(
+            config, self.mesh, self.attn_backend, b, self.vocab_size, self.dtype,
+            drafter.bytes_per_block() if drafter else 0, PROMPT_LOGPROBS_ROWS)
+        self.num_layers, self.num_kv_heads, self.head_dim = kv.num_layers, kv.num_kv_heads, \
+            kv.head_dim
         self.kv_cache = kv.allocate(self.num_kv_blocks)
         if drafter is not None:
             drafter.allocate(self.num_kv_blocks)
@@ -171,6 +163,7 @@ class ModelRunner:
         self.lora = LoRASlots.create(model, self.state, config.lora_config, self.programs)
         # What a verify program is built from (spec_verify.py; benchmarks make their own).
         self.graph = (graphdef, jax.tree.structure(state), model.head_logits)
+        spec = config.speculative_config
         self.spec = None if spec is None else SpecVerifier(spec, *self.graph, b, drafter)
 
     @property

@@ -12,7 +12,6 @@ draft's programs are compiled at start-up; and the server takes the method in
 
 from __future__ import annotations
 
-import json
 import os
 import subprocess
 import sys
@@ -187,32 +186,3 @@ def test_no_compilation_after_warmup_with_a_draft_model_in_this_process(model_di
         ])
     assert compiles == []
     assert _totals(stats)[0] > 0
-
-
-def test_server_takes_a_draft_model_in_speculative_config(model_dir, drafts):
-    """`--speculative-config` JSON with the draft_model method: greedy completions equal
-    the offline engine's without speculation, and /metrics counts the drafts."""
-    from openai import OpenAI
-
-    from tests.entrypoints.server import TINY_ENGINE_FLAGS, RemoteServer
-
-    prompt = [5, 9, 40, 41, 42, 7, 5, 9, 40]
-    want = LLM(model_dir, **BASE).generate(
-        [{"prompt_token_ids": prompt}],
-        SamplingParams(temperature=0.0, max_tokens=12, ignore_eos=True),
-        use_tqdm=False)[0].outputs[0].text
-    # BASE's shapes, so that the server's programs come from the compilation cache.
-    srv = RemoteServer([model_dir, *TINY_ENGINE_FLAGS, "--max-model-len", "128",
-                        "--max-num-seqs", "8", "--request-buckets", "4,8",
-                        "--speculative-config", json.dumps(spec_config(drafts["self"]))])
-    try:
-        client = OpenAI(base_url=srv.url + "/v1", api_key="x")
-        out = client.completions.create(model=model_dir, prompt=prompt, max_tokens=12,
-                                        temperature=0.0, extra_body={"ignore_eos": True})
-        assert out.choices[0].text == want and out.usage.completion_tokens == 12
-        m = srv.metrics()
-        assert m["vllm:spec_decode_num_drafts_total"] > 0
-        assert (m["vllm:spec_decode_num_accepted_tokens_total"]
-                == m["vllm:spec_decode_num_draft_tokens_total"] > 0)
-    finally:
-        srv.stop()
