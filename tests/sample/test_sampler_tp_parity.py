@@ -1,6 +1,7 @@
 """The sampler over vocab-parallel logits (tp=2) samples what it samples at tp=1 on the
 same path: the same tokens for the same keys under greedy, random and top-k/top-p
-rows, and the same logprobs, top logprobs and ranks.
+rows, and the same logprobs, top logprobs and ranks; directly, and through the
+engine on the demo model (reference attention), with no compilation after warm-up.
 
 At tp > 1 top-k/top-p always takes the threshold search (a sort would gather the
 rows), so tp=1 runs it here too; the CPU's default at tp=1 is the sort, which may
@@ -16,8 +17,10 @@ import pytest
 from jax.sharding import AxisType, Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
+from jaxllm import LLM, SamplingParams
 from jaxllm.sample import sampler, staged
 from jaxllm.sample.metadata import SamplingMetadata
+from tests.compilations import recorded_compilations
 
 pytestmark = pytest.mark.slow  # the sampler's stages compile at tp=1 and at tp=2
 
@@ -89,3 +92,42 @@ def test_tp2_top_logprobs_equal_lax_top_k_over_the_whole_row_ties_included():
     want_values, want_ids = jax.lax.top_k(jnp.asarray(x), 20)
     np.testing.assert_array_equal(np.asarray(values), np.asarray(want_values))
     np.testing.assert_array_equal(np.asarray(ids), np.asarray(want_ids))
+
+
+def _engine_outputs(tp: int, params: list[SamplingParams], prompts: list[list[int]],
+                    warm_up: bool) -> list:
+    llm = LLM(None, tensor_parallel_size=tp, dtype="float32", max_model_len=64,
+              max_num_seqs=4, max_num_batched_tokens=16, block_size=8, token_buckets=[16],
+              request_buckets=[4], seed=0, precompile=warm_up)
+    try:
+        with recorded_compilations() as compiles:
+            outs = llm.generate([{"prompt_token_ids": p} for p in prompts], params,
+                                use_tqdm=False)
+        if warm_up:
+            assert compiles == []
+        return [(o.outputs[0].token_ids,
+                 [{t: lp.logprob for t, lp in d.items()} for d in o.outputs[0].logprobs])
+                for o in outs]
+    finally:
+        llm.llm_engine.shutdown()
+
+
+def test_engine_at_tp2_samples_top_k_top_p_as_at_tp1_and_compiles_nothing_after_warm_up(
+        threshold_impl):
+    jax.clear_caches()  # traces made under the CPU's default (the sort) would be reused
+    common = dict(max_tokens=8, ignore_eos=True, logprobs=3)
+    params = [SamplingParams(temperature=0.8, top_k=5, top_p=0.9, seed=11, **common),
+              SamplingParams(temperature=1.2, top_p=0.7, seed=12, **common),
+              SamplingParams(temperature=1.0, top_k=3, **common),  # the engine's seed
+              SamplingParams(temperature=0.0, **common)]
+    prompts = [[1, 2, 3, 4, 5], [7, 8, 9], [10, 11, 12, 13, 14, 15, 16], [20, 21]]
+    two = _engine_outputs(2, params, prompts, warm_up=True)
+    one = _engine_outputs(1, params, prompts, warm_up=False)
+    assert [tokens for tokens, _ in two] == [tokens for tokens, _ in one]
+    for (_, lp2), (_, lp1) in zip(two, one, strict=True):
+        assert [d.keys() for d in lp2] == [d.keys() for d in lp1]
+        for d2, d1 in zip(lp2, lp1, strict=True):
+            # The tp=2 forward adds its row-parallel partial sums in another order.
+            np.testing.assert_allclose(list(d2.values()), list(d1.values()), rtol=1e-5,
+                                       atol=1e-5)
+    assert len({tuple(tokens) for tokens, _ in two[:3]}) == 3  # the draws differ by request
