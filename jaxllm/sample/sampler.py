@@ -42,6 +42,7 @@ from pallas_kernels.sampling import sort_topk, topk_topp
 # (sort_topk.py). "auto" takes the search on accelerators, where it is the faster
 # (scripts/bench_sampling.py; figures in BENCHMARKS.md), and the sort on the CPU
 # (tests, development), where it compiles several times faster and speed does not matter.
+# Over a vocabulary split on a 'model' mesh axis the search is taken whatever this says.
 TOP_K_TOP_P_IMPL = "auto"
 # Top-20 logprobs: "blocks" (topk_topp.top_k_largest) or "lax" (lax.top_k, which XLA
 # lowers to a full sort for k = 20); "auto" as above.
