@@ -213,7 +213,7 @@ class ModelRunner:
         still in flight) is taken from that step's device output.
         """
         self._update_states(so)
-        lora = self.lora.step_args(so, self.mesh) if self.lora else ()  # adapters' slots
+        lora = self.lora.step_args(so) if self.lora else ()  # adapters' slots
         if so.total_num_scheduled_tokens == 0:
             return None
         ib = self.input_batch
