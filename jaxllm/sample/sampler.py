@@ -15,6 +15,14 @@ Order, as vLLM v1 (`Sampler.forward`):
 
 Everything is fixed-shape and jittable; `SamplingMetadata`'s structure picks
 the compiled variant (see metadata.py).
+
+Tensor parallelism: the logits arrive split over the vocabulary on the mesh
+axis 'model', and every step here reduces over the vocabulary with [R]-sized
+(or [R, small]) collectives, never gathering `[R, V]`. Where a mesh has more
+than one 'model' device, top-k/top-p always takes the threshold search (its
+per-round counts and masses are per-shard sums, all-reduced as `[R, 15]`; a
+sort would gather whole rows), as vLLM's TPU sampler does, and the top
+logprobs are taken per shard, then among the shards' winners.
 """
 
 from __future__ import annotations
@@ -24,6 +32,7 @@ from dataclasses import dataclass
 
 import jax
 import jax.numpy as jnp
+from jax.sharding import PartitionSpec as P
 
 from jaxllm.sample.metadata import Penalties, SamplingMetadata
 from jaxllm.sample.rng import rng_keys
@@ -33,6 +42,7 @@ from pallas_kernels.sampling import sort_topk, topk_topp
 # (sort_topk.py). "auto" takes the search on accelerators, where it is the faster
 # (scripts/bench_sampling.py; figures in BENCHMARKS.md), and the sort on the CPU
 # (tests, development), where it compiles several times faster and speed does not matter.
+# Over a vocabulary split on a 'model' mesh axis the search is taken whatever this says.
 TOP_K_TOP_P_IMPL = "auto"
 # Top-20 logprobs: "blocks" (topk_topp.top_k_largest) or "lax" (lax.top_k, which XLA
 # lowers to a full sort for k = 20); "auto" as above.
@@ -41,6 +51,14 @@ TOP_LOGPROBS_IMPL = "auto"
 
 def _on_cpu() -> bool:
     return jax.default_backend() == "cpu"
+
+
+def vocab_shards(logits: jax.Array) -> int:
+    """How many 'model' devices the (traced) logits' vocabulary may be split over:
+    the size of that axis on the mesh they were computed on, else 1."""
+    mesh = getattr(jax.typeof(logits).sharding, "mesh", None)
+    shape = dict(getattr(mesh, "shape", {}) or {})
+    return int(shape.get("model", 1))
 
 
 @jax.tree_util.register_dataclass
@@ -70,7 +88,10 @@ def apply_min_p(logits: jax.Array, min_p: jax.Array) -> jax.Array:
 
 
 def apply_top_k_top_p(logits: jax.Array, top_k: jax.Array, top_p: jax.Array) -> jax.Array:
-    if TOP_K_TOP_P_IMPL == "sort" or (TOP_K_TOP_P_IMPL == "auto" and _on_cpu()):
+    """Top-k then top-p; over a split vocabulary always the threshold search (a sort
+    would gather the rows), so a tp>1 engine on the CPU takes it too."""
+    sort = TOP_K_TOP_P_IMPL == "sort" or (TOP_K_TOP_P_IMPL == "auto" and _on_cpu())
+    if sort and vocab_shards(logits) == 1:
         return sort_topk.apply_top_k_top_p(logits, top_k, top_p)
     return topk_topp.apply_top_k_top_p(logits, top_k, top_p)
 
@@ -81,7 +102,28 @@ def gumbel_noise(key_data: jax.Array, vocab_size: int) -> jax.Array:
     return jax.vmap(lambda k: jax.random.gumbel(k, (vocab_size,), jnp.float32))(keys)
 
 
+def _top_largest_sharded(x: jax.Array, k: int) -> tuple[jax.Array, jax.Array]:
+    """`lax.top_k(x, k)` over a vocabulary split on 'model': each device's top k of
+    its own slice (under `shard_map`: XLA would gather the rows for a top-k), then
+    the top k of those `[R, shards * k]`, so only the winners cross devices.
+    Candidates stay in index order, so ties break by lower index as in `lax.top_k`
+    over the whole row."""
+    mesh = jax.typeof(x).sharding.mesh
+
+    def local(part: jax.Array) -> tuple[jax.Array, jax.Array]:
+        values, pos = jax.lax.top_k(part, k)
+        return values, pos + jax.lax.axis_index("model") * part.shape[-1]
+
+    spec = P(None, "model")
+    values, ids = jax.shard_map(local, mesh=mesh, in_specs=spec, out_specs=(spec, spec))(x)
+    values, best = jax.lax.top_k(values, k)
+    return values, jnp.take_along_axis(ids, best, axis=-1)
+
+
 def _top_largest(x: jax.Array, k: int) -> tuple[jax.Array, jax.Array]:
+    shards = vocab_shards(x)
+    if shards > 1 and x.shape[-1] % shards == 0 and x.shape[-1] // shards >= k:
+        return _top_largest_sharded(x, k)
     if TOP_LOGPROBS_IMPL == "lax" or (TOP_LOGPROBS_IMPL == "auto" and _on_cpu()):
         return jax.lax.top_k(x, k)
     return topk_topp.top_k_largest(x, k)

@@ -2,9 +2,12 @@
 gathering them: each device draws over its own vocab shard, and only each row's best
 candidate per device (`[R, tp]`) crosses devices, never the `[R, vocab]` logits.
 
-The compiled programs' HLO is read for its collectives, for greedy rows and for
+The compiled programs' HLO is read for its collectives, for greedy rows, for
 random ones (temperature, min-p: the one-program sampler the runner calls on a
-step without top-k / top-p). The demo model's 48-id vocabulary splits over the 2
+step without top-k / top-p), for top-k / top-p (the threshold search, whose
+per-round counts and masses are all-reduced as `[R, 2**bits - 1]`), and for the
+logprobs stage (log-softmax by `[R]` reductions, the top logprobs from each
+device's own top k). The demo model's 48-id vocabulary splits over the 2
 devices, so the logits are sharded and some collective must appear.
 """
 
@@ -12,17 +15,28 @@ from __future__ import annotations
 
 import re
 
+import jax
 import pytest
 
 from jaxllm import LLM
 from jaxllm.sample.metadata import variant_metadata
 from jaxllm.sample.staged import is_plain
+from jaxllm.sampling_params import MAX_LOGPROBS
+from pallas_kernels.sampling.topk_topp import DEFAULT_BITS_PER_ROUND
 
 pytestmark = pytest.mark.slow  # an engine at tp=2 and its sampling programs compile
 
 TP = 2
-_COLLECTIVE = re.compile(r"= (\w+)\[([\d,]*)\]\S* (all-reduce|all-gather|reduce-scatter|"
+# A collective's result: one array, or a tuple of several (XLA combines small ones).
+_COLLECTIVE = re.compile(r"= (\([^=]*?\)|\S+) (all-reduce|all-gather|reduce-scatter|"
                          r"all-to-all|collective-permute)(?:-start)?\(")
+_ARRAY = re.compile(r"\w+\[([\d,]*)\]")
+
+
+def _collectives(hlo: str) -> list[tuple[str, list[int]]]:
+    """(kind, dims) of every array each collective of a compiled program moves."""
+    return [(kind, [int(d) for d in dims.split(",") if d])
+            for shape, kind in _COLLECTIVE.findall(hlo) for dims in _ARRAY.findall(shape)]
 
 
 @pytest.fixture(scope="module")
@@ -46,10 +60,49 @@ def test_sampling_program_at_tp2_gathers_per_device_candidates_not_the_logits(ru
               if is_plain(md) and not md.use_top_k_top_p
               and md.all_greedy == (mode == "greedy"))
     hlo = programs.sample_fn.lower(programs.head, last_hidden, md, size=s).compile().as_text()
-    collectives = [(kind, [int(d) for d in dims.split(",") if d])
-                   for _, dims, kind in _COLLECTIVE.findall(hlo)]
+    collectives = _collectives(hlo)
     assert collectives, "no collective: the logits were not vocab-parallel"
     for kind, dims in collectives:
         assert vocab not in dims and vocab // TP not in dims, (kind, dims)
         assert kind in ("all-gather", "all-reduce") and dims in ([s, TP], [s]), (kind, dims)
     assert sum(kind == "all-gather" for kind, _ in collectives) >= 2  # best value and its id
+
+
+def _forward(runner):
+    programs = runner.programs
+    runner.kv_cache, _, last_hidden, out_index = programs.run_forward(
+        runner.state, runner.kv_cache, programs.dummy_inputs(16), runner._no_prev)
+    return programs, last_hidden, out_index
+
+
+def test_top_k_top_p_sampling_at_tp2_all_reduces_per_round_counts_not_the_logits(runner):
+    programs, last_hidden, out_index = _forward(runner)
+    s, vocab = runner.buckets.max_num_seqs, runner.vocab_size
+    md = next(md for md in variant_metadata(s, vocab, runner.input_batch.sampling.device_put,
+                                            out_index)
+              if is_plain(md) and md.use_top_k_top_p)
+    hlo = programs.sample_fn.lower(programs.head, last_hidden, md, size=s).compile().as_text()
+    collectives = _collectives(hlo)
+    candidates = 2**DEFAULT_BITS_PER_ROUND - 1  # the threshold keys one round tests
+    for kind, dims in collectives:
+        assert vocab not in dims and vocab // TP not in dims, (kind, dims)
+        assert kind in ("all-gather", "all-reduce") and dims in ([s, TP], [s], [s, candidates]), (
+            kind, dims)
+    # Each of the 32 / bits rounds of the top-k and of the top-p search sums over the vocab.
+    rounds = sum(dims == [s, candidates] for _, dims in collectives)
+    assert rounds >= 32 // DEFAULT_BITS_PER_ROUND, collectives
+
+
+def test_logprobs_stage_at_tp2_reduces_rows_and_gathers_only_per_device_top_logprobs(runner):
+    programs, last_hidden, _ = _forward(runner)
+    s, vocab = runner.buckets.max_num_seqs, runner.vocab_size
+    logits = programs.logits(programs.head, last_hidden, rows=s)
+    token_ids = jax.numpy.zeros(s, jax.numpy.int32)
+    hlo = programs.staged._logprobs.lower(logits, token_ids).compile().as_text()
+    collectives = _collectives(hlo)
+    assert collectives, "no collective: the logits were not vocab-parallel"
+    for kind, dims in collectives:
+        assert vocab not in dims and vocab // TP not in dims, (kind, dims)
+        assert kind in ("all-gather", "all-reduce") and dims in (
+            [s], [s, 1], [s, MAX_LOGPROBS], [s, TP * MAX_LOGPROBS]), (kind, dims)
+    assert ("all-gather", [s, TP * MAX_LOGPROBS]) in collectives  # each device's top k
