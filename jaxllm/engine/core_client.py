@@ -19,6 +19,7 @@ import queue
 import threading
 from abc import ABC, abstractmethod
 from collections import deque
+from collections.abc import Callable
 from concurrent.futures import Future
 from typing import Any
 
@@ -72,6 +73,19 @@ class EngineCoreClient(ABC):
 
     def shutdown(self) -> None:  # noqa: B027 - optional hook, nothing to release by default
         pass
+
+
+def read_output(outputs: queue.Queue, engine_dead: bool,
+                dead_error: Callable[[], BaseException]) -> EngineCoreOutputs:
+    """The next item of a client's output queue; an error stays queued, so that every
+    later caller sees it too."""
+    if engine_dead and outputs.empty():
+        raise dead_error()
+    item = outputs.get()
+    if isinstance(item, BaseException):
+        outputs.put(item)
+        raise item
+    return item
 
 
 class InprocClient(EngineCoreClient):
@@ -266,13 +280,7 @@ class SyncMPClient(MPClient):
         self._pending.clear()
 
     def get_output(self) -> EngineCoreOutputs:
-        if self.engine_dead and self._outputs.empty():
-            raise self.dead_error()
-        item = self._outputs.get()
-        if isinstance(item, BaseException):
-            self._outputs.put(item)  # every later caller sees it too
-            raise item
-        return item
+        return read_output(self._outputs, self.engine_dead, self.dead_error)
 
     def call_utility(self, method: str, *args: Any, timeout: float | None = None) -> Any:
         fut: Future = Future()

@@ -30,7 +30,13 @@ from concurrent.futures import Future, ThreadPoolExecutor
 from jaxllm.config import EngineConfig
 from jaxllm.core.messages import EngineCoreOutputs, EngineCoreRequest
 from jaxllm.distributed.dp_devices import CorePlacement
-from jaxllm.engine.core_client import AsyncMPClient, EngineCoreClient, MPClient, SyncMPClient
+from jaxllm.engine.core_client import (
+    AsyncMPClient,
+    EngineCoreClient,
+    MPClient,
+    SyncMPClient,
+    read_output,
+)
 from jaxllm.errors import EngineDeadError
 
 
@@ -148,12 +154,7 @@ class DPSyncMPClient(_DPClient):
                     pc.data_parallel_size, pc.tensor_parallel_size)
 
     def get_output(self) -> EngineCoreOutputs:
-        if self.engine_dead and self._outputs.empty():
-            raise self.dead_error()
-        item = self._outputs.get()
-        if isinstance(item, BaseException):
-            self._outputs.put(item)  # every later caller sees it too
-            raise item
+        item = read_output(self._outputs, self.engine_dead, self.dead_error)
         self.balancer.observe(item)
         return item
 
