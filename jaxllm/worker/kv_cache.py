@@ -21,6 +21,7 @@ from jax.sharding import Mesh
 
 from jaxllm.config import CacheConfig
 from jaxllm.distributed.mesh import kv_cache_sharding
+from jaxllm.sample.output_state import OutputState
 
 logger = logging.getLogger(__name__)
 
@@ -107,12 +108,14 @@ class PagedKVCache:
 
 
 def activation_reserve(hf_config: Any, max_tokens: int, max_reqs: int, vocab_size: int,
-                       dtype: Any, prompt_logprobs_rows: int) -> int:
+                       dtype: Any, prompt_logprobs_rows: int, max_num_seqs: int = 0) -> int:
     """A generous bound on a step's transient memory (activations + logits) for the
-    largest token bucket `max_tokens` and request bucket `max_reqs`."""
+    largest token bucket `max_tokens` and request bucket `max_reqs`, plus the
+    sampler's output tables of `max_num_seqs` rows (allocated after the cache)."""
     hidden = hf_config.hidden_size
     inter = int(getattr(hf_config, "intermediate_size", 4 * hidden))
     act = max_tokens * (4 * hidden + 3 * inter) * jnp.dtype(dtype).itemsize
     # Sampling's logits (max_reqs rows) or the prompt-logprobs chunk's, float32, with copies.
     logits = max(max_reqs, min(max_tokens, prompt_logprobs_rows)) * vocab_size * 4 * 6
-    return int(2 * act + logits + (256 << 20))
+    tables = OutputState.device_bytes(max_num_seqs, vocab_size)
+    return int(2 * act + logits + tables + (256 << 20))

@@ -135,8 +135,8 @@ class ModelRunner:
         self.num_kv_blocks = kv.num_blocks(
             cc, sc.max_num_seqs, mc.max_model_len,
             lambda: activation_reserve(mc.hf_config, b.token_buckets[-1],
-                                       b.request_buckets[-1] * k1,
-                                       self.vocab_size, self.dtype, PROMPT_LOGPROBS_ROWS))
+                                       b.request_buckets[-1] * k1, self.vocab_size, self.dtype,
+                                       PROMPT_LOGPROBS_ROWS, sc.max_num_seqs))
         self.kv_cache = kv.allocate(self.num_kv_blocks)
         self.input_batch = InputBatch(sc.max_num_seqs, mc.max_model_len, b.max_blocks_per_req,
                                       self.vocab_size)
@@ -174,8 +174,7 @@ class ModelRunner:
     def precompile(self) -> None:
         """Compiles every bucket now, so that serving never compiles."""
         self.kv_cache = self.programs.precompile(self.state, self.kv_cache, self._no_prev,
-                                                 self.vocab_size,
-                                                 self.input_batch.sampling.device_put)
+                                                 self.vocab_size, self.input_batch.sampling)
         if self.spec is not None:
             self.kv_cache = self.spec.precompile(
                 self.state, self.programs.head, self.kv_cache, self.programs.dummy_inputs,
@@ -280,6 +279,7 @@ class ModelRunner:
                                                                           h.r_pad))
         out = h.sampled = self.programs.sample(h.last_hidden, smd)
         self._last_sampled = out.token_ids
+        ib.sampling.record(rows, h.gen, out.token_ids, h.r_pad)  # outputs the sampler reads
         # Start the copies home now, so that they queue behind this step and
         # not behind the next one (dispatched before this step is collected).
         if self._copy_home:
