@@ -26,10 +26,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from jaxllm.sample.output_state import WINDOW, OutputTables, pack_ids, unpack_bits
-from jaxllm.sampling_params import SamplingParams
-
-# Bad-word token sequences per request the device table holds (SamplingParams.verify).
-MAX_BAD_WORDS = 64
+from jaxllm.sampling_params import MAX_BAD_WORDS, SamplingParams
 
 
 class LogitsProcessor:

@@ -28,8 +28,10 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from jaxllm.sampling_params import MAX_BAD_WORD_TOKENS
+
 # Outputs a multi-token bad word may look back on: its length less one.
-WINDOW = 15
+WINDOW = MAX_BAD_WORD_TOKENS - 1
 
 
 @jax.tree_util.register_dataclass

@@ -118,6 +118,8 @@ class SamplingRows:
         """After the sampler: the output tables take `token_ids[j]` (device, `[>= R]`)
         as the next output of batch row `rows[j]` where `sampled[j]`. Nothing to do
         (no dispatch) unless a scheduled request reads its outputs."""
+        if not self.outputs.tracked.any():  # the usual step: no host work past this
+            return
         tracked = self.outputs.tracked[rows] & sampled
         if not tracked.any():
             return

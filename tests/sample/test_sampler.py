@@ -105,14 +105,16 @@ def output_counts(md):
     return np.asarray(md.history.tables.counts)[np.asarray(md.history.rows)]
 
 
-def batch_view(md):
-    """`md` with the history group's tables gathered at its rows: what the sampler
-    reads for each batch row, whichever table rows they sit in."""
+def batch_view(md, n):
+    """`md` with the history group's tables gathered at its first `n` rows (padding
+    rows: zeros): what the sampler reads for each batch row, whichever table rows
+    they sit in."""
     if md.history is None:
         return md
     h = md.history
     rows = np.asarray(h.rows)
-    tables = jax.tree.map(lambda t: np.asarray(t)[rows], h.tables)
+    tables = jax.tree.map(lambda t: np.where((np.arange(rows.size) < n).reshape(
+        -1, *[1] * (t.ndim - 1)), np.asarray(t)[rows], 0), h.tables)
     return dataclasses.replace(md, history=dataclasses.replace(h, rows=np.arange(rows.size),
                                                                tables=tables))
 
@@ -434,7 +436,7 @@ def test_rows_add_remove_move_keep_state_and_build_optional_parts_only_when_need
     rows.add(2, pen, [5, 6], [7])
     rows.add(4, SamplingParams(temperature=0.0), [1])
     before = rows.make_metadata(np.array([2, 4]), 4, engine_seed=0)
-    before_rows, before = np.asarray(before.history.rows), batch_view(before)
+    before_rows, before = np.asarray(before.history.rows), batch_view(before, 2)
     assert before.history is not None and before.num_logprobs == MAX_LOGPROBS
     assert not before.all_greedy and before.use_top_k_top_p and before.fixed is None
     np.testing.assert_allclose(before.temperature, [0.9, 1.0, 1.0, 1.0])
@@ -445,7 +447,7 @@ def test_rows_add_remove_move_keep_state_and_build_optional_parts_only_when_need
     assert jax.tree_util.tree_structure(after) == jax.tree_util.tree_structure(before)
     assert before_rows.tolist()[:2] == [2, 4]
     assert np.asarray(after.history.rows).tolist()[:2] == [0, 4]  # the moved table row
-    after = batch_view(after)
+    after = batch_view(after, 2)
     for x, y in zip(jax.tree_util.tree_leaves(before), jax.tree_util.tree_leaves(after),
                     strict=True):
         assert np.array_equal(x, y)
