@@ -21,6 +21,7 @@ from jax.sharding import Mesh
 
 from jaxllm.config import CacheConfig
 from jaxllm.distributed.mesh import kv_cache_sharding
+from jaxllm.distributed.multihost import agree_min
 from jaxllm.sample.output_state import OutputState
 
 logger = logging.getLogger(__name__)
@@ -88,7 +89,8 @@ class PagedKVCache:
         if budget is None:
             want = max_num_seqs * (-(-max_model_len // self.block_size)) * per_block
             budget = min(want, _CPU_DEFAULT_KV_BYTES)
-        num_blocks = int(budget // per_block)
+        # Every host of a multi-host engine allocates the same cache: the least any holds.
+        num_blocks = agree_min(int(budget // per_block))
         if num_blocks < 2:
             raise ValueError(f"KV cache budget of {budget} bytes holds no block "
                              f"({per_block} bytes each): raise hbm_utilization or kv_cache_bytes")
