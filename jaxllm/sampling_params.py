@@ -20,6 +20,10 @@ MAX_LOGPROBS = 20
 INT64_MAX = 2**63 - 1
 TOKEN_ID_MAX = 2**31 - 1
 SEED_LIMIT = 2**63
+# Bad words the sampler's device tables hold per request, and tokens per word
+# (sample/logits_processors.py, sample/output_state.py).
+MAX_BAD_WORDS = 64
+MAX_BAD_WORD_TOKENS = 16
 # vLLM's VLLM_MAX_N_SEQUENCES: the most outputs one request may ask for.
 DEFAULT_MAX_N_SEQUENCES = 16384
 _FLOAT32_MAX = 3.4028234663852886e38
@@ -30,6 +34,18 @@ def max_n_sequences() -> int:
     """The bound on `n` (and `best_of`): $JAXLLM_MAX_N_SEQUENCES, else vLLM's default."""
     value = os.environ.get("JAXLLM_MAX_N_SEQUENCES")
     return int(value) if value else DEFAULT_MAX_N_SEQUENCES
+
+
+def check_bad_words(words: list[list[int]]) -> None:
+    """What the sampler's bad-words table holds (MAX_BAD_WORDS of MAX_BAD_WORD_TOKENS),
+    else a ParameterError naming bad_words."""
+    if len(words) > MAX_BAD_WORDS:
+        raise ParameterError("bad_words", f"at most {MAX_BAD_WORDS} token sequences (each "
+                             f"word counts with and without a leading space), got {len(words)}")
+    for ids in words:
+        if len(ids) > MAX_BAD_WORD_TOKENS:
+            raise ParameterError("bad_words", f"a word may have at most {MAX_BAD_WORD_TOKENS} "
+                                 f"tokens, got {len(ids)}")
 
 
 def check_int(field: str, value: Any, low: int, high: int) -> None:
@@ -216,6 +232,7 @@ class SamplingParams(
         for name in ("stop_token_ids", "allowed_token_ids", "all_stop_token_ids"):
             for tid in getattr(self, name) or ():
                 check_int(name, tid, 0, TOKEN_ID_MAX)
+        check_bad_words(self.bad_words_token_ids or [])
         for ids in self.bad_words_token_ids or ():
             for tid in ids:
                 check_int("bad_words", tid, 0, TOKEN_ID_MAX)

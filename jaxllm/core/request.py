@@ -214,13 +214,6 @@ class Request:
             self.all_token_ids.extend(token_ids)
         self.hash_new_blocks()
 
-    @property
-    def reads_output_history(self) -> bool:
-        """Whether its sampling reads its own previous outputs (penalties, bad
-        words, min_tokens: built on the host from the tokens so far)."""
-        p = self.sampling_params
-        return p is not None and bool(p.needs_penalties or p.bad_words_token_ids or p.min_tokens)
-
     def check_stop(self, max_request_tokens: int) -> bool:
         """Applies the stop conditions after one appended token; sets status and stop_reason."""
         params = self.sampling_params

@@ -86,7 +86,6 @@ class Scheduler:
         self.finished_req_ids: set[str] = set()
 
         self.num_preemptions = 0
-        self._num_history_reqs = 0
         self._last_num_prompt_tokens = 0
         self._last_num_generation_tokens = 0
 
@@ -108,17 +107,6 @@ class Scheduler:
             request.attach_block_hasher(self._block_hasher)
         self.requests[request.request_id] = request
         self.waiting.add(request)
-        if request.reads_output_history:
-            self._num_history_reqs += 1
-
-    def needs_output_history(self) -> bool:
-        """Whether some request's sampling reads its own previous outputs.
-
-        Penalties, bad words and min_tokens are built on the host from the
-        tokens generated so far, so such a step cannot be scheduled before the
-        step in flight has returned its tokens.
-        """
-        return self._num_history_reqs > 0
 
     def finish_requests(self, request_ids: str | Iterable[str],
                         finished_status: RequestStatus) -> None:
@@ -137,8 +125,6 @@ class Scheduler:
 
     def _free_request(self, request: Request) -> None:
         self.kv_cache_manager.free(request)
-        if request.reads_output_history:
-            self._num_history_reqs -= 1
         self.finished_req_ids.add(request.request_id)
         del self.requests[request.request_id]
 

@@ -6,9 +6,9 @@ tokenizes or detokenizes; it speaks EngineCoreRequest in, EngineCoreOutputs out.
 With async scheduling (the default) a step runs one ahead: it schedules and
 dispatches step N+1, then waits for step N's tokens and processes them while
 N+1 runs on the device. Tokens sampled by N feed N+1 on the device; the
-scheduler holds one output placeholder per token in flight. When a running
-request's sampling reads its own output history (penalties, bad words,
-min_tokens), the core finishes the step in flight before scheduling the next.
+scheduler holds one output placeholder per token in flight. Sampling that
+reads a request's own outputs (penalties, bad words, min_tokens) reads them on
+the device (sample/output_state.py), so it runs ahead too.
 
 Structured outputs keep the step ahead: requests wait here, outside the
 scheduler, until their grammar is compiled; a step with constrained requests
@@ -242,8 +242,6 @@ class EngineCore:
 
     def _step_ahead(self) -> EngineCoreOutputs:
         outputs = None
-        if self._inflight is not None and self.scheduler.needs_output_history():
-            outputs = self._finish_inflight()
         dispatched = None
         if self.scheduler.has_unfinished_requests():
             so = self.scheduler.schedule()

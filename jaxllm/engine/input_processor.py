@@ -10,7 +10,14 @@ import msgspec
 from jaxllm.config import ModelConfig
 from jaxllm.core.messages import EngineCoreRequest
 from jaxllm.errors import ParameterError
-from jaxllm.sampling_params import INT64_MAX, PoolingParams, SamplingParams, check_int, check_text
+from jaxllm.sampling_params import (
+    INT64_MAX,
+    PoolingParams,
+    SamplingParams,
+    check_bad_words,
+    check_int,
+    check_text,
+)
 
 # vLLM's prompt forms: a string, {"prompt": str}, {"prompt_token_ids": [...]}.
 PromptType = str | dict[str, Any] | list[int]
@@ -113,6 +120,7 @@ class InputProcessor:
         params.all_stop_token_ids = sorted(set(params.stop_token_ids or ()) | set(eos))
         if params.bad_words:
             params.bad_words_token_ids = self._bad_words_ids(params.bad_words)
+            check_bad_words(params.bad_words_token_ids)
         if params.structured_outputs is not None:
             self._check_structured(params)
         if self.tokenizer is None or not params.detokenize:

@@ -4,9 +4,10 @@ Order, as vLLM v1 (`Sampler.forward`):
 
 1. Logprobs, when asked, are of the raw model output (vLLM's default
    `logprobs_mode="raw_logprobs"`): log_softmax before any processing.
-2. `logit_adjust` (allowed tokens, bad words, logit_bias, min_tokens) is added
-   to the logits, then the penalties (repetition, then frequency and presence),
-   then the structured-output `token_bitmask` sets disallowed tokens to -inf.
+2. The logits processors (logits_processors.py: logit_bias, allowed tokens,
+   min_tokens, bad words, then the penalties: repetition, then frequency and
+   presence), then the structured-output `token_bitmask` sets disallowed tokens
+   to -inf.
 3. Greedy rows take the arg-max of those logits.
 4. Other rows: divide by temperature; min-p (relative to the most likely
    token; vLLM v1 applies it before top-k/top-p, and it commutes with top-k);
@@ -34,7 +35,9 @@ import jax
 import jax.numpy as jnp
 from jax.sharding import PartitionSpec as P
 
-from jaxllm.sample.metadata import Penalties, SamplingMetadata
+from jaxllm.sample.logits_processors import apply_group
+from jaxllm.sample.metadata import SamplingMetadata
+from jaxllm.sample.output_state import unpack_bits
 from jaxllm.sample.rng import rng_keys
 from pallas_kernels.sampling import sort_topk, topk_topp
 
@@ -69,16 +72,6 @@ class SamplerOutput:
     logprob_token_ids: jax.Array | None = None  # [R, K + 1] i32
     logprobs: jax.Array | None = None  # [R, K + 1] f32
     ranks: jax.Array | None = None  # [R] i32, rank of the sampled token (1 = best)
-
-
-def apply_penalties(logits: jax.Array, pen: Penalties) -> jax.Array:
-    """vLLM's penalties: repetition on prompt or output tokens, then frequency and presence."""
-    counts = jnp.asarray(pen.output_counts)
-    seen = jnp.asarray(pen.prompt_mask) | (counts > 0)
-    rep = jnp.asarray(pen.repetition)[:, None]
-    logits = jnp.where(seen, jnp.where(logits > 0, logits / rep, logits * rep), logits)
-    logits = logits - jnp.asarray(pen.frequency)[:, None] * counts.astype(jnp.float32)
-    return logits - jnp.asarray(pen.presence)[:, None] * (counts > 0).astype(jnp.float32)
 
 
 def apply_min_p(logits: jax.Array, min_p: jax.Array) -> jax.Array:
@@ -149,20 +142,20 @@ def gather_logprobs(logprobs: jax.Array, token_ids: jax.Array,
 def apply_token_bitmask(logits: jax.Array, bitmask: jax.Array) -> jax.Array:
     """-inf where the packed `bitmask [R, ceil(V / 32)]` has a 0 bit (bit j of word i
     is token 32 i + j), unpacked on the device."""
-    bits = jnp.right_shift(jnp.asarray(bitmask, jnp.int32)[:, :, None],
-                           jnp.arange(32, dtype=jnp.int32)) & 1
-    allowed = bits.reshape(bits.shape[0], -1)[:, :logits.shape[-1]].astype(bool)
-    return jnp.where(allowed, logits, -jnp.inf)
+    return jnp.where(unpack_bits(bitmask, logits.shape[-1]), logits, -jnp.inf)
 
 
 def adjust_logits(logits: jax.Array, md: SamplingMetadata) -> jax.Array:
-    """Step 2: `logit_adjust`, the penalties, then the token bitmask; what greedy rows
+    """Step 2: the logits processors' groups, then the token bitmask; what greedy rows
     take the arg-max of."""
     logits = logits.astype(jnp.float32)
-    if md.logit_adjust is not None:
-        logits = logits + jnp.asarray(md.logit_adjust, jnp.float32)
-    if md.penalties is not None:
-        logits = apply_penalties(logits, md.penalties)
+    out_index = jnp.asarray(md.out_index)
+    if md.fixed is not None:
+        logits = apply_group(logits, "fixed", md.fixed, out_index, None)
+    if md.history is not None:
+        h = md.history
+        logits = apply_group(logits, "history", h.args, out_index,
+                             (jnp.asarray(h.rows), h.tables))
     if md.token_bitmask is not None:
         logits = apply_token_bitmask(logits, md.token_bitmask)
     return logits

@@ -1,9 +1,9 @@
 """The sampler as the model runner calls it: jitted in stages, on logits already made.
 
-A step whose rows need no penalties, no logit adjustment, no token bitmask
-(structured outputs) and no logprobs
-(`is_plain`) samples in one program together with the logits head (the
-runner's `sample` program, built on `draw_padded`). Any other step runs the
+A step whose rows need no logits processor (logits_processors.py), no token
+bitmask (structured outputs) and no logprobs (`is_plain`) samples in one program
+together with the logits head (the runner's `sample` program, built on
+`draw_padded`). Any other step runs the
 `StagedSampler`: `adjust_logits`, then `draw`, then `sampled_logprobs`, each
 jitted apart so that compiled variants add up (7 adjust + 3 draw + 1 logprobs
 per request bucket) instead of multiplying. Both paths compute what
@@ -36,16 +36,19 @@ def _logprobs_padded(logits: jax.Array, token_ids: jax.Array) -> tuple:
 
 
 def is_plain(md: SamplingMetadata) -> bool:
-    """No penalties, no logit adjustment, no bitmask, no logprobs: the step samples in
-    one program."""
-    return (md.penalties is None and md.logit_adjust is None and md.token_bitmask is None
-            and not md.num_logprobs)
+    """No logits processor, no bitmask, no logprobs: the step samples in one program."""
+    return needs_no_adjust(md) and not md.num_logprobs
+
+
+def needs_no_adjust(md: SamplingMetadata) -> bool:
+    """No logits processor and no bitmask: the logits are sampled as they come."""
+    return md.fixed is None and md.history is None and md.token_bitmask is None
 
 
 def _adjust_part(md: SamplingMetadata) -> SamplingMetadata | None:
     """What the adjust stage reads (None: nothing to adjust); static fields it does not
     read are reset, so that they pick no variant of it."""
-    if md.penalties is None and md.logit_adjust is None and md.token_bitmask is None:
+    if needs_no_adjust(md):
         return None
     return dataclasses.replace(md, num_logprobs=0, all_greedy=False, use_top_k_top_p=False)
 
@@ -54,7 +57,7 @@ def _draw_part(md: SamplingMetadata) -> SamplingMetadata:
     """What the draw stage reads: the metadata without its per-vocab parts."""
     if is_plain(md):
         return md  # nothing to strip, and a replace costs host time every step
-    return dataclasses.replace(md, penalties=None, logit_adjust=None, token_bitmask=None,
+    return dataclasses.replace(md, fixed=None, history=None, token_bitmask=None,
                                num_logprobs=0)
 
 
@@ -73,7 +76,7 @@ class StagedSampler:
         self._logprobs = jax.jit(functools.partial(_logprobs_padded))
 
     def adjust(self, logits: jax.Array, md: SamplingMetadata) -> jax.Array:
-        """Stage 1: the logit adjustment and penalties, where some row has them."""
+        """Stage 1: the logits processors and the bitmask, where some row has them."""
         adj = _adjust_part(md)
         return logits if adj is None else self._adjust(logits, adj)
 

@@ -135,4 +135,3 @@ class InputBatch:
         else:
             self.token_ids[rows[ok], pos[ok]] = token_ids[ok]
             self.num_tokens[rows[ok]] += 1
-        self.sampling.append_tokens(rows, token_ids)

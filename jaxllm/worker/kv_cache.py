@@ -24,6 +24,7 @@ from jaxllm.distributed.mesh import kv_cache_sharding
 from jaxllm.distributed.multihost import agree_min
 from jaxllm.models.loader import kv_cache_spec
 from jaxllm.quant_config import kv_cache_dtype
+from jaxllm.sample.output_state import OutputState
 from jaxllm.worker.buckets import Buckets
 
 logger = logging.getLogger(__name__)
@@ -115,15 +116,17 @@ class PagedKVCache:
 
 
 def activation_reserve(hf_config: Any, max_tokens: int, max_reqs: int, vocab_size: int,
-                       dtype: Any, prompt_logprobs_rows: int) -> int:
+                       dtype: Any, prompt_logprobs_rows: int, max_num_seqs: int = 0) -> int:
     """A generous bound on a step's transient memory (activations + logits) for the
-    largest token bucket `max_tokens` and request bucket `max_reqs`."""
+    largest token bucket `max_tokens` and request bucket `max_reqs`, plus the
+    sampler's output tables of `max_num_seqs` rows (allocated after the cache)."""
     hidden = hf_config.hidden_size
     inter = int(getattr(hf_config, "intermediate_size", 4 * hidden))
     act = max_tokens * (4 * hidden + 3 * inter) * jnp.dtype(dtype).itemsize
     # Sampling's logits (max_reqs rows) or the prompt-logprobs chunk's, float32, with copies.
     logits = max(max_reqs, min(max_tokens, prompt_logprobs_rows)) * vocab_size * 4 * 6
-    return int(2 * act + logits + (256 << 20))
+    tables = OutputState.device_bytes(max_num_seqs, vocab_size)
+    return int(2 * act + logits + tables + (256 << 20))
 
 
 def engine_kv_cache(config: EngineConfig, mesh: Mesh, attn_backend: Any, buckets: Buckets,
@@ -142,4 +145,4 @@ def engine_kv_cache(config: EngineConfig, mesh: Mesh, attn_backend: Any, buckets
         cc, sc.max_num_seqs, mc.max_model_len,
         lambda: activation_reserve(mc.hf_config, buckets.token_buckets[-1],
                                    buckets.request_buckets[-1] * k1, vocab_size, dtype,
-                                   prompt_logprobs_rows))
+                                   prompt_logprobs_rows, sc.max_num_seqs))

@@ -173,8 +173,7 @@ class ModelRunner:
     def precompile(self) -> None:
         """Compiles every bucket now, so that serving never compiles."""
         self.kv_cache = self.programs.precompile(self.state, self.kv_cache, self._no_prev,
-                                                 self.vocab_size,
-                                                 self.input_batch.sampling.device_put)
+                                                 self.vocab_size, self.input_batch.sampling)
         if self.spec is not None:
             self.kv_cache = self.spec.precompile(
                 self.state, self.programs.head, self.kv_cache, self.programs.dummy_inputs,
@@ -279,6 +278,7 @@ class ModelRunner:
                                                                           h.r_pad))
         out = h.sampled = self.programs.sample(h.last_hidden, smd)
         self._last_sampled = out.token_ids
+        ib.sampling.record(rows, h.gen, out.token_ids, h.r_pad)  # outputs the sampler reads
         # Start the copies home now, so that they queue behind this step and
         # not behind the next one (dispatched before this step is collected).
         if self._copy_home:

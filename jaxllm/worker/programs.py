@@ -6,7 +6,8 @@ Compiled shapes (all made at start-up, see `StepPrograms.precompile`):
   sample[R, mode]                  lm_head + draw for R requests (greedy,
                                    random, random with top-k/top-p)
   logits[R], then adjust / draw /  the staged sampler (sample/staged.py), for
-  logprobs[R, variant]             steps with penalties, logit adjustments or logprobs
+  logprobs[R, variant]             steps with logits processors, a bitmask or logprobs
+  output tables' flush / record[R] sample/output_state.py
   prompt_logprobs[T]               only when a request asks for prompt logprobs (with
                                    the last layer for every row where the forward ran
                                    it for the last rows alone)
@@ -40,6 +41,7 @@ from jaxllm.sample.staged import STAGED, StagedSampler, draw_padded, is_plain
 from jaxllm.sampling_params import MAX_LOGPROBS
 from jaxllm.worker.aot_cache import ExecutableCache
 from jaxllm.worker.buckets import Buckets
+from jaxllm.worker.sampling_rows import SamplingRows
 from jaxllm.worker.step_inputs import pack_step_inputs, unpack_step_inputs
 
 logger = logging.getLogger(__name__)
@@ -192,10 +194,10 @@ class StepPrograms:
         return pack_step_inputs(t, b.max_num_seqs, b.max_blocks_per_req)[0]
 
     def precompile(self, state: list, kv_cache: jax.Array, no_prev: jax.Array,
-                   vocab_size: int, device_put: Callable[[Any], Any] | None) -> jax.Array:
+                   vocab_size: int, sampling: SamplingRows) -> jax.Array:
         """Compiles every bucket now, so that serving never compiles; returns the KV
-        cache (donated to each forward run). `device_put` places the sampling rows'
-        arrays as `SamplingRows.device_put` does."""
+        cache (donated to each forward run). `sampling` is the runner's rows: its
+        arrays' placement and its output tables are what the sampler then takes."""
         b = self.buckets
         jobs: list[tuple[str, Any]] = [("forward", t) for t in b.token_buckets]
         jobs += [("sample", r) for r in b.request_buckets]
@@ -203,6 +205,8 @@ class StepPrograms:
         t0 = time.perf_counter()
         states, last_hidden, out_index = {}, None, None
         s = b.max_num_seqs
+        # The output tables' programs first: the variants read the tables they make.
+        sampling.outputs.precompile(b.request_buckets, no_prev)
         for kind, arg in tqdm(jobs, desc="Precompiling buckets", unit="shape",
                               disable=os.environ.get("JAXLLM_NO_PROGRESS") == "1"):
             if kind == "forward":
@@ -212,7 +216,8 @@ class StepPrograms:
             elif kind == "sample":
                 # The one-program sampler for each mode, then the staged one's parts.
                 logits = self.logits(self.head, last_hidden, rows=arg)
-                variants = list(variant_metadata(arg, vocab_size, device_put, out_index))
+                variants = list(variant_metadata(arg, vocab_size, sampling.device_put,
+                                                 out_index, sampling.outputs.tables))
                 for md in variants:
                     if is_plain(md):
                         self.sample_fn(self.head, last_hidden, md, size=s)

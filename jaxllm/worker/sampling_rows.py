@@ -1,12 +1,15 @@
-"""The model runner's per-request sampling state, kept in persistent numpy rows.
+"""The model runner's per-request sampling state, kept in persistent rows.
 
-`SamplingRows` keeps every running request's sampling knobs in rows that
-`InputBatch` keeps aligned with its own (a request stays in one row across
-steps; `move` condenses rows). Each step `make_metadata` gathers the
-scheduled rows into a `SamplingMetadata` padded to the request bucket,
-vectorized over rows; only rows that need a per-vocab row (penalties, logit
-bias, allowed tokens, bad words, min_tokens) are visited one by one. Each
-row holds its RNG key base (sample/rng.py); the keys are made on the device.
+`SamplingRows` keeps every running request's sampling knobs in numpy rows
+that `InputBatch` keeps aligned with its own (a request stays in one row
+across steps; `move` condenses rows), its logits processors' rows
+(sample/logits_processors.py) and the device tables of the requests' outputs
+(sample/output_state.py). Each step `make_metadata` gathers the scheduled rows
+into a `SamplingMetadata` padded to the request bucket; what it takes from the
+rows (and the processors' arguments) is built when the batch's rows change and
+reused while they stay, so a step builds no per-vocab host array and reads
+nothing back from the device. Each row holds its RNG key base (sample/rng.py);
+the keys are made on the device.
 """
 
 from __future__ import annotations
@@ -14,9 +17,12 @@ from __future__ import annotations
 from collections.abc import Callable, Sequence
 from typing import Any
 
+import jax
 import numpy as np
 
-from jaxllm.sample.metadata import Array, Penalties, SamplingMetadata
+from jaxllm.sample.logits_processors import PROCESSORS
+from jaxllm.sample.metadata import Array, History, SamplingMetadata
+from jaxllm.sample.output_state import OutputState
 from jaxllm.sample.rng import key_base_data
 from jaxllm.sampling_params import MAX_LOGPROBS, SamplingParams
 
@@ -33,29 +39,29 @@ class SamplingRows:
             ("active", bool, False), ("greedy", bool, True), ("temperature", np.float32, 1.0),
             ("top_k", np.int32, 0), ("top_p", np.float32, 1.0), ("min_p", np.float32, 0.0),
             ("seeded", bool, False), ("seed", np.uint64, 0), ("stream", np.uint64, 0),
-            ("repetition", np.float32, 1.0), ("frequency", np.float32, 0.0),
-            ("presence", np.float32, 0.0), ("has_penalties", bool, False),
-            ("wants_logprobs", bool, False), ("min_tokens", np.int32, 0),
-            ("has_stop_ids", bool, False), ("has_fixed_adjust", bool, False),
-            ("has_bad_words", bool, False), ("keeps_outputs", bool, False),
-            ("num_out", np.int32, 0)):
+            ("wants_logprobs", bool, False)):
             arr = np.full(n, empty, dtype)
             self._cols[name] = (arr, empty)
             setattr(self, "_" + name, arr)
-        # Output token ids, kept only for rows with penalties or bad words.
-        self._out = np.zeros((n, 64), np.int32)
-        # Per-row Python objects, only for rows that need a per-vocab row.
-        self._objs: dict[str, list] = {name: [None] * n for name in (
-            "prompt", "bias", "allowed", "bad_words", "stop_ids")}
+        self.processors = [p(n, vocab_size) for p in PROCESSORS]
+        self.outputs = OutputState(n, vocab_size)
         self._next_stream = 0
         # The row-only part of the last step's metadata, reused while the batch's
         # rows and their requests stay the same (every decode step in between).
         self._version = 0  # bumped by every add, remove and move
         self._static: tuple | None = None
-        # Moves arrays to the device (the runner sets it, with its sharding): the
-        # row-only arrays are then sent once per batch layout, not every step
-        # (`variant_metadata` must then be given the same function).
-        self.device_put: Callable[[Any], Any] | None = None
+        self._device_put: Callable[[Any], Any] | None = None
+
+    @property
+    def device_put(self) -> Callable[[Any], Any] | None:
+        """Moves arrays to the device (the runner sets it, with its sharding): the
+        row-only arrays are then sent once per batch layout, not every step
+        (`variant_metadata` must then be given the same function)."""
+        return self._device_put
+
+    @device_put.setter
+    def device_put(self, fn: Callable[[Any], Any] | None) -> None:
+        self._device_put = self.outputs.device_put = fn
 
     # ---- row lifecycle -------------------------------------------------------
 
@@ -76,48 +82,21 @@ class SamplingRows:
         self._seed[row] = params.seed or 0
         self._stream[row] = self._next_stream
         self._next_stream += 1
-        if params.needs_penalties:
-            self._has_penalties[row] = True
-            self._repetition[row] = params.repetition_penalty
-            self._frequency[row] = params.frequency_penalty
-            self._presence[row] = params.presence_penalty
-            self._objs["prompt"][row] = _ids(prompt_token_ids, V)
         self._wants_logprobs[row] = params.logprobs is not None
-        if params.logit_bias:
-            ids = np.fromiter(params.logit_bias.keys(), np.int64)
-            self._objs["bias"][row] = (_check_ids(ids, V, "logit_bias"),
-                                       np.fromiter(params.logit_bias.values(), np.float32))
-        if params.allowed_token_ids:
-            self._objs["allowed"][row] = _check_ids(
-                np.asarray(params.allowed_token_ids, np.int64), V, "allowed_token_ids")
-        self._has_fixed_adjust[row] = bool(params.logit_bias or params.allowed_token_ids)
-        # A bad word whose last token is outside the model's vocabulary bans nothing.
-        words = [np.asarray(w, np.int64) for w in params.bad_words_token_ids or ()
-                 if w and 0 <= w[-1] < V]
-        if words:
-            self._objs["bad_words"][row] = words
-            self._has_bad_words[row] = True
-        stop_ids = params.all_stop_token_ids
-        if stop_ids is None:
-            stop_ids = params.stop_token_ids or []
-        stop_ids = _ids(stop_ids, V)
-        if params.min_tokens and stop_ids.size:
-            self._min_tokens[row] = params.min_tokens
-            self._has_stop_ids[row] = True
-            self._objs["stop_ids"][row] = stop_ids
-        self._keeps_outputs[row] = self._has_penalties[row] or self._has_bad_words[row]
-        outs = np.asarray(output_token_ids, np.int32).reshape(-1)
-        self._num_out[row] = outs.size
-        if self._keeps_outputs[row] and outs.size:
-            self._reserve(outs.size)
-            self._out[row, :outs.size] = outs
+        reads_outputs = False
+        for proc in self.processors:
+            if proc.add(row, params, prompt_token_ids) and proc.reads_outputs:
+                reads_outputs = True
+        if reads_outputs:
+            self.outputs.track(row, prompt_token_ids, output_token_ids)
 
     def remove(self, row: int) -> None:
         self._version += 1
         for arr, empty in self._cols.values():
             arr[row] = empty
-        for objs in self._objs.values():
-            objs[row] = None
+        for proc in self.processors:
+            proc.remove(row)
+        self.outputs.untrack(row)
 
     def move(self, src: int, dst: int) -> None:
         """Moves the request in `src` to `dst` (overwriting it); `src` becomes empty."""
@@ -126,65 +105,50 @@ class SamplingRows:
         self._version += 1
         for arr, _ in self._cols.values():
             arr[dst] = arr[src]
-        for objs in self._objs.values():
-            objs[dst] = objs[src]
-        self._out[dst] = self._out[src]
+        for proc in self.processors:
+            proc.move(src, dst)
+        self.outputs.move(src, dst)
         self.remove(src)
-
-    def append_token(self, row: int, token_id: int) -> None:
-        self.append_tokens(np.array([row]), np.array([token_id]))
-
-    def append_tokens(self, rows: np.ndarray, token_ids: np.ndarray) -> None:
-        """Records one sampled token for each of `rows` (distinct rows)."""
-        rows = np.asarray(rows, np.int64)
-        keep = self._keeps_outputs[rows]
-        if keep.any():
-            kr = rows[keep]
-            pos = self._num_out[kr]
-            self._reserve(int(pos.max()) + 1)
-            self._out[kr, pos] = np.asarray(token_ids)[keep]
-        self._num_out[rows] += 1
-
-    def num_output_tokens(self, row: int) -> int:
-        return int(self._num_out[row])
 
     def is_active(self, row: int) -> bool:
         return bool(self._active[row])
 
-    def _reserve(self, length: int) -> None:
-        cap = self._out.shape[1]
-        if length > cap:
-            while cap < length:
-                cap *= 2
-            out = np.zeros((self.max_num_reqs, cap), np.int32)
-            out[:, :self._out.shape[1]] = self._out
-            self._out = out
+    def record(self, rows: np.ndarray, sampled: np.ndarray, token_ids: jax.Array,
+               padded_size: int) -> None:
+        """After the sampler: the output tables take `token_ids[j]` (device, `[>= R]`)
+        as the next output of batch row `rows[j]` where `sampled[j]`. Nothing to do
+        (no dispatch) unless a scheduled request reads its outputs."""
+        if not self.outputs.tracked.any():  # the usual step: no host work past this
+            return
+        tracked = self.outputs.tracked[rows] & sampled
+        if not tracked.any():
+            return
+        upd = np.full(padded_size, self.max_num_reqs, np.int32)
+        upd[:rows.size] = np.where(tracked, rows, self.max_num_reqs)
+        self.outputs.record(upd, token_ids)
 
     # ---- per-step metadata ---------------------------------------------------
 
     def make_metadata(self, rows: np.ndarray, padded_size: int, engine_seed: int,
-                      out_index: Array | None = None) -> SamplingMetadata:
+                      out_index: Array) -> SamplingMetadata:
         """Metadata for batch rows `rows` (batch row j = request row rows[j]), padded.
 
         The keys depend only on the request and its output index, never on the
-        step (see sample/rng.py). `out_index` is the output index each
-        row samples now, `[>= padded_size]` (rows past `n` are padding): the
-        runner passes its forward's device array. By default the number of
-        outputs recorded, which lags when a step is still in flight.
+        step (see sample/rng.py). `out_index` `[>= padded_size]` is the output
+        index each row samples now (rows past `n` are padding): the runner passes
+        its forward's device array, which counts a token still in flight.
         """
         rows = np.asarray(rows, np.int64).reshape(-1)
         n, R = rows.size, padded_size
         if n > R:
             raise ValueError(f"{n} rows do not fit a bucket of {R}")
-
         static = self._static_part(rows, R, engine_seed)
-        if out_index is None:
-            out_index = np.zeros(R, np.int32)
-            out_index[:n] = self._num_out[rows]
+        history = None
+        if static["history"] is not None:
+            self.outputs.flush()  # the rows' changes, before the tables are read
+            history = History(static["history"][0], self.outputs.tables, static["history"][1])
         return SamplingMetadata(
-            *static["rows"], out_index=out_index,
-            penalties=self._penalties(rows, R) if static["any_penalties"] else None,
-            logit_adjust=self._logit_adjust(rows, R) if static["any_adjust"] else None,
+            *static["rows"], out_index=out_index, fixed=static["fixed"], history=history,
             num_logprobs=static["num_logprobs"], all_greedy=static["all_greedy"],
             use_top_k_top_p=static["use_top_k_top_p"],
         )
@@ -196,6 +160,7 @@ class SamplingRows:
                 and cached[1].tobytes() == rows.tobytes()):
             return cached[2]
         n = rows.size
+        put = self.device_put or (lambda x: x)
 
         def pad(values: np.ndarray, empty: object, dtype: type) -> np.ndarray:
             out = np.full((R, *values.shape[1:]), empty, dtype)
@@ -211,68 +176,19 @@ class SamplingRows:
         row_arrays = (pad(self._temperature[rows], 1.0, np.float32), pad(top_k, 0, np.int32),
                       pad(top_p, 1.0, np.float32), pad(self._min_p[rows], 0.0, np.float32),
                       pad(greedy, True, bool), pad(key_base, 0, np.uint32))
+        # A group is present when a row uses one of its processors, then with all of them.
+        groups: dict[str, tuple | None] = {}
+        for group in ("fixed", "history"):
+            procs = [p for p in self.processors if p.group == group]
+            groups[group] = (put(tuple(p.batch_args(rows, R) for p in procs))
+                             if any(p.used(rows) for p in procs) else None)
+        history = groups["history"]
         static = dict(
-            rows=self.device_put(row_arrays) if self.device_put else row_arrays,
-            any_penalties=bool(self._has_penalties[rows].any()),
-            any_adjust=bool((self._has_fixed_adjust[rows] | self._has_bad_words[rows]
-                             | self._has_stop_ids[rows]).any()),
+            rows=put(row_arrays),
+            fixed=groups["fixed"],
+            history=None if history is None else (put(pad(rows, 0, np.int32)), history),
             num_logprobs=MAX_LOGPROBS if self._wants_logprobs[rows].any() else 0,
             all_greedy=all_greedy,
             use_top_k_top_p=not all_greedy and bool(((top_k > 0) | (top_p < 1.0)).any()))
         self._static = ((self._version, R, engine_seed), rows.copy(), static)
         return static
-
-    def _penalties(self, rows: np.ndarray, R: int) -> Penalties | None:
-        batch = np.flatnonzero(self._has_penalties[rows])
-        if batch.size == 0:
-            return None
-        V = self.vocab_size
-        rep, freq, pres = np.ones(R, np.float32), np.zeros(R, np.float32), np.zeros(R, np.float32)
-        req = rows[batch]
-        rep[batch], freq[batch], pres[batch] = (self._repetition[req], self._frequency[req],
-                                                self._presence[req])
-        counts = np.zeros((R, V), np.int32)
-        lens = self._num_out[req]
-        if lens.max(initial=0) > 0:
-            toks = self._out[req, :lens.max()]
-            valid = np.arange(toks.shape[1]) < lens[:, None]
-            np.add.at(counts, (np.broadcast_to(batch[:, None], toks.shape)[valid], toks[valid]), 1)
-        prompts = [self._objs["prompt"][r] for r in req]
-        prompt_mask = np.zeros((R, V), bool)
-        prompt_mask[np.repeat(batch, [p.size for p in prompts]), np.concatenate(prompts)] = True
-        return Penalties(rep, freq, pres, counts, prompt_mask)
-
-    def _logit_adjust(self, rows: np.ndarray, R: int) -> np.ndarray | None:
-        num_out = self._num_out[rows]
-        before_min = self._has_stop_ids[rows] & (num_out < self._min_tokens[rows])
-        needs = self._has_fixed_adjust[rows] | self._has_bad_words[rows] | before_min
-        if not needs.any():
-            return None
-        adjust = np.zeros((R, self.vocab_size), np.float32)
-        for j in np.flatnonzero(needs):
-            r = rows[j]
-            if (allowed := self._objs["allowed"][r]) is not None:
-                adjust[j] = -np.inf
-                adjust[j, allowed] = 0.0
-            if (bias := self._objs["bias"][r]) is not None:
-                adjust[j, bias[0]] += bias[1]
-            if before_min[j]:
-                adjust[j, self._objs["stop_ids"][r]] = -np.inf
-            for word in self._objs["bad_words"][r] or ():
-                prefix = len(word) - 1
-                if prefix == 0 or (prefix <= num_out[j] and np.array_equal(
-                        self._out[r, num_out[j] - prefix:num_out[j]], word[:-1])):
-                    adjust[j, word[-1]] = -np.inf
-        return adjust
-
-
-def _ids(ids: Sequence[int], vocab_size: int) -> np.ndarray:
-    """Token ids as int64, dropping any outside the model's vocabulary."""
-    arr = np.asarray(ids, np.int64).reshape(-1)
-    return arr[(arr >= 0) & (arr < vocab_size)]
-
-
-def _check_ids(ids: np.ndarray, vocab_size: int, name: str) -> np.ndarray:
-    if ids.size and (ids.min() < 0 or ids.max() >= vocab_size):
-        raise ValueError(f"{name}: token ids must be in [0, {vocab_size})")
-    return ids

@@ -10,10 +10,11 @@ plus one token, with the target's logprobs of each. Shapes: the verify
 forward per token bucket, the verify sampler per request bucket and sampling
 mode, all compiled at start-up.
 
-A step whose requests need penalties, a logit adjustment or a token bitmask
-(such requests never draft, but may share a step with one that does) samples
+A step whose requests need a logits processor or a token bitmask (such
+requests never draft, but may share a step with one that does) samples
 position 0 of every request with the usual sampler: every draft of that step
-is rejected, and the target distribution is kept. After each step the ngram
+is rejected, and the target distribution is kept; the output tables then take
+that one token per request (sample/output_state.py). After each step the ngram
 proposer drafts the next step's tokens from every request's context on the host;
 a draft model (draft_model.py) drafts on the device at the verify step's
 dispatch instead, and after each step only says how many drafts come.
@@ -35,6 +36,7 @@ from jaxllm.sample.logprobs import LogprobsLists
 from jaxllm.sample.metadata import SamplingMetadata, variant_metadata
 from jaxllm.sample.rejection_sampler import rejection_sample
 from jaxllm.sample.sampler import gather_logprobs
+from jaxllm.sample.staged import needs_no_adjust
 from jaxllm.sampling_params import MAX_LOGPROBS
 from jaxllm.spec_decode.config import SpeculativeConfig
 from jaxllm.spec_decode.ngram import propose_ngram
@@ -176,6 +178,7 @@ class SpecVerifier:
             smd = dataclasses.replace(smd, token_bitmask=runner._pad_bitmask(grammar_bitmask,
                                                                           h.r_pad))
         h.sampled = runner.programs.sample(first, smd)
+        ib.sampling.record(rows, h.gen, h.sampled.token_ids, h.r_pad)
 
     def collect(self, runner: Any, h: Any) -> ModelRunnerOutput:
         """`collect` with speculation on: every request's emitted tokens (one, or the
@@ -212,7 +215,7 @@ class SpecVerifier:
     @staticmethod
     def verifiable(md: SamplingMetadata) -> bool:
         """Whether the verify sampler takes this step (else position 0 is sampled)."""
-        return md.penalties is None and md.logit_adjust is None and md.token_bitmask is None
+        return needs_no_adjust(md)
 
     def precompile(self, state: list, head: jax.Array, kv_cache: jax.Array,
                    packed_of: Any, vocab_size: int, device_put: Any) -> jax.Array:
@@ -232,7 +235,7 @@ class SpecVerifier:
             if self.drafter is not None:
                 ids = drafts
             for md in variant_metadata(r, vocab_size, device_put, np.zeros(r, np.int32)):
-                if md.penalties is None and md.logit_adjust is None and md.token_bitmask is None:
+                if needs_no_adjust(md):
                     self.sample_fn(head, hidden, ids, counts, md)
         self.first_rows(hidden, np.zeros(s, np.int32))
         return kv_cache

@@ -44,6 +44,7 @@ from jaxllm.layers.mlp import SwiGLU, get_swiglu
 from jaxllm.models.loader import abstract_model, kv_cache_spec
 from jaxllm.quant_config import kv_cache_dtype
 from jaxllm.sample.metadata import SamplingMetadata, variant_metadata
+from jaxllm.sample.output_state import OutputState
 from jaxllm.sample.staged import STAGED, is_plain
 from jaxllm.worker.aot_cache import ExecutableCache
 from jaxllm.worker.buckets import Buckets
@@ -232,7 +233,7 @@ def compile_programs(config: EngineConfig, devices: Sequence[jax.Device], target
     kv_dtype = jnp.dtype(kv_cache_dtype(mc))
     kv = PagedKVCache(attn, mesh, num_layers, num_kv_heads, head_dim, cc.block_size, kv_dtype)
     reserve = activation_reserve(mc.hf_config, b.token_buckets[-1], b.request_buckets[-1],
-                                 mc.vocab_size, dtype, PROMPT_LOGPROBS_ROWS)
+                                 mc.vocab_size, dtype, PROMPT_LOGPROBS_ROWS, sc.max_num_seqs)
     hbm = hbm_bytes_per_device(devices[0]) if platform == "tpu" else 0
     # What the runner reads from the device once the weights are loaded.
     stats = {"bytes_limit": hbm, "bytes_in_use": weight_bytes} if hbm else None
@@ -293,8 +294,8 @@ def _with_outputs(compiled: Any) -> tuple[Any, Any]:
 
 def _variant(md: SamplingMetadata, mode: bool = True) -> str:
     """The sampler variant `md` selects, as text (greedy, top_k_top_p, penalties, ...)."""
-    parts = [n for n, on in (("penalties", md.penalties is not None),
-                             ("logit_adjust", md.logit_adjust is not None),
+    parts = [n for n, on in (("fixed", md.fixed is not None),
+                             ("history", md.history is not None),
                              ("token_bitmask", md.token_bitmask is not None)) if on]
     if mode:
         parts.insert(0, "greedy" if md.all_greedy else
@@ -307,8 +308,10 @@ def _compile_sampler(compiler: _Compiler, r: int, size: int, vocab_size: int, he
                      replicated: NamedSharding, head_bytes: int) -> None:
     """The request bucket's logits and one-program samplers, then the staged sampler's
     stages, for every variant the runner precompiles."""
-    variants = list(variant_metadata(r, vocab_size, lambda x: jax.tree.map(
-        lambda a: _abstract(a, replicated), x), out_index))
+    put = lambda x: jax.tree.map(lambda a: _abstract(a, replicated), x)  # noqa: E731
+    tables = OutputState(size, vocab_size)  # the runner's output tables, as placed
+    tables.device_put = put
+    variants = list(variant_metadata(r, vocab_size, put, out_index, tables.tables))
     variants = [jax.tree.map(lambda a: a if isinstance(a, jax.ShapeDtypeStruct)
                              else _abstract(a), md) for md in variants]
     logits = compiler.run("logits", r, lambda: _with_outputs(logits_fn.lower(

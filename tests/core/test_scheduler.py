@@ -581,9 +581,6 @@ def test_random_workloads_keep_blocks_budgets_and_outputs_intact(w, run_ahead, v
             assert sched.kv_cache_manager.get_block_ids(rid) == []
             aborted.add(rid)
             just_finished.add(rid)
-        if inflight is not None and sched.needs_output_history():
-            apply(inflight)  # penalties and min_tokens read the tokens: no running ahead
-            inflight = None
         dispatched = None
         if sched.has_unfinished_requests():
             out = sched.schedule()

@@ -209,9 +209,6 @@ def run_both(w: dict) -> tuple[dict[str, int], SchedulerStats]:
             rid = rng.choice(sorted(fast.requests))
             for s in (fast, ref):
                 s.finish_requests(rid, RequestStatus.FINISHED_ABORTED)
-        if inflight is not None and fast.needs_output_history():
-            apply(inflight)
-            inflight = None
         dispatched = None
         assert fast.has_unfinished_requests() == ref.has_unfinished_requests()
         if fast.has_unfinished_requests():

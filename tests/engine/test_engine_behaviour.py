@@ -138,7 +138,8 @@ def test_no_compilation_after_warmup_during_a_mixed_workload(model_dir, prompts)
             SamplingParams(temperature=1.0, min_p=0.1, max_tokens=7, logprobs=3),
             SamplingParams(temperature=0.7, presence_penalty=0.5, frequency_penalty=0.3,
                            repetition_penalty=1.2, max_tokens=9),
-            SamplingParams(temperature=0.0, logit_bias={20: 5.0}, max_tokens=5, min_tokens=3),
+            SamplingParams(temperature=0.0, logit_bias={20: 5.0}, max_tokens=5, min_tokens=3,
+                           bad_words_token_ids=[[7], [5, 9]]),
             SamplingParams(temperature=0.0, max_tokens=4, prompt_logprobs=2),
             SamplingParams(temperature=1.0, n=2, max_tokens=6, seed=5),
         ]

@@ -201,8 +201,9 @@ def test_temperature_one_distribution_equals_no_speculation(tmp_path):
 
 
 def test_constrained_and_penalized_requests_share_steps_with_drafting_ones(model_dir, prompts):
-    """A structured-output request and one with penalties never draft; in a step with
-    drafts they are sampled as without speculation (every draft of that step rejected)."""
+    """A structured-output request and one with penalties, bad words and min_tokens never
+    draft; in a step with drafts they are sampled as without speculation (every draft of
+    that step rejected), and the latter's device output tables take its one token."""
     from jaxllm.sampling_params import StructuredOutputsParams
 
     params = [SamplingParams(temperature=0.0, max_tokens=30, ignore_eos=True),
@@ -210,7 +211,8 @@ def test_constrained_and_penalized_requests_share_steps_with_drafting_ones(model
                              structured_outputs=StructuredOutputsParams(
                                  choice=["alpha beta", "gamma"])),
               SamplingParams(temperature=0.0, max_tokens=20, ignore_eos=True,
-                             repetition_penalty=1.3, presence_penalty=0.4),
+                             repetition_penalty=1.3, presence_penalty=0.4,
+                             bad_words_token_ids=[[5, 9], [7]], min_tokens=4),
               SamplingParams(temperature=0.0, max_tokens=30, ignore_eos=True)]
     want = _run(LLM(model_dir, **BASE), prompts[:4], params)
     llm = LLM(model_dir, **BASE, speculative_config=SPEC)

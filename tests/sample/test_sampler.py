@@ -1,5 +1,5 @@
-"""The sampler as the model runner calls it, and its host-side rows: filters, draws, RNG
-rule, penalties, masks, logprobs.
+"""The sampler as the model runner calls it, and its rows: filters, draws, RNG rule,
+penalties, masks (the logits processors), logprobs.
 
 The runner samples through `StepPrograms.sample`: one program (logits head and
 draw) for a plain step, else the staged sampler (sample/staged.py). The tests
@@ -7,6 +7,7 @@ call that, with an identity logits head so that the logits they give are the
 logits it samples from, and check it against `sampler.sample` in one piece.
 """
 
+import dataclasses
 import types
 
 import jax
@@ -21,7 +22,7 @@ from jaxllm.sample.sampler import SamplerOutput
 from jaxllm.sampling_params import MAX_LOGPROBS, SamplingParams
 from jaxllm.worker.buckets import Buckets
 from jaxllm.worker.programs import StepPrograms
-from jaxllm.worker.sampling_rows import SamplingRows
+from jaxllm.worker.sampling_rows import SamplingRows as _SamplingRows
 from pallas_kernels.sampling import topk_topp
 
 # Rows the runner's programs have beyond the request bucket (max_num_seqs is larger):
@@ -59,6 +60,63 @@ class RunnerSampler:
             assert not np.asarray(out.token_ids[rows:]).any()  # the padding rows
         return SamplerOutput(out.token_ids[:rows], out.logprob_token_ids, out.logprobs,
                              out.ranks)
+
+
+class SamplingRows(_SamplingRows):
+    """The runner's sampling rows, with the output counts that InputBatch owns in the
+    runner (there the forward hands the sampler each row's output index)."""
+
+    def __init__(self, max_num_reqs, vocab_size):
+        super().__init__(max_num_reqs, vocab_size)
+        self.num_out = np.zeros(max_num_reqs, np.int32)
+
+    def add(self, row, params, prompt_token_ids, output_token_ids=()):
+        super().add(row, params, prompt_token_ids, output_token_ids)
+        self.num_out[row] = len(output_token_ids)
+
+    def move(self, src, dst):
+        num_out = self.num_out[src]
+        super().move(src, dst)
+        if src != dst:
+            self.num_out[dst], self.num_out[src] = num_out, 0
+
+    def make_metadata(self, rows, padded_size, engine_seed, out_index=None):
+        if out_index is None:
+            out_index = np.zeros(padded_size, np.int32)
+            out_index[:len(rows)] = self.num_out[np.asarray(rows)]
+        return super().make_metadata(rows, padded_size, engine_seed, out_index)
+
+    def append_tokens(self, rows, token_ids):
+        """What the runner does after a step: the device tables take the sampled ids."""
+        rows = np.asarray(rows)
+        self.record(rows, np.ones(rows.size, bool), jnp.asarray(token_ids, jnp.int32),
+                    rows.size)
+        self.num_out[rows] += 1
+
+    def append_token(self, row, token_id):
+        self.append_tokens(np.array([row]), np.array([token_id]))
+
+    def num_output_tokens(self, row):
+        return int(self.num_out[row])
+
+
+def output_counts(md):
+    """`[R, V]` output counts of the batch rows, read from the device tables."""
+    return np.asarray(md.history.tables.counts)[np.asarray(md.history.rows)]
+
+
+def batch_view(md, n):
+    """`md` with the history group's tables gathered at its first `n` rows (padding
+    rows: zeros): what the sampler reads for each batch row, whichever table rows
+    they sit in."""
+    if md.history is None:
+        return md
+    h = md.history
+    rows = np.asarray(h.rows)
+    tables = jax.tree.map(lambda t: np.where((np.arange(rows.size) < n).reshape(
+        -1, *[1] * (t.ndim - 1)), np.asarray(t)[rows], 0), h.tables)
+    return dataclasses.replace(md, history=dataclasses.replace(h, rows=np.arange(rows.size),
+                                                               tables=tables))
 
 
 sample = RunnerSampler()
@@ -250,7 +308,7 @@ def test_penalties_follow_vllms_formulas_and_touch_only_seen_tokens():
     rows.append_tokens(np.array([0, 1]), np.array([3, 3]))
     rows.append_token(0, 4)
     md = rows.make_metadata(np.array([0, 1]), 4, engine_seed=0)
-    assert md.penalties is not None and md.logit_adjust is None
+    assert md.history is not None and md.fixed is None
     logits = np.linspace(-2, 2, vocab, dtype=np.float32)[None].repeat(4, 0)
     logits[0, 1] = -1.0
     got = np.asarray(adjust_logits(jnp.asarray(logits), md))
@@ -262,7 +320,7 @@ def test_penalties_follow_vllms_formulas_and_touch_only_seen_tokens():
     np.testing.assert_allclose(got[0], want, rtol=1e-6)
     assert np.array_equal(got[1:], logits[1:])  # rows without penalties are untouched
     # Only rows in the batch count: without row 0 the part is left out.
-    assert rows.make_metadata(np.array([1]), 4, engine_seed=0).penalties is None
+    assert rows.make_metadata(np.array([1]), 4, engine_seed=0).history is None
 
 
 def test_logit_bias_allowed_tokens_bad_words_and_min_tokens_mask_exactly_their_tokens():
@@ -274,7 +332,9 @@ def test_logit_bias_allowed_tokens_bad_words_and_min_tokens_mask_exactly_their_t
     rows.add(3, SamplingParams(min_tokens=2, all_stop_token_ids=[10, 11]), [0])
     rows.add(4, SamplingParams(), [0])
     batch = np.arange(5)
-    adjust = rows.make_metadata(batch, 8, engine_seed=0).logit_adjust
+    zeros = jnp.zeros((8, vocab), jnp.float32)
+    adjust_of = lambda md: np.asarray(adjust_logits(zeros, md))  # what is added to the logits
+    adjust = adjust_of(rows.make_metadata(batch, 8, engine_seed=0))
     changed = lambda r: {int(t): float(adjust[r, t]) for t in np.flatnonzero(adjust[r])}
     assert changed(0) == {2: 5.0, 7: -3.0}
     assert set(np.flatnonzero(np.isfinite(adjust[1]))) == {4, 5} and adjust[1, 5] == 1.0
@@ -282,10 +342,10 @@ def test_logit_bias_allowed_tokens_bad_words_and_min_tokens_mask_exactly_their_t
     assert changed(3) == {10: -np.inf, 11: -np.inf}
     assert not adjust[4].any() and not adjust[5:].any()
     rows.append_tokens(batch, np.array([0, 4, 3, 1, 0]))
-    adjust = rows.make_metadata(batch, 8, engine_seed=0).logit_adjust
+    adjust = adjust_of(rows.make_metadata(batch, 8, engine_seed=0))
     assert changed(2) == {9: -np.inf}  # output [6, 3]: prefix [3, 6] still not at the end
     rows.append_tokens(batch, np.array([0, 4, 6, 1, 0]))
-    adjust = rows.make_metadata(batch, 8, engine_seed=0).logit_adjust
+    adjust = adjust_of(rows.make_metadata(batch, 8, engine_seed=0))
     assert changed(2) == {9: -np.inf, 8: -np.inf}  # output [6, 3, 6] ends with [3, 6]
     assert changed(3) == {}  # two outputs: min_tokens reached
     # The adjustment reaches the logits before the greedy arg-max.
@@ -295,10 +355,12 @@ def test_logit_bias_allowed_tokens_bad_words_and_min_tokens_mask_exactly_their_t
     greedy.add(0, SamplingParams(temperature=0.0, bad_words_token_ids=[[8]]), [0])
     md = greedy.make_metadata(np.array([0]), 8, engine_seed=0)
     assert int(sample(jnp.asarray(logits), md).token_ids[0]) != 8
-    # Only min_tokens, and already reached: no per-vocab part at all.
+    # Only min_tokens, and already reached: the device leaves every logit as it is.
     only_min = SamplingRows(2, vocab)
     only_min.add(0, SamplingParams(min_tokens=1, all_stop_token_ids=[1]), [0], [5])
-    assert only_min.make_metadata(np.array([0]), 2, engine_seed=0).logit_adjust is None
+    md = only_min.make_metadata(np.array([0]), 2, engine_seed=0)
+    assert md.fixed is None and md.history is not None
+    assert not np.asarray(adjust_logits(jnp.zeros((2, vocab)), md)).any()
 
 
 def test_logprobs_and_ranks_are_the_raw_log_softmax(impl):
@@ -374,20 +436,25 @@ def test_rows_add_remove_move_keep_state_and_build_optional_parts_only_when_need
     rows.add(2, pen, [5, 6], [7])
     rows.add(4, SamplingParams(temperature=0.0), [1])
     before = rows.make_metadata(np.array([2, 4]), 4, engine_seed=0)
-    assert before.penalties is not None and before.num_logprobs == MAX_LOGPROBS
-    assert not before.all_greedy and before.use_top_k_top_p and before.logit_adjust is None
+    before_rows, before = np.asarray(before.history.rows), batch_view(before, 2)
+    assert before.history is not None and before.num_logprobs == MAX_LOGPROBS
+    assert not before.all_greedy and before.use_top_k_top_p and before.fixed is None
     np.testing.assert_allclose(before.temperature, [0.9, 1.0, 1.0, 1.0])
     assert before.top_k.tolist() == [4, 0, 0, 0] and before.greedy.tolist() == [0, 1, 1, 1]
     rows.move(2, 0)  # condense
     assert not rows.is_active(2) and rows.is_active(0) and rows.num_output_tokens(0) == 1
     after = rows.make_metadata(np.array([0, 4]), 4, engine_seed=0)
     assert jax.tree_util.tree_structure(after) == jax.tree_util.tree_structure(before)
+    assert before_rows.tolist()[:2] == [2, 4]
+    assert np.asarray(after.history.rows).tolist()[:2] == [0, 4]  # the moved table row
+    after = batch_view(after, 2)
     for x, y in zip(jax.tree_util.tree_leaves(before), jax.tree_util.tree_leaves(after),
                     strict=True):
         assert np.array_equal(x, y)
+    assert output_counts(after)[0].tolist() == np.bincount([7], minlength=vocab).tolist()
     rows.remove(0)
     plain = rows.make_metadata(np.array([4]), 4, engine_seed=0)
-    assert plain.penalties is None and plain.logit_adjust is None and plain.num_logprobs == 0
+    assert plain.history is None and plain.fixed is None and plain.num_logprobs == 0
     assert plain.all_greedy and not plain.use_top_k_top_p
     # Vectorized appends equal one-at-a-time appends.
     a, b = SamplingRows(4, vocab), SamplingRows(4, vocab)
@@ -399,8 +466,8 @@ def test_rows_add_remove_move_keep_state_and_build_optional_parts_only_when_need
         b.append_token(1, (step + 1) % 20)
         b.append_token(3, step % 20)
     ma, mb = (r.make_metadata(np.array([1, 3]), 2, engine_seed=0) for r in (a, b))
-    assert np.array_equal(ma.penalties.output_counts, mb.penalties.output_counts)
-    assert ma.penalties.output_counts[1].sum() == 70
+    assert np.array_equal(output_counts(ma), output_counts(mb))
+    assert output_counts(ma)[1].sum() == 70
 
 
 def test_variants_are_the_documented_set_and_each_compiles_and_runs():
@@ -491,7 +558,7 @@ def test_the_runners_sampler_equals_the_sampler_in_one_piece(batch):
     rows, _ = _mixed_rows(vocab)
     batch = np.array(batch)
     md = rows.make_metadata(batch, 12, engine_seed=3)
-    plain = md.penalties is None and md.logit_adjust is None and not md.num_logprobs
+    plain = md.history is None and md.fixed is None and not md.num_logprobs
     assert staged.is_plain(md) == plain
     rng = np.random.default_rng(len(batch))
     for step in range(2):
@@ -514,16 +581,17 @@ def test_the_staged_sampler_compiles_each_stage_once_per_variant_it_meets():
     vocab, size = 32, 4 + EXTRA_ROWS
     fresh = staged.StagedSampler()
     logits = jnp.zeros((4, vocab), jnp.float32)
-    fresh.precompile(logits, list(variant_metadata(4, vocab)), size)
+    rows, _ = _mixed_rows(vocab)
+    # The runner's output tables, as the runner's precompile passes them.
+    fresh.precompile(logits, list(variant_metadata(4, vocab, tables=rows.outputs.tables)), size)
     compiled = {name: getattr(fresh, name)._cache_size()
                 for name in ("_adjust", "_draw", "_logprobs")}
-    # Adjust: every non-empty subset of penalties, logit_adjust and the token bitmask;
-    # draw: the three modes; logprobs: one.
+    # Adjust: every non-empty subset of the fixed and history processor groups and the
+    # token bitmask; draw: the three modes; logprobs: one.
     assert compiled == {"_adjust": 7, "_draw": 3, "_logprobs": 1}
-    rows, _ = _mixed_rows(vocab)
     # Penalties, a logit bias, logprobs and top-k/top-p: every stage runs.
     md = rows.make_metadata(np.array([4, 5, 9, 2]), 4, engine_seed=0)
-    assert md.penalties is not None and md.logit_adjust is not None and md.num_logprobs
+    assert md.history is not None and md.fixed is not None and md.num_logprobs
     out = fresh(logits, md, size)
     assert out.token_ids.shape == (size,) and out.logprobs.shape == (4, MAX_LOGPROBS + 1)
     assert {name: getattr(fresh, name)._cache_size()
