@@ -97,6 +97,9 @@ class CacheConfig:
     kv_cache_bytes: int | None = None
     # Filled in once the runner has sized the cache; includes the reserved null block 0.
     num_blocks: int = 0
+    # Filled in with it: each KV cache group's sliding window, None for full attention
+    # (jaxllm/kv_groups.py).
+    group_windows: tuple[int | None, ...] = (None,)
 
 
 @dataclass

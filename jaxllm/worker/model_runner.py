@@ -43,7 +43,7 @@ from jaxllm.sample.sampler import SamplerOutput
 from jaxllm.worker.aot_cache import ExecutableCache
 from jaxllm.worker.buckets import Buckets
 from jaxllm.worker.input_batch import InputBatch
-from jaxllm.worker.kv_cache import PagedKVCache, activation_reserve
+from jaxllm.worker.kv_cache import PagedKVCache, activation_reserve, model_kv_groups
 from jaxllm.worker.lora_slots import LoRASlots, lora_args
 from jaxllm.worker.programs import (
     PROMPT_LOGPROBS_ROWS,
@@ -71,16 +71,15 @@ class StepHandle:
     rows: np.ndarray  # InputBatch rows at dispatch
     layout_version: int  # InputBatch.layout_version at dispatch
     gen: np.ndarray  # [n] bool: a token is sampled for the request
-    sampled: SamplerOutput | None  # token ids padded to max_num_seqs rows (None until
-    # the sampler is dispatched)
+    sampled: SamplerOutput | None  # ids padded to max_num_seqs rows, once sampled
     last_hidden: jax.Array  # [max_num_seqs, hidden]: row i, request i's last token
     pool_indices: list[int]  # requests whose pooled state is due
     pool_normalize: list[tuple[bool, int | None]]  # (normalize, dimensions) of each
     prompt_lp: tuple | None  # (device (ids, logprobs, ranks), {req_id: slice})
     r_pad: int = 0  # the request bucket
     out_index: jax.Array | None = None  # the forward's output indices, for the sampler
-    # Speculative decoding: (drafts per request, their counts, the verify forward's
-    # hidden rows), and the verify sampler's output once dispatched.
+    # Speculative decoding: (drafts per request, their counts, the verify forward's hidden
+    # rows), and the verify sampler's output once dispatched.
     verify: tuple | None = None
     verified: VerifyOutput | None = None
 
@@ -122,24 +121,26 @@ class ModelRunner:
         self.state = jax.tree.leaves(state)
         logger.info("loaded %s in %.1fs", mc.model, time.perf_counter() - t0)
 
+        self.kv_groups = model_kv_groups(model)  # the scheduler's too (EngineCore)
         self.buckets = b = Buckets.make(sc.max_num_batched_tokens, sc.max_num_seqs,
                                         mc.max_model_len, cc.block_size, config.token_buckets,
-                                        config.request_buckets)
+                                        config.request_buckets, self.kv_groups.num_groups)
         spec = config.speculative_config
         k1 = spec.num_speculative_tokens + 1 if spec else 1  # logits rows per request
         self.num_layers, self.num_kv_heads, self.head_dim = kv_cache_spec(
             mc.hf_config, self.mesh.shape["model"])
         kv = PagedKVCache(self.attn_backend, self.mesh, self.num_layers, self.num_kv_heads,
-                          self.head_dim, cc.block_size, jnp.dtype(kv_cache_dtype(mc)))
-        # The caller hands this count to the scheduler (EngineCore).
-        self.num_kv_blocks = kv.num_blocks(
+                          self.head_dim, cc.block_size, jnp.dtype(kv_cache_dtype(mc)),
+                          self.kv_groups)
+        self.num_kv_blocks = kv.num_blocks(  # the scheduler's block count (EngineCore)
             cc, sc.max_num_seqs, mc.max_model_len,
             lambda: activation_reserve(mc.hf_config, b.token_buckets[-1],
-                                       b.request_buckets[-1] * k1,
-                                       self.vocab_size, self.dtype, PROMPT_LOGPROBS_ROWS))
+                                       b.request_buckets[-1] * k1, self.vocab_size,
+                                       self.dtype, PROMPT_LOGPROBS_ROWS),
+            max_chunk=sc.max_num_batched_tokens)
         self.kv_cache = kv.allocate(self.num_kv_blocks)
         self.input_batch = InputBatch(sc.max_num_seqs, mc.max_model_len, b.max_blocks_per_req,
-                                      self.vocab_size)
+                                      self.vocab_size, b.num_kv_groups)
         replicated = NamedSharding(self.mesh, P())
         self.input_batch.sampling.device_put = lambda x: jax.device_put(x, replicated)
         self.wait_seconds = 0.0  # host time spent waiting for sampled tokens (benchmarks)
@@ -147,9 +148,8 @@ class ModelRunner:
         s = b.max_num_seqs
         self._arange = np.arange(s + 1, dtype=np.int32)
         self._rows_memo: tuple[int, list[str], np.ndarray] | None = None
-        # The last dispatched step's sampled ids (device, [max_num_seqs]).
-        # Placed like the sampler's output, so that the forward compiled with
-        # it at start-up is the one that later takes in-flight tokens.
+        # The last dispatched step's sampled ids (device, [max_num_seqs]). Placed like the
+        # sampler's output: the forward compiled with it then takes in-flight tokens.
         self._no_prev = jax.device_put(np.zeros(s, np.int32), replicated)
         self._last_sampled = self._no_prev
         # On a CPU backend the outputs already sit in host memory: no early copy.

@@ -51,11 +51,12 @@ class VerifyOutput:
 
 @functools.cache
 def verify_functions(graphdef: Any, state_def: Any, head_logits: Any, num_reqs: int,
-                     width: int, k1: int) -> tuple[Any, Any, Any]:
+                     width: int, k1: int, num_groups: int = 1) -> tuple[Any, Any, Any]:
     """The jitted verify forward, verify sampler and position-0 gather of one model graph."""
 
     def forward(weights, kv_cache, packed, rows):
-        input_ids, positions, md, _, _ = unpack_step_inputs(packed, num_reqs, width)
+        input_ids, positions, md, _, _ = unpack_step_inputs(packed, num_reqs, width,
+                                                            num_groups)
         model = nnx.merge(graphdef, jax.tree.unflatten(state_def, weights))
         states, kv_cache = model(input_ids, positions, kv_cache, md)
         return kv_cache, states[rows]
@@ -87,7 +88,7 @@ class SpecVerifier:
         self.buckets = buckets
         self.forward, self.sample_fn, self.first_rows = verify_functions(
             graphdef, state_def, head_logits, buckets.max_num_seqs, buckets.max_blocks_per_req,
-            self.k1)
+            self.k1, buckets.num_kv_groups)
 
     # ---- host side ---------------------------------------------------------
 
