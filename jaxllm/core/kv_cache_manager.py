@@ -227,12 +227,16 @@ class KVCacheManager:
 
     def _extend(self, request: Request, req_blocks: list[KVCacheBlock],
                 num_total: int) -> list[KVCacheBlock] | None:
-        """`allocate_slots` for a request that holds blocks and brings no hits."""
-        if not self._plain:
-            self._drop_out_of_window(request)
+        """`allocate_slots` for a request that holds blocks and brings no hits.
+
+        Sliding-window groups let go of out-of-window blocks when the request needs
+        new ones (the scheduler's array path calls only then; at most one block more
+        per group waits for it)."""
         num_new_blocks = -(-num_total // self.block_size) - len(req_blocks)
         new_blocks: list[KVCacheBlock] = []
         if num_new_blocks > 0:
+            if not self._plain:
+                self._drop_out_of_window(request)
             groups = self.num_groups
             if num_new_blocks * groups > self.block_pool.get_num_free_blocks():
                 return None

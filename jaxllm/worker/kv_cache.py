@@ -74,16 +74,19 @@ class PagedKVCache:
                    max_chunk: int | None = None) -> int:
         """Blocks to allocate, the null block included.
 
-        `cache.num_kv_blocks` fixes the count; else `cache.kv_cache_bytes` is the
-        budget; else, on an accelerator, `hbm_utilization` of the device's memory
-        less what is in use and `activation_reserve()` (the step's transient
-        memory); on the CPU, every sequence at full length, capped. `memory_stats`
-        stands in for the device's own (`bytes_limit`, `bytes_in_use`) where it has
-        none to give: a compile-only TPU device (worker/tpu_compile.py).
+        `cache.num_kv_blocks` fixes the memory, in blocks of every layer (with KV
+        cache groups a block id covers fewer layers: more ids fit); else
+        `cache.kv_cache_bytes` is the budget; else, on an accelerator,
+        `hbm_utilization` of the device's memory less what is in use and
+        `activation_reserve()` (the step's transient memory); on the CPU, every
+        sequence at full length (sliding-window groups holding what prefill
+        chunks of `max_chunk` tokens need), capped. `memory_stats` stands in for
+        the device's own (`bytes_limit`, `bytes_in_use`) where it has none to
+        give: a compile-only TPU device (worker/tpu_compile.py).
         """
         per_block = self.bytes_per_block()
-        if cache.num_kv_blocks:
-            return int(cache.num_kv_blocks) + 1  # + the reserved null block
+        if cache.num_kv_blocks:  # the memory of that many blocks of every layer
+            return int(cache.num_kv_blocks) * self.num_layers // self.pages_per_block + 1
         budget = cache.kv_cache_bytes
         device = self.mesh.devices.flat[0]
         if budget is None and device.platform != "cpu":
