@@ -642,6 +642,7 @@ def test_random_workloads_keep_blocks_budgets_and_outputs_intact(w, run_ahead, v
     event(f"prefix hits: {min(stats.prefix_cache_hits, 1)}")
     event(f"aborted: {min(len(aborted), 1)}")
     assert sched.kv_cache_manager.req_to_blocks == {}
+    assert all(table == {} for table in sched.kv_cache_manager.tables)  # every group's
     assert not sched.waiting and not sched.running
     for rid, req in reqs.items():
         if rid in aborted:

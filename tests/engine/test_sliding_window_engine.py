@@ -1,6 +1,8 @@
 """Sliding-window layers that let go of out-of-window KV blocks still give transformers'
 greedy tokens and prompt logprobs (float32), under chunked prefill, prefix-cache hits
-and preemption, on every attention body and at tp 2.
+and preemption; the two-layer groups on both Pallas bodies (interpret mode) and at tp 2
+too (tests/engine/test_tensor_parallel_engine.py runs 2-layer Gemma 2 and 3, one group
+per layer, on every body at tp 2).
 
 Gemma 3 with five local layers to one global (six KV cache groups of one layer) and
 Gemma 2 with four alternating layers (two groups of two: a block id stands for a
@@ -55,12 +57,12 @@ def case(request, tmp_path_factory):
             hf_prompt_logprobs(model_dir, prompts))
 
 
-def run_workload(llm: LLM, prompts: list[list[int]]) -> tuple[list, list, list]:
-    """The prompts twice (the second request shares the first one's prefix: hits), then
-    with prompt logprobs; returns the three runs' outputs, per scheduled step the
-    blocks each group of the longest request held, and the groups' windows."""
-    core = llm.llm_engine.engine_core.engine_core
-    sched = core.scheduler
+def run_workload(llm: LLM, prompts: list[list[int]], runs: tuple[SamplingParams, ...]
+                 ) -> tuple[list, list, tuple]:
+    """The prompts once per `runs` entry (the second request shares the first one's
+    prefix: hits); returns each run's outputs, per scheduled step the blocks each group
+    of the longest request held, and the groups' windows."""
+    sched = llm.llm_engine.engine_core.engine_core.scheduler
     held: list[list[int]] = []
     schedule = sched.schedule
 
@@ -72,22 +74,27 @@ def run_workload(llm: LLM, prompts: list[list[int]]) -> tuple[list, list, list]:
         return out
 
     sched.schedule = recording_schedule
-    with_prompt_lps = SamplingParams(temperature=0.0, max_tokens=NEW_TOKENS, ignore_eos=True,
-                                     prompt_logprobs=1)
-    runs = [llm.generate([{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False)
-            for params in (GREEDY, GREEDY, with_prompt_lps)]
-    return runs, held, sched.kv_cache_manager.windows
+    outs = [llm.generate([{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False)
+            for params in runs]
+    return outs, held, sched.kv_cache_manager.windows
 
 
-def check_parity(llm: LLM, case) -> None:
+def check_parity(llm: LLM, case, with_prompt_logprobs: bool) -> None:
+    """Transformers' tokens (twice, the second time with prompt logprobs within 1e-4
+    of its), prefix-cache hits and preemptions on the way, and local groups that held
+    fewer blocks than the global one."""
     model_dir, prompts, want, want_prompt_lps = case
-    runs, held, windows = run_workload(llm, prompts)
-    for outs in runs:
-        assert [o.outputs[0].token_ids for o in outs] == want
-    for out, prompt, ref in zip(runs[2], prompts, want_prompt_lps, strict=True):
-        got = [lp[t].logprob for t, lp in zip(prompt[1:], out.prompt_logprobs[1:],
-                                              strict=True)]
-        assert max(abs(g - w) for g, w in zip(got, ref, strict=True)) < 1e-4
+    runs = (GREEDY,) + ((SamplingParams(temperature=0.0, max_tokens=NEW_TOKENS,
+                                        ignore_eos=True, prompt_logprobs=1),)
+                        if with_prompt_logprobs else ())
+    outs, held, windows = run_workload(llm, prompts, runs)
+    for run in outs:
+        assert [o.outputs[0].token_ids for o in run] == want
+    if with_prompt_logprobs:
+        for out, prompt, ref in zip(outs[1], prompts, want_prompt_lps, strict=True):
+            got = [lp[t].logprob for t, lp in zip(prompt[1:], out.prompt_logprobs[1:],
+                                                  strict=True)]
+            assert max(abs(g - w) for g, w in zip(got, ref, strict=True)) < 1e-4
     stats = llm.llm_engine.last_stats
     assert stats.num_preemptions > 0 and stats.prefix_cache_hits > 0
     # The local groups really let go: at 40 tokens the global group holds 10 blocks,
@@ -97,18 +104,27 @@ def check_parity(llm: LLM, case) -> None:
     assert longest[0] >= 10 and all(h <= 7 for h in longest[1:]), longest
 
 
-@pytest.mark.parametrize("backend,tp", [("xla", 1), ("pallas_tpu", 1), ("pallas_gpu", 1),
-                                        ("xla", 2)])
-def test_sliding_window_groups_keep_greedy_parity_with_hits_chunks_and_preemption(
-        case, backend, tp):
-    llm = LLM(case[0], attention_backend=backend, attention_interpret=backend != "xla",
+def make_llm(model_dir: str, backend: str, tp: int) -> LLM:
+    llm = LLM(model_dir, attention_backend=backend, attention_interpret=backend != "xla",
               tensor_parallel_size=tp, **ENGINE)
     runner = llm.llm_engine.engine_core.engine_core.model_runner
     groups = runner.kv_groups
-    assert groups.is_hybrid
+    assert groups.is_hybrid and runner.mesh.shape["model"] == tp
     # The memory of 10 blocks of every layer, in block ids of `group_size` layers.
     assert runner.num_kv_blocks == 10 * len(groups.layer_group) // groups.group_size + 1
-    check_parity(llm, case)
+    return llm
+
+
+def test_sliding_window_groups_keep_greedy_and_prompt_logprob_parity(case):
+    check_parity(make_llm(case[0], "xla", 1), case, with_prompt_logprobs=True)
+
+
+@pytest.mark.parametrize("case", ["gemma2-four-alternating"], indirect=True)
+@pytest.mark.parametrize("backend,tp", [("pallas_tpu", 1), ("pallas_gpu", 1), ("xla", 2)])
+def test_two_layer_groups_keep_greedy_parity_on_pallas_bodies_and_at_tp2(case, backend, tp):
+    """Gemma 2's groups of two layers: the second layer of each reads its pages at a
+    page offset of one pool's worth, through every body and under shard_map."""
+    check_parity(make_llm(case[0], backend, tp), case, with_prompt_logprobs=False)
 
 
 @pytest.mark.parametrize("case", ["gemma3-five-local-one-global"], indirect=True)
