@@ -8,6 +8,7 @@ import os
 from dataclasses import dataclass, field
 from typing import Any
 
+from jaxllm.distributed.multihost import DistributedSpec, resolve_distributed
 from jaxllm.errors import ParameterError
 from jaxllm.lora.config import LoRAConfig
 from jaxllm.pooler_config import PoolerConfig, load_pooler_config
@@ -121,6 +122,8 @@ class ParallelConfig:
     data_parallel_size: int = 1
     # Which of them this core is (set per core process: engine/dp_client.py).
     data_parallel_rank: int = 0
+    # A multi-host engine's job (distributed/multihost.py); None: one process.
+    distributed: DistributedSpec | None = None
 
 
 @dataclass
@@ -199,12 +202,32 @@ class EngineArgs:
     enable_lora: bool = False
     max_loras: int = 1
     max_lora_rank: int = 16
+    # A multi-host engine (distributed/multihost.py; else JAX_COORDINATOR_ADDRESS,
+    # JAX_NUM_PROCESSES, JAX_PROCESS_ID).
+    distributed_coordinator_address: str | None = None
+    distributed_num_processes: int | None = None
+    distributed_process_id: int | None = None
 
     @classmethod
     def field_names(cls) -> set[str]:
         return {f.name for f in dataclasses.fields(cls)}
 
+    def distributed_spec(self) -> DistributedSpec | None:
+        """The multi-host job these arguments (or the environment) name, if any."""
+        return resolve_distributed(self.distributed_coordinator_address,
+                                   self.distributed_num_processes, self.distributed_process_id)
+
     def create_engine_config(self) -> EngineConfig:
+        distributed = self.distributed_spec()
+        if distributed is not None and distributed.process_id > 0:
+            raise ParameterError("distributed_process_id",
+                                 f"process {distributed.process_id} is a follower host, which "
+                                 "builds no engine: run `jaxllm serve` there with the same "
+                                 "--distributed-* flags (it follows host 0)")
+        if distributed is not None and self.data_parallel_size > 1:
+            raise ParameterError("data_parallel_size",
+                                 "a multi-host engine runs one replica; use "
+                                 "data_parallel_size=1 with distributed_num_processes")
         model_config = self._model_config()
         max_len = model_config.max_model_len
         max_batched = self.max_num_batched_tokens or max(2048, min(max_len, 8192))
@@ -254,7 +277,8 @@ class EngineArgs:
                 enable_chunked_prefill=self.enable_chunked_prefill and not model_config.is_encoder,
                 policy=self.scheduling_policy,
                 long_prefill_token_threshold=self.long_prefill_token_threshold),
-            parallel_config=ParallelConfig(self.tensor_parallel_size, self.data_parallel_size),
+            parallel_config=ParallelConfig(self.tensor_parallel_size, self.data_parallel_size,
+                                           distributed=distributed),
             attention_backend=self.attention_backend,
             attention_interpret=self.attention_interpret,
             mlp_backend=self.mlp_backend, mlp_interpret=self.mlp_interpret,

@@ -24,6 +24,7 @@ from jax.sharding import Mesh
 
 from jaxllm.config import CacheConfig
 from jaxllm.distributed.mesh import kv_cache_sharding
+from jaxllm.distributed.multihost import agree_min
 from jaxllm.kv_groups import KVCacheGroups, blocks_per_request
 
 logger = logging.getLogger(__name__)
@@ -104,7 +105,8 @@ class PagedKVCache:
         if budget is None:
             want = max_num_seqs * per_seq * per_block
             budget = min(want, _CPU_DEFAULT_KV_BYTES)
-        num_blocks = int(budget // per_block)
+        # Every host of a multi-host engine allocates the same cache: the least any holds.
+        num_blocks = agree_min(int(budget // per_block))
         if num_blocks < 2:
             raise ValueError(f"KV cache budget of {budget} bytes holds no block "
                              f"({per_block} bytes each): raise hbm_utilization or kv_cache_bytes")
