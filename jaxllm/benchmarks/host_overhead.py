@@ -88,11 +88,12 @@ def main(argv: list[str] | None = None) -> dict:
     # moving the step's inputs to the device, as it does in a real step; they
     # return right away.
     num_reqs, width = runner.buckets.max_num_seqs, runner.buckets.max_blocks_per_req
+    groups = runner.buckets.num_kv_groups
 
     @functools.partial(jax.jit, donate_argnums=1)
     def forward(state, kv, packed, prev_tokens):
         del state
-        input_ids, *_, out_index = unpack_step_inputs(packed, num_reqs, width)
+        input_ids, *_, out_index = unpack_step_inputs(packed, num_reqs, width, groups)
         return (kv, jnp.zeros((input_ids.shape[0], 64), jnp.float32),
                 jnp.zeros((num_reqs, 64), jnp.float32), out_index)
 

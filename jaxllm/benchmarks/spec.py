@@ -58,14 +58,15 @@ def synthetic_step(b: int, q: int, ctx: int, buckets, block_size: int, vocab: in
     t = b * q
     (packed, input_ids, positions, slots, _, page_indices, kv_lens, cu_end, num_seqs,
      _) = pack_step_inputs(buckets.pad_tokens(t), buckets.max_num_seqs,
-                           buckets.max_blocks_per_req)
+                           buckets.max_blocks_per_req, buckets.num_kv_groups)
     nb = -(-(ctx + q) // block_size)
     blocks = 1 + np.arange(b * nb, dtype=np.int32).reshape(b, nb)
-    page_indices[:b, :nb] = blocks
+    for g in range(buckets.num_kv_groups):  # every KV cache group: the same blocks
+        page_indices[:b, g * buckets.max_blocks_per_req:][:, :nb] = blocks
     pos = ctx + np.tile(np.arange(q, dtype=np.int32), b)
     positions[:t] = pos
     req = np.repeat(np.arange(b), q)
-    slots[:t] = blocks[req, pos // block_size] * block_size + pos % block_size
+    slots[:, :t] = blocks[req, pos // block_size] * block_size + pos % block_size
     input_ids[:t] = rng.integers(0, vocab, t)
     kv_lens[:b] = ctx + q
     cu_end[:b] = np.arange(1, b + 1) * q

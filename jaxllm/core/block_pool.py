@@ -18,6 +18,12 @@ from jaxllm.core.block_hash import BlockHash
 NULL_BLOCK_ID = 0
 
 
+def group_key(block_hash: BlockHash, group: int) -> BlockHash:
+    """A block's prefix-cache key in KV cache group `group` (jaxllm/kv_groups.py): the
+    same tokens are another block in each group."""
+    return block_hash if group == 0 else block_hash + group.to_bytes(2, "little")
+
+
 @dataclass(eq=False, slots=True)
 class KVCacheBlock:
     block_id: int
@@ -144,8 +150,10 @@ class BlockPool:
             block.block_hash = None
 
     def cache_full_blocks(self, blocks: list[KVCacheBlock], block_hashes: list[BlockHash],
-                          num_cached_blocks: int, num_full_blocks: int) -> None:
-        """Registers blocks[num_cached_blocks:num_full_blocks] under their hashes.
+                          num_cached_blocks: int, num_full_blocks: int,
+                          group: int = 0) -> None:
+        """Registers blocks[num_cached_blocks:num_full_blocks] under their hashes (their
+        `group_key`s in KV cache group `group`).
 
         A block whose content is already cached in another block stays
         unregistered: one hash maps to one block, and the duplicate is simply
@@ -157,7 +165,7 @@ class BlockPool:
             block = blocks[i]
             if block.block_hash is not None or block.is_null:
                 continue  # a prefix-cache hit, registered already
-            block_hash = block_hashes[i]
+            block_hash = block_hashes[i] if group == 0 else group_key(block_hashes[i], group)
             if block_hash not in self._cached:
                 block.block_hash = block_hash
                 self._cached[block_hash] = block

@@ -37,6 +37,7 @@ from jaxllm.core.runner_output import ModelRunnerOutput
 from jaxllm.core.running_batch import RunningBatch, StepLimits
 from jaxllm.core.sched_output import CachedRequestData, NewRequestData, SchedulerOutput
 from jaxllm.core.spec_schedule import DraftPlanner
+from jaxllm.kv_groups import max_request_tokens
 
 logger = logging.getLogger(__name__)
 
@@ -58,7 +59,8 @@ class Scheduler:
         self.enable_prefix_caching = cache.enable_prefix_caching
 
         self.kv_cache_manager = KVCacheManager(cache.num_blocks, cache.block_size,
-                                               cache.enable_prefix_caching)
+                                               cache.enable_prefix_caching,
+                                               tuple(cache.group_windows))
         self._block_hasher = make_block_hasher(cache.block_size) \
             if cache.enable_prefix_caching else None
 
@@ -67,7 +69,9 @@ class Scheduler:
         # The most tokens one request can ever hold in the cache. The engine
         # rejects at entry a prompt longer than this; a running request is
         # length-capped on reaching it, so it can always progress.
-        self.max_request_tokens = min(self.max_model_len, (self.num_blocks - 1) * self.block_size)
+        self.max_request_tokens = max_request_tokens(
+            cache.group_windows, self.num_blocks - 1, self.block_size,
+            self.max_num_batched_tokens, self.max_model_len)
         self.limits = StepLimits(self.block_size, self.max_model_len, self.max_request_tokens,
                                  self.long_prefill_token_threshold, self.enable_prefix_caching)
         self.running = RunningBatch(self.max_num_seqs, self.limits,

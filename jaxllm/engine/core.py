@@ -94,6 +94,8 @@ class EngineCore:
         # The KV cache's size is known once the runner has measured the device:
         # the scheduler's block pool takes it from here.
         config.cache_config.num_blocks = self.model_runner.num_kv_blocks
+        groups = getattr(self.model_runner, "kv_groups", None)  # none for an encoder
+        config.cache_config.group_windows = groups.windows if groups else (None,)
         self.scheduler = (EncoderScheduler if config.model_config.is_encoder
                           else Scheduler)(config)
         # Speculation steps synchronously: a step's drafts are proposed from the

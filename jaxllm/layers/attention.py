@@ -5,7 +5,11 @@ and never assumes one. `write_kv` stores this step's K/V (in place when the
 cache is donated); `attend` runs ragged paged attention over a mixed batch of
 prefill chunks and decodes. The layers of a model share one cache array of
 `num_layers * num_blocks` pages (axis 0 of every layout): layer l's block b is
-page `l * num_blocks + b`, and both calls take that `page_offset`. One array
+page `l * num_blocks + b`, and both calls take that `page_offset`. With KV cache
+groups (jaxllm/kv_groups.py: sliding-window layers apart from global ones) the
+array has `group_size * num_blocks` pages, the layer at slot s of its group
+reads page `s * num_blocks + b` through its group's block tables
+(`AttentionMetadata.for_group`). One array
 instead of one per layer: every array a jitted step takes and returns costs
 host time on every call. Backends: "xla" (plain jnp, the oracle, used
 on the CPU), "pallas_tpu", "pallas_gpu" (Triton) and "pallas_gpu_mosaic" (Mosaic

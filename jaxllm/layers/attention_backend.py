@@ -23,11 +23,27 @@ from pallas_kernels.ragged_paged_attention import xla
 class AttentionMetadata:
     """Per-step attention inputs, shared by every layer (shapes fixed by the bucket)."""
 
-    slot_mapping: jax.Array  # [T] int32, KV slot of each token; padding -> scratch slot
+    # [T] int32, KV slot of each token; padding -> scratch slot. With KV cache groups
+    # (jaxllm/kv_groups.py) [G, T], one row per group, and `page_indices` [R, G * W],
+    # group g's tables in columns [g * W, (g + 1) * W): `for_group` picks one.
+    slot_mapping: jax.Array
     kv_lens: jax.Array  # [R] int32, context length per request incl. new tokens
     page_indices: jax.Array  # [R, W] int32, block tables
     cu_q_lens: jax.Array  # [R + 1] int32, query start offsets
     num_seqs: jax.Array  # [1] int32, real requests
+
+    @property
+    def grouped(self) -> bool:
+        """Whether this metadata carries one block table per KV cache group."""
+        return self.slot_mapping.ndim == 2
+
+    def for_group(self, group: int) -> AttentionMetadata:
+        """Group `group`'s slots and block tables, the form every body reads."""
+        num_groups = self.slot_mapping.shape[0]
+        width = self.page_indices.shape[1] // num_groups
+        return dataclasses.replace(
+            self, slot_mapping=self.slot_mapping[group],
+            page_indices=self.page_indices[:, group * width:(group + 1) * width])
 
     def last_queries(self) -> AttentionMetadata:
         """The same requests with one query each, their last token, at row i for

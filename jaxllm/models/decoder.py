@@ -49,6 +49,7 @@ from flax import nnx
 from jax.sharding import Mesh
 from jax.sharding import PartitionSpec as P
 
+from jaxllm.kv_groups import KVCacheGroups
 from jaxllm.layers.attention import AttentionBackend, AttentionMetadata
 from jaxllm.layers.gated_mlp import GatedMLP
 from jaxllm.layers.linear import Linear, make_param
@@ -103,6 +104,9 @@ class DecoderAttention(nnx.Module):
         self.sliding_window = arch.sliding_windows[layer]
         self.attn_backend = attn_backend
         self.layer, self.num_layers = layer, arch.num_layers
+        groups = KVCacheGroups.from_windows(arch.sliding_windows)
+        self.kv_group, self.kv_slot = groups.layer_group[layer], groups.layer_slot[layer]
+        self.pages_per_block = groups.group_size
 
     def __call__(self, x: jax.Array, positions: jax.Array, kv_cache: jax.Array,
                  md: AttentionMetadata, qk_norms: jax.Array | None, residual: jax.Array,
@@ -131,8 +135,11 @@ class DecoderAttention(nnx.Module):
         if kv_scale is not None:
             k, v = _to_fp8_range(k, kv_scale[0]), _to_fp8_range(v, kv_scale[1])
             q = q * kv_scale[0].astype(q.dtype)
-        # The cache holds every layer's pages; this layer's come after the previous ones'.
-        page_offset = self.layer * (kv_cache.shape[0] // self.num_layers)
+        if md.grouped:  # KV cache groups (jaxllm/kv_groups.py): this layer's group and slot
+            md = md.for_group(self.kv_group)
+            page_offset = self.kv_slot * (kv_cache.shape[0] // self.pages_per_block)
+        else:  # every layer's pages; this layer's come after the previous ones'
+            page_offset = self.layer * (kv_cache.shape[0] // self.num_layers)
         if write:
             kv_cache = self.attn_backend.write_kv(kv_cache, k, v, md, page_offset)
         if rows is not None:
@@ -261,9 +268,11 @@ class DecoderForCausalLM(nnx.Module):
     def _trunk(self, input_ids: jax.Array, positions: jax.Array, kv_cache: jax.Array,
                md: AttentionMetadata) -> tuple[jax.Array, jax.Array]:
         """Embedding and every layer but the last."""
-        if kv_cache.shape[0] % len(self.layers):
+        # Grouped metadata: pages for each slot of a group (jaxllm/kv_groups.py).
+        runs = self.layers[0].self_attn.pages_per_block if md.grouped else len(self.layers)
+        if kv_cache.shape[0] % runs:
             raise ValueError(f"KV cache of {kv_cache.shape[0]} pages does not split into "
-                             f"{len(self.layers)} layers")
+                             f"{runs} runs of pages")
         x = jnp.take(self.embed_tokens[...], input_ids, axis=0)
         if self.arch.embed_scale:  # in the model dtype, as Hugging Face rounds it
             x = x * jnp.asarray(self.arch.hidden_size ** 0.5, x.dtype)

@@ -35,11 +35,13 @@ class Buckets:
     request_buckets: tuple[int, ...]
     max_num_seqs: int
     max_blocks_per_req: int  # block-table width: ceil(max_model_len / block_size)
+    # Block tables per request, one per KV cache group (jaxllm/kv_groups.py).
+    num_kv_groups: int = 1
 
     @classmethod
     def make(cls, max_num_batched_tokens: int, max_num_seqs: int, max_model_len: int,
              block_size: int, token_buckets: list[int] | None = None,
-             request_buckets: list[int] | None = None) -> Buckets:
+             request_buckets: list[int] | None = None, num_kv_groups: int = 1) -> Buckets:
         tb = sorted(set(token_buckets or _geometric(
             min(_MIN_TOKEN_BUCKET, max_num_batched_tokens), max_num_batched_tokens)))
         rb = sorted(set(request_buckets or _geometric(
@@ -57,7 +59,7 @@ class Buckets:
         # tall: a larger bucket is that bucket.
         rb = sorted({min(r, max_num_seqs) for r in rb})
         width = -(-max_model_len // block_size)
-        return cls(tuple(tb), tuple(rb), max_num_seqs, width)
+        return cls(tuple(tb), tuple(rb), max_num_seqs, width, num_kv_groups)
 
     def pad_tokens(self, n: int) -> int:
         return self.token_buckets[bisect.bisect_left(self.token_buckets, n)]

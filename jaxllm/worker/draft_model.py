@@ -27,6 +27,7 @@ import numpy as np
 from flax import nnx
 
 from jaxllm.config import EngineConfig
+from jaxllm.errors import ParameterError
 from jaxllm.models.loader import kv_cache_spec, load_model
 from jaxllm.quant_config import kv_cache_dtype
 from jaxllm.worker.buckets import Buckets
@@ -116,6 +117,11 @@ class DraftModel:
         """The draft model where the speculative method runs one, else None."""
         if config.draft_model_config is None:
             return None
+        if buckets.num_kv_groups > 1:
+            # The draft reads the target's block tables, which are per group there.
+            raise ParameterError("speculative_config.method",
+                                 "a draft model for a target with sliding-window KV cache "
+                                 "groups (Gemma) is not supported; use 'ngram'")
         return cls(config, mesh, attn_backend, swiglu, buckets)
 
     def bytes_per_block(self) -> int:

@@ -18,7 +18,7 @@ from jaxllm.worker.sampling_rows import SamplingRows
 
 class InputBatch:
     def __init__(self, max_num_reqs: int, max_model_len: int, max_blocks_per_req: int,
-                 vocab_size: int):
+                 vocab_size: int, num_kv_groups: int = 1):
         self.max_num_reqs = max_num_reqs
         self.max_model_len = max_model_len
         self.req_ids: list[str] = []
@@ -29,8 +29,12 @@ class InputBatch:
         # The scheduler's count, as each SchedulerOutput sends it for the step's
         # requests (new or cached); the runner never advances it itself.
         self.num_computed_tokens = np.zeros(max_num_reqs, np.int32)
-        self.block_table = np.zeros((max_num_reqs, max_blocks_per_req), np.int32)
-        self.num_blocks = np.zeros(max_num_reqs, np.int32)
+        # One table per KV cache group, side by side: group g's in columns
+        # [g * max_blocks_per_req, (g + 1) * max_blocks_per_req).
+        self.max_blocks_per_req, self.num_kv_groups = max_blocks_per_req, num_kv_groups
+        self.block_table = np.zeros((max_num_reqs, num_kv_groups * max_blocks_per_req),
+                                    np.int32)
+        self.num_blocks = np.zeros(max_num_reqs, np.int32)  # per group
         # Async scheduling: the row, in the dispatched step's device output, of
         # the latest token sampled for the request and not yet on the host.
         self.inflight_index = np.full(max_num_reqs, -1, np.int32)
@@ -80,9 +84,18 @@ class InputBatch:
                               new.output_token_ids)
 
     def append_blocks(self, row: int, block_ids: list[int]) -> None:
+        """Appends blocks to the row's tables: with G groups, `block_ids` is G equal
+        runs, one per group in order (as the scheduler sends them)."""
         start = self.num_blocks[row]
-        self.block_table[row, start:start + len(block_ids)] = block_ids
-        self.num_blocks[row] = start + len(block_ids)
+        n = len(block_ids) // self.num_kv_groups
+        if self.num_kv_groups == 1:
+            self.block_table[row, start:start + n] = block_ids
+        else:
+            width = self.max_blocks_per_req
+            for g in range(self.num_kv_groups):
+                at = g * width + start
+                self.block_table[row, at:at + n] = block_ids[g * n:(g + 1) * n]
+        self.num_blocks[row] = start + n
 
     def remove(self, req_id: str) -> None:
         row = self.req_id_to_row.pop(req_id, None)

@@ -3,7 +3,10 @@ array that holds every layer's blocks.
 
 The attention backend owns the cache's layout (`kv_cache_shape`) and how it is
 sharded; this module only sizes and allocates it. Block 0 is the reserved
-null block, so a cache of `num_blocks` serves `num_blocks - 1`.
+null block, so a cache of `num_blocks` serves `num_blocks - 1`. With KV cache
+groups (jaxllm/kv_groups.py) a block id stands for one page of each layer of a
+group, not of every layer: a request holds blocks in every group, but the
+sliding-window groups hold few, so more tokens fit in the same memory.
 """
 
 from __future__ import annotations
@@ -22,6 +25,7 @@ from jax.sharding import Mesh
 from jaxllm.config import CacheConfig, EngineConfig
 from jaxllm.distributed.mesh import kv_cache_sharding
 from jaxllm.distributed.multihost import agree_min
+from jaxllm.kv_groups import KVCacheGroups, blocks_per_request
 from jaxllm.models.loader import kv_cache_spec
 from jaxllm.quant_config import kv_cache_dtype
 from jaxllm.sample.output_state import OutputState
@@ -58,29 +62,39 @@ class PagedKVCache:
     dtype: Any
     # Bytes another cache holds per block of this one (a draft model's, same block ids).
     extra_bytes_per_block: int = 0
+    groups: KVCacheGroups | None = None  # None: one group of every layer
+
+    @property
+    def pages_per_block(self) -> int:
+        """The layers' pages one block id stands for."""
+        return self.num_layers if self.groups is None else self.groups.group_size
 
     def bytes_per_block(self) -> int:
-        """One block of every layer, over the whole mesh (and the extra cache's)."""
+        """One block id's pages, over the whole mesh (and the extra cache's)."""
         shape = self.attn_backend.kv_cache_shape(1, self.block_size, self.num_kv_heads,
                                                  self.head_dim)
-        return (int(np.prod(shape)) * jnp.dtype(self.dtype).itemsize * self.num_layers
+        return (int(np.prod(shape)) * jnp.dtype(self.dtype).itemsize * self.pages_per_block
                 + self.extra_bytes_per_block)
 
     def num_blocks(self, cache: CacheConfig, max_num_seqs: int, max_model_len: int,
                    activation_reserve: Callable[[], int],
-                   memory_stats: dict[str, int] | None = None) -> int:
+                   memory_stats: dict[str, int] | None = None,
+                   max_chunk: int | None = None) -> int:
         """Blocks to allocate, the null block included.
 
-        `cache.num_kv_blocks` fixes the count; else `cache.kv_cache_bytes` is the
-        budget; else, on an accelerator, `hbm_utilization` of the device's memory
-        less what is in use and `activation_reserve()` (the step's transient
-        memory); on the CPU, every sequence at full length, capped. `memory_stats`
-        stands in for the device's own (`bytes_limit`, `bytes_in_use`) where it has
-        none to give: a compile-only TPU device (worker/tpu_compile.py).
+        `cache.num_kv_blocks` fixes the memory, in blocks of every layer (with KV
+        cache groups a block id covers fewer layers: more ids fit); else
+        `cache.kv_cache_bytes` is the budget; else, on an accelerator,
+        `hbm_utilization` of the device's memory less what is in use and
+        `activation_reserve()` (the step's transient memory); on the CPU, every
+        sequence at full length (sliding-window groups holding what prefill
+        chunks of `max_chunk` tokens need), capped. `memory_stats` stands in for
+        the device's own (`bytes_limit`, `bytes_in_use`) where it has none to
+        give: a compile-only TPU device (worker/tpu_compile.py).
         """
         per_block = self.bytes_per_block()
-        if cache.num_kv_blocks:
-            return int(cache.num_kv_blocks) + 1  # + the reserved null block
+        if cache.num_kv_blocks:  # the memory of that many blocks of every layer
+            return int(cache.num_kv_blocks) * self.num_layers // self.pages_per_block + 1
         budget = cache.kv_cache_bytes
         device = self.mesh.devices.flat[0]
         if budget is None and device.platform != "cpu":
@@ -92,27 +106,40 @@ class PagedKVCache:
             budget = min(int(total * cache.hbm_utilization), limit) - used
             budget -= activation_reserve()
             budget *= self.mesh.shape["model"]  # the cache is sharded over kv heads
+        windows = (None,) if self.groups is None else self.groups.windows
+        per_seq = blocks_per_request(windows, max_model_len, self.block_size,
+                                     max_chunk or max_model_len)
         if budget is None:
-            want = max_num_seqs * (-(-max_model_len // self.block_size)) * per_block
+            want = max_num_seqs * per_seq * per_block
             budget = min(want, _CPU_DEFAULT_KV_BYTES)
         # Every host of a multi-host engine allocates the same cache: the least any holds.
         num_blocks = agree_min(int(budget // per_block))
         if num_blocks < 2:
             raise ValueError(f"KV cache budget of {budget} bytes holds no block "
                              f"({per_block} bytes each): raise hbm_utilization or kv_cache_bytes")
-        tokens = (num_blocks - 1) * self.block_size
-        logger.info("KV cache: %d blocks, %d tokens (%.2f GiB); %.1f sequences of "
-                    "max_model_len %d fit at once", num_blocks - 1, tokens,
-                    num_blocks * per_block / 2**30, tokens / max_model_len, max_model_len)
+        logger.info("KV cache: %d blocks of %d tokens in %d group(s) (%.2f GiB); %.1f "
+                    "sequences of max_model_len %d fit at once", num_blocks - 1,
+                    self.block_size, len(windows), num_blocks * per_block / 2**30,
+                    (num_blocks - 1) / per_seq, max_model_len)
         return num_blocks
 
     def allocate(self, num_blocks: int) -> jax.Array:
-        """One array for every layer's pages: layer l's block b is page l * num_blocks + b."""
-        shape = self.attn_backend.kv_cache_shape(self.num_layers * num_blocks, self.block_size,
+        """One array for every layer's pages: block b of the layer at slot s of its group
+        is page s * num_blocks + b (without groups the slot is the layer)."""
+        shape = self.attn_backend.kv_cache_shape(self.pages_per_block * num_blocks,
+                                                 self.block_size,
                                                  self.num_kv_heads, self.head_dim)
         sharding = kv_cache_sharding(self.mesh, self.attn_backend)
         dtype = self.dtype
         return jax.jit(lambda: jnp.zeros(shape, dtype), out_shardings=sharding)()
+
+
+def model_kv_groups(model: Any) -> KVCacheGroups:
+    """The KV cache groups of a loaded model (a decoder's per-layer sliding windows);
+    one group of every layer for a model without them."""
+    arch = getattr(model, "arch", None)
+    windows = getattr(arch, "sliding_windows", None)
+    return KVCacheGroups.from_windows(windows or (None,))
 
 
 def activation_reserve(hf_config: Any, max_tokens: int, max_reqs: int, vocab_size: int,
@@ -130,7 +157,8 @@ def activation_reserve(hf_config: Any, max_tokens: int, max_reqs: int, vocab_siz
 
 
 def engine_kv_cache(config: EngineConfig, mesh: Mesh, attn_backend: Any, buckets: Buckets,
-                    vocab_size: int, dtype: Any, extra_bytes_per_block: int,
+                    vocab_size: int, dtype: Any, groups: KVCacheGroups,
+                    extra_bytes_per_block: int,
                     prompt_logprobs_rows: int) -> tuple[PagedKVCache, int]:
     """The engine's cache parameters and its block count (`PagedKVCache.num_blocks`),
     with a step's transient memory reserved for the largest buckets (k + 1 logits rows
@@ -140,9 +168,11 @@ def engine_kv_cache(config: EngineConfig, mesh: Mesh, attn_backend: Any, buckets
     k1 = spec.num_speculative_tokens + 1 if spec else 1
     layers, heads, head_dim = kv_cache_spec(mc.hf_config, mesh.shape["model"])
     kv = PagedKVCache(attn_backend, mesh, layers, heads, head_dim, cc.block_size,
-                      jnp.dtype(kv_cache_dtype(mc)), extra_bytes_per_block)
+                      jnp.dtype(kv_cache_dtype(mc)), extra_bytes_per_block=extra_bytes_per_block,
+                      groups=groups)
     return kv, kv.num_blocks(
         cc, sc.max_num_seqs, mc.max_model_len,
         lambda: activation_reserve(mc.hf_config, buckets.token_buckets[-1],
                                    buckets.request_buckets[-1] * k1, vocab_size, dtype,
-                                   prompt_logprobs_rows, sc.max_num_seqs))
+                                   prompt_logprobs_rows, sc.max_num_seqs),
+        max_chunk=sc.max_num_batched_tokens)

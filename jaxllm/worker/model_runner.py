@@ -43,7 +43,7 @@ from jaxllm.worker.aot_cache import ExecutableCache
 from jaxllm.worker.buckets import Buckets
 from jaxllm.worker.draft_model import DraftModel
 from jaxllm.worker.input_batch import InputBatch
-from jaxllm.worker.kv_cache import engine_kv_cache
+from jaxllm.worker.kv_cache import engine_kv_cache, model_kv_groups
 from jaxllm.worker.lora_slots import LoRASlots, lora_args
 from jaxllm.worker.programs import (
     PROMPT_LOGPROBS_ROWS,
@@ -71,16 +71,15 @@ class StepHandle:
     rows: np.ndarray  # InputBatch rows at dispatch
     layout_version: int  # InputBatch.layout_version at dispatch
     gen: np.ndarray  # [n] bool: a token is sampled for the request
-    sampled: SamplerOutput | None  # token ids padded to max_num_seqs rows (None until
-    # the sampler is dispatched)
+    sampled: SamplerOutput | None  # ids padded to max_num_seqs rows, once sampled
     last_hidden: jax.Array  # [max_num_seqs, hidden]: row i, request i's last token
     pool_indices: list[int]  # requests whose pooled state is due
     pool_normalize: list[tuple[bool, int | None]]  # (normalize, dimensions) of each
     prompt_lp: tuple | None  # (device (ids, logprobs, ranks), {req_id: slice})
     r_pad: int = 0  # the request bucket
     out_index: jax.Array | None = None  # the forward's output indices, for the sampler
-    # Speculative decoding: (drafts per request, their counts, the verify forward's
-    # hidden rows), and the verify sampler's output once dispatched.
+    # Speculative decoding: (drafts per request, their counts, the verify forward's hidden
+    # rows), and the verify sampler's output once dispatched.
     verify: tuple | None = None
     verified: VerifyOutput | None = None
 
@@ -122,22 +121,22 @@ class ModelRunner:
         self.state = jax.tree.leaves(state)
         logger.info("loaded %s in %.1fs", mc.model, time.perf_counter() - t0)
 
+        self.kv_groups = model_kv_groups(model)  # the scheduler's too (EngineCore)
         self.buckets = b = Buckets.make(sc.max_num_batched_tokens, sc.max_num_seqs,
                                         mc.max_model_len, cc.block_size, config.token_buckets,
-                                        config.request_buckets)
+                                        config.request_buckets, self.kv_groups.num_groups)
         # A draft model loads first (its weights are used memory); its cache mirrors ours.
         drafter = DraftModel.load(config, self.mesh, self.attn_backend, self.swiglu, b)
-        # The caller hands the block count to the scheduler (EngineCore).
-        kv, self.num_kv_blocks = engine_kv_cache(
+        kv, self.num_kv_blocks = engine_kv_cache(  # the scheduler's block count (EngineCore)
             config, self.mesh, self.attn_backend, b, self.vocab_size, self.dtype,
-            drafter.bytes_per_block() if drafter else 0, PROMPT_LOGPROBS_ROWS)
+            self.kv_groups, drafter.bytes_per_block() if drafter else 0, PROMPT_LOGPROBS_ROWS)
         self.num_layers, self.num_kv_heads, self.head_dim = kv.num_layers, kv.num_kv_heads, \
             kv.head_dim
         self.kv_cache = kv.allocate(self.num_kv_blocks)
         if drafter is not None:
             drafter.allocate(self.num_kv_blocks)
         self.input_batch = InputBatch(sc.max_num_seqs, mc.max_model_len, b.max_blocks_per_req,
-                                      self.vocab_size)
+                                      self.vocab_size, b.num_kv_groups)
         replicated = NamedSharding(self.mesh, P())
         self.input_batch.sampling.device_put = lambda x: jax.device_put(x, replicated)
         self.wait_seconds = 0.0  # host time spent waiting for sampled tokens (benchmarks)
@@ -145,9 +144,8 @@ class ModelRunner:
         s = b.max_num_seqs
         self._arange = np.arange(s + 1, dtype=np.int32)
         self._rows_memo: tuple[int, list[str], np.ndarray] | None = None
-        # The last dispatched step's sampled ids (device, [max_num_seqs]).
-        # Placed like the sampler's output, so that the forward compiled with
-        # it at start-up is the one that later takes in-flight tokens.
+        # The last dispatched step's sampled ids (device, [max_num_seqs]). Placed like the
+        # sampler's output: the forward compiled with it then takes in-flight tokens.
         self._no_prev = jax.device_put(np.zeros(s, np.int32), replicated)
         self._last_sampled = self._no_prev
         # On a CPU backend the outputs already sit in host memory: no early copy.

@@ -71,7 +71,7 @@ def last_layer_on_rows(num_tokens: int, num_reqs: int) -> bool:
 
 @functools.cache
 def step_functions(graphdef: Any, state_def: Any, head_logits: Any, num_reqs: int,
-                   width: int) -> tuple[Any, Any, Any, Any]:
+                   width: int, num_groups: int = 1) -> tuple[Any, Any, Any, Any]:
     """The jitted forward / sample / logits / prompt-logprobs for one model graph.
 
     Cached per graph (and step-input layout) so that engines built on the same
@@ -88,7 +88,8 @@ def step_functions(graphdef: Any, state_def: Any, head_logits: Any, num_reqs: in
         return nnx.merge(graphdef, jax.tree.unflatten(state_def, weights))
 
     def forward(weights, kv_cache, packed, prev_tokens, lora_slots=None):
-        input_ids, positions, md, src, out_index = unpack_step_inputs(packed, num_reqs, width)
+        input_ids, positions, md, src, out_index = unpack_step_inputs(packed, num_reqs, width,
+                                                                      num_groups)
         # Tokens sampled by the previous step that the host has not seen yet
         # (async scheduling) are read from its device output: src >= 0 names the row.
         input_ids = jnp.where(src >= 0, prev_tokens[jnp.maximum(src, 0)], input_ids)
@@ -118,7 +119,7 @@ def step_functions(graphdef: Any, state_def: Any, head_logits: Any, num_reqs: in
         model = merge(weights)
         hidden = states
         if last_layer_on_rows(states.shape[0], num_reqs):  # its last layer, for every row
-            _, positions, md, _, _ = unpack_step_inputs(packed, num_reqs, width)
+            _, positions, md, _, _ = unpack_step_inputs(packed, num_reqs, width, num_groups)
             if lora_slots is not None:
                 set_lora_masks(model, lora_slots, md.cu_q_lens, states.shape[0])
             hidden = model.finish_states(states, positions, kv_cache, md)
@@ -157,7 +158,8 @@ class StepPrograms:
         self.buckets = buckets
         self.head = head  # the logits head, one of the weights (by reference)
         self.forward, self.sample_fn, self.logits, self.prompt_logprobs = step_functions(
-            graphdef, state_def, head_logits, buckets.max_num_seqs, buckets.max_blocks_per_req)
+            graphdef, state_def, head_logits, buckets.max_num_seqs, buckets.max_blocks_per_req,
+            buckets.num_kv_groups)
         self.aot_cache = aot_cache
         self.executables: dict[tuple[str, int], Any] = {}
         # The forward's and prompt-logprobs' extra argument with LoRA on: each
@@ -191,7 +193,7 @@ class StepPrograms:
     def dummy_inputs(self, t: int) -> np.ndarray:
         """The forward's packed integer inputs for a token bucket of `t` (no request)."""
         b = self.buckets
-        return pack_step_inputs(t, b.max_num_seqs, b.max_blocks_per_req)[0]
+        return pack_step_inputs(t, b.max_num_seqs, b.max_blocks_per_req, b.num_kv_groups)[0]
 
     def precompile(self, state: list, kv_cache: jax.Array, no_prev: jax.Array,
                    vocab_size: int, sampling: SamplingRows) -> jax.Array:

@@ -56,11 +56,12 @@ class VerifyOutput:
 
 @functools.cache
 def verify_functions(graphdef: Any, state_def: Any, head_logits: Any, num_reqs: int,
-                     width: int, k1: int) -> tuple[Any, Any, Any]:
+                     width: int, k1: int, num_groups: int = 1) -> tuple[Any, Any, Any]:
     """The jitted verify forward, verify sampler and position-0 gather of one model graph."""
 
     def forward(weights, kv_cache, packed, rows, drafts):
-        input_ids, positions, md, src, _ = unpack_step_inputs(packed, num_reqs, width)
+        input_ids, positions, md, src, _ = unpack_step_inputs(packed, num_reqs, width,
+                                                              num_groups)
         # Drafts made on the device (a draft model's) are read from its output.
         input_ids = jnp.where(src >= 0, drafts.reshape(-1)[jnp.maximum(src, 0)], input_ids)
         model = nnx.merge(graphdef, jax.tree.unflatten(state_def, weights))
@@ -100,7 +101,7 @@ class SpecVerifier:
         self.buckets = buckets
         self.forward, self.sample_fn, self.first_rows = verify_functions(
             graphdef, state_def, head_logits, buckets.max_num_seqs, buckets.max_blocks_per_req,
-            self.k1)
+            self.k1, buckets.num_kv_groups)
 
     # ---- host side ---------------------------------------------------------
 

@@ -20,42 +20,51 @@ from jaxllm.worker.buckets import Buckets
 from jaxllm.worker.input_batch import InputBatch
 
 
-def pack_step_inputs(t_pad: int, num_reqs: int, width: int) -> tuple[np.ndarray, ...]:
+def pack_step_inputs(t_pad: int, num_reqs: int, width: int,
+                     num_groups: int = 1) -> tuple[np.ndarray, ...]:
     """The step's integer inputs in one zeroed host array (src -1), with writable views.
 
-    Layout, flat int32: `req` [num_reqs, width + 4] (page table, then kv_lens,
-    cu_q_lens[1:], num_seqs and the output index each request samples, in
-    every row), then `tok` [4, t_pad] (input ids, positions, slot mapping,
-    src: the row of the in-flight step's output that holds a token the host
-    has not seen, -1 none). Returns (packed, input_ids, positions, slots, src,
+    Layout, flat int32: `req` [num_reqs, G * width + 4] (page tables, one per KV
+    cache group, then kv_lens, cu_q_lens[1:], num_seqs and the output index each
+    request samples, in every row), then `tok` [3 + G, t_pad] (input ids,
+    positions, group 0's slot mapping, src: the row of the in-flight step's output
+    that holds a token the host has not seen, -1 none; then the other groups' slot
+    mappings). Returns (packed, input_ids, positions, slots [G, t_pad], src,
     page_indices, kv_lens, cu_end, num_seqs, out_index).
     """
-    split = num_reqs * (width + 4)
-    packed = np.zeros(split + 4 * t_pad, np.int32)
-    req = packed[:split].reshape(num_reqs, width + 4)
-    tok = packed[split:].reshape(4, t_pad)
-    tok[3] = -1
-    return (packed, tok[0], tok[1], tok[2], tok[3], req[:, :width], *req[:, width:].T)
+    cols = num_groups * width
+    split = num_reqs * (cols + 4)
+    packed = np.zeros(split + (3 + num_groups) * t_pad, np.int32)
+    req = packed[:split].reshape(num_reqs, cols + 4)
+    tok = packed[split:].reshape(3 + num_groups, t_pad)
+    tok[2 + num_groups] = -1
+    return (packed, tok[0], tok[1], tok[2:2 + num_groups], tok[2 + num_groups],
+            req[:, :cols], *req[:, cols:].T)
 
 
-def unpack_step_inputs(packed: jax.Array, num_reqs: int, width: int) -> tuple:
+def unpack_step_inputs(packed: jax.Array, num_reqs: int, width: int,
+                       num_groups: int = 1) -> tuple:
     """(input_ids, positions, AttentionMetadata, src, out_index) from `pack_step_inputs`'
-    array."""
-    split = num_reqs * (width + 4)
-    req = packed[:split].reshape(num_reqs, width + 4)
-    tok = packed[split:].reshape(4, -1)
-    cu = jnp.concatenate([jnp.zeros(1, jnp.int32), req[:, width + 1]])
-    md = AttentionMetadata(slot_mapping=tok[2], kv_lens=req[:, width],
-                           page_indices=req[:, :width], cu_q_lens=cu,
-                           num_seqs=req[:1, width + 2])
-    return tok[0], tok[1], md, tok[3], req[:, width + 3]
+    array; the metadata carries every group's tables where there are several
+    (`AttentionMetadata.grouped`)."""
+    cols = num_groups * width
+    split = num_reqs * (cols + 4)
+    req = packed[:split].reshape(num_reqs, cols + 4)
+    tok = packed[split:].reshape(3 + num_groups, -1)
+    cu = jnp.concatenate([jnp.zeros(1, jnp.int32), req[:, cols + 1]])
+    slots = tok[2] if num_groups == 1 else tok[2:2 + num_groups]
+    md = AttentionMetadata(slot_mapping=slots, kv_lens=req[:, cols],
+                           page_indices=req[:, :cols], cu_q_lens=cu,
+                           num_seqs=req[:1, cols + 2])
+    return tok[0], tok[1], md, tok[2 + num_groups], req[:, cols + 3]
 
 
-def src_view(packed: np.ndarray, num_reqs: int, width: int) -> np.ndarray:
+def src_view(packed: np.ndarray, num_reqs: int, width: int,
+             num_groups: int = 1) -> np.ndarray:
     """The writable `src` row of `pack_step_inputs`' array (speculative drafts made on
     the device name their row of the proposer's output there)."""
-    split = num_reqs * (width + 4)
-    return packed[split:].reshape(4, -1)[3]
+    split = num_reqs * (num_groups * width + 4)
+    return packed[split:].reshape(3 + num_groups, -1)[2 + num_groups]
 
 
 @dataclass
@@ -85,7 +94,8 @@ def prepare_step_inputs(ib: InputBatch, rows: np.ndarray, num_scheduled: np.ndar
     t_real = int(num_scheduled.sum())
     t_pad = buckets.pad_tokens(t_real)
     (packed, input_ids, positions, slots, src, page_indices, kv_lens, cu_end, num_seqs,
-     out_idx) = pack_step_inputs(t_pad, buckets.max_num_seqs, buckets.max_blocks_per_req)
+     out_idx) = pack_step_inputs(t_pad, buckets.max_num_seqs, buckets.max_blocks_per_req,
+                                 buckets.num_kv_groups)
     computed = ib.num_computed_tokens[rows]
     pos = positions[:t_real]
     if t_real == n:  # one token per request (decode): token i belongs to request i
@@ -108,7 +118,11 @@ def prepare_step_inputs(ib: InputBatch, rows: np.ndarray, num_scheduled: np.ndar
         src[:t_real][unknown] = ib.inflight_index[tok_rows[unknown]]
         if (src[:t_real][unknown] < 0).any():
             raise RuntimeError("a scheduled token is neither known nor in flight")
-    slots[:t_real] = ib.block_table[tok_rows, pos // block_size] * block_size + pos % block_size
+    logical, offset = pos // block_size, pos % block_size
+    slots[0, :t_real] = ib.block_table[tok_rows, logical] * block_size + offset
+    for g in range(1, buckets.num_kv_groups):  # group g's table: columns [g * width, ...)
+        slots[g, :t_real] = (ib.block_table[tok_rows, g * buckets.max_blocks_per_req + logical]
+                             * block_size + offset)
     kv_lens[:n] = end = computed + num_scheduled
     page_indices[:n] = ib.block_table[rows]
     out_idx[:n] = np.maximum(end - ib.num_prompt_tokens[rows], 0)

@@ -48,7 +48,7 @@ from jaxllm.sample.output_state import OutputState
 from jaxllm.sample.staged import STAGED, is_plain
 from jaxllm.worker.aot_cache import ExecutableCache
 from jaxllm.worker.buckets import Buckets
-from jaxllm.worker.kv_cache import PagedKVCache, activation_reserve
+from jaxllm.worker.kv_cache import PagedKVCache, activation_reserve, model_kv_groups
 from jaxllm.worker.programs import (
     PROMPT_LOGPROBS_ROWS,
     aot_context,
@@ -227,20 +227,23 @@ def compile_programs(config: EngineConfig, devices: Sequence[jax.Device], target
                                 sharding=variable_sharding(head_var, mesh))
     weight_bytes = sum(_shard_bytes(w) for w in weights)
 
+    groups = model_kv_groups(model)
     b = Buckets.make(sc.max_num_batched_tokens, sc.max_num_seqs, mc.max_model_len,
-                     cc.block_size, config.token_buckets, config.request_buckets)
+                     cc.block_size, config.token_buckets, config.request_buckets,
+                     groups.num_groups)
     num_layers, num_kv_heads, head_dim = kv_cache_spec(mc.hf_config, pc.tensor_parallel_size)
     kv_dtype = jnp.dtype(kv_cache_dtype(mc))
-    kv = PagedKVCache(attn, mesh, num_layers, num_kv_heads, head_dim, cc.block_size, kv_dtype)
+    kv = PagedKVCache(attn, mesh, num_layers, num_kv_heads, head_dim, cc.block_size, kv_dtype,
+                      groups)
     reserve = activation_reserve(mc.hf_config, b.token_buckets[-1], b.request_buckets[-1],
                                  mc.vocab_size, dtype, PROMPT_LOGPROBS_ROWS, sc.max_num_seqs)
     hbm = hbm_bytes_per_device(devices[0]) if platform == "tpu" else 0
     # What the runner reads from the device once the weights are loaded.
     stats = {"bytes_limit": hbm, "bytes_in_use": weight_bytes} if hbm else None
     num_blocks = kv.num_blocks(cc, sc.max_num_seqs, mc.max_model_len, lambda: reserve,
-                               memory_stats=stats)
-    cache_shape = attn.kv_cache_shape(num_layers * num_blocks, cc.block_size, num_kv_heads,
-                                      head_dim)
+                               memory_stats=stats, max_chunk=sc.max_num_batched_tokens)
+    cache_shape = attn.kv_cache_shape(kv.pages_per_block * num_blocks, cc.block_size,
+                                      num_kv_heads, head_dim)
     kv_cache = jax.ShapeDtypeStruct(cache_shape, kv_dtype,
                                     sharding=kv_cache_sharding(mesh, attn))
     kv_bytes = _shard_bytes(kv_cache)
@@ -250,13 +253,14 @@ def compile_programs(config: EngineConfig, devices: Sequence[jax.Device], target
                                  list(mesh.devices.flat))
     forward, sample_fn, logits_fn, prompt_logprobs = step_functions(
         graphdef, jax.tree.structure(state), model.head_logits, b.max_num_seqs,
-        b.max_blocks_per_req)
+        b.max_blocks_per_req, b.num_kv_groups)
     replicated = NamedSharding(mesh, P())
     no_prev = jax.ShapeDtypeStruct((b.max_num_seqs,), jnp.int32, sharding=replicated)
     compiler = _Compiler(target, hbm, resident, on_program)
 
     def packed(t: int) -> jax.ShapeDtypeStruct:
-        return _abstract(pack_step_inputs(t, b.max_num_seqs, b.max_blocks_per_req)[0])
+        return _abstract(pack_step_inputs(t, b.max_num_seqs, b.max_blocks_per_req,
+                                          b.num_kv_groups)[0])
 
     def compile_step(name: str, fn: Any, args: tuple, **kw: Any) -> tuple[Any, Any]:
         """(compiled, abstract outputs) through the program cache, as the runner does."""

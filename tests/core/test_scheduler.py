@@ -23,14 +23,14 @@ from tests.core.scheduler_workloads import scheduler_shapes
 
 def make_scheduler(num_blocks=64, block_size=4, max_model_len=64, max_num_seqs=8,
                    max_num_batched_tokens=32, chunked=True, policy="fcfs", threshold=0,
-                   caching=True) -> Scheduler:
+                   caching=True, windows=(None,)) -> Scheduler:
     model = ModelConfig(model="fake", tokenizer="fake", dtype="float32",
                         max_model_len=max_model_len, seed=0, skip_tokenizer_init=True,
                         load_format="dummy", served_model_name="fake", hf_config=None)
     return Scheduler(EngineConfig(
         model_config=model,
         cache_config=CacheConfig(block_size=block_size, enable_prefix_caching=caching,
-                                 num_blocks=num_blocks),
+                                 num_blocks=num_blocks, group_windows=windows),
         scheduler_config=SchedulerConfig(
             max_num_seqs=max_num_seqs, max_num_batched_tokens=max_num_batched_tokens,
             max_model_len=max_model_len, enable_chunked_prefill=chunked, policy=policy,
@@ -439,13 +439,21 @@ def expected_output(req: Request, cap: int) -> tuple[list[int], FinishReason]:
 
 class FakeRunner:
     """Keeps its own rows as a model runner does, 'writes' token ids into a simulated
-    paged KV cache, and checks that every request reads back its own tokens."""
+    paged KV cache, and checks that every request reads back its own tokens: in each
+    KV cache group, those its step's queries see (a sliding window's group: the
+    window's)."""
 
     def __init__(self, sched: Scheduler):
         self.bs = sched.block_size
+        self.windows = sched.kv_cache_manager.windows
         self.rows: dict[str, dict] = {}
         self.kv: dict[int, dict[int, int]] = {}
         self.seen_tokens: dict[str, list[int]] = {}
+
+    def per_group(self, block_ids) -> list[list[int]]:
+        """The scheduler's block ids, one equal run per group, as per-group lists."""
+        n = len(block_ids) // len(self.windows)
+        return [list(block_ids[g * n:(g + 1) * n]) for g in range(len(self.windows))]
 
     def execute(self, out: SchedulerOutput) -> ModelRunnerOutput:
         for rid in out.finished_req_ids | out.preempted_req_ids:
@@ -456,30 +464,36 @@ class FakeRunner:
             if new.output_token_ids:  # resumed after preemption: nothing lost
                 assert tokens == self.seen_tokens[new.req_id]
             self.rows[new.req_id] = {"tokens": tokens, "computed": new.num_computed_tokens,
-                                     "blocks": list(new.block_ids)}
+                                     "blocks": self.per_group(new.block_ids)}
             self.seen_tokens[new.req_id] = tokens
         cached = out.scheduled_cached_reqs
         for rid, blocks, computed in zip(cached.req_ids, cached.new_block_ids,
                                          cached.num_computed_tokens, strict=True):
             row = self.rows[rid]
             assert row["computed"] == computed
-            row["blocks"] += blocks
+            for table, more in zip(row["blocks"], self.per_group(blocks), strict=True):
+                table += more
         # Write every scheduled token's KV first (as the real step does), then read.
         for rid, n in out.num_scheduled_tokens.items():
             row = self.rows[rid]
             assert row["computed"] + n <= len(row["tokens"])
-            assert len(row["blocks"]) * self.bs >= row["computed"] + n
-            for pos in range(row["computed"], row["computed"] + n):
-                block = row["blocks"][pos // self.bs]
-                assert block != 0
-                self.kv.setdefault(block, {})[pos % self.bs] = row["tokens"][pos]
+            for table in row["blocks"]:
+                assert len(table) * self.bs >= row["computed"] + n
+                for pos in range(row["computed"], row["computed"] + n):
+                    block = table[pos // self.bs]
+                    assert block != 0
+                    self.kv.setdefault(block, {})[pos % self.bs] = row["tokens"][pos]
         req_ids, sampled = list(out.num_scheduled_tokens), []
         for rid in req_ids:
             row = self.rows[rid]
+            before = row["computed"]
             row["computed"] += out.num_scheduled_tokens[rid]
-            kv = [self.kv[row["blocks"][p // self.bs]][p % self.bs]
-                  for p in range(row["computed"])]
-            assert kv == row["tokens"][:row["computed"]], f"{rid} reads foreign KV"
+            for table, window in zip(row["blocks"], self.windows, strict=True):
+                # The step's first query sits at `before` and sees keys after before - W.
+                start = 0 if window is None else max(0, before - window + 1)
+                kv = [self.kv[table[p // self.bs]][p % self.bs]
+                      for p in range(start, row["computed"])]
+                assert kv == row["tokens"][start:row["computed"]], f"{rid} reads foreign KV"
             if row["computed"] == len(row["tokens"]):
                 tok = fake_token(rid, len(row["tokens"]))
                 row["tokens"].append(tok)
@@ -499,7 +513,10 @@ def check_blocks(sched: Scheduler) -> None:
     assert len(free_list) == pool.get_num_free_blocks()
     assert all(b.ref_cnt == 0 and not b.is_null for b in free_list)
     assert pool.get_num_free_blocks() + owned == sched.num_blocks - 1
-    holders = Counter(b.block_id for blocks in mgr.req_to_blocks.values() for b in blocks)
+    # Every group's tables; a sliding window's group holds the null block in place of
+    # those it let go, and no more than its window and a step's tokens need.
+    holders = Counter(b.block_id for table in mgr.tables for blocks in table.values()
+                      for b in blocks if not b.is_null)
     assert 0 not in holders
     assert all(pool.blocks[i].ref_cnt == n for i, n in holders.items())
     assert owned == len(holders)
@@ -507,14 +524,27 @@ def check_blocks(sched: Scheduler) -> None:
     assert set(mgr.req_to_blocks) <= running
     for req in sched.running:
         num_needed = -(-req.num_computed_tokens // sched.block_size)
-        assert len(mgr.get_blocks(req.request_id)) == num_needed
+        for table, window in zip(mgr.tables, mgr.windows, strict=True):
+            blocks = table[req.request_id]
+            assert len(blocks) == num_needed
+            if window is not None:
+                held = sum(not b.is_null for b in blocks)
+                assert held <= -(-(window - 1 + sched.max_num_batched_tokens)
+                                 // sched.block_size) + 1
+                # The nulls lead: the window's blocks are all real.
+                assert all(not b.is_null for b in blocks[len(blocks) - held:])
     assert all(r.status in (RequestStatus.WAITING, RequestStatus.PREEMPTED)
                for r in sched.waiting)
 
 
 @st.composite
 def workloads(draw):
-    return scheduler_shapes(draw, max_pool_tokens=32, max_num_seqs=5)
+    w = scheduler_shapes(draw, max_pool_tokens=32, max_num_seqs=5)
+    # KV cache groups: one full-attention group, or full attention beside sliding
+    # windows (vLLM's hybrid manager), with a pool as many times larger.
+    w["windows"] = draw(st.sampled_from([(None,), (None,), (None, 3), (None, 5, 2)]))
+    w["num_blocks"] *= len(w["windows"])
+    return w
 
 
 @settings(max_examples=300, deadline=None, suppress_health_check=[HealthCheck.too_slow])
@@ -528,7 +558,7 @@ def test_random_workloads_keep_blocks_budgets_and_outputs_intact(w, run_ahead, v
                            max_model_len=w["max_model_len"], max_num_seqs=w["max_num_seqs"],
                            max_num_batched_tokens=w["max_num_batched_tokens"],
                            chunked=w["chunked"], policy=w["policy"], threshold=w["threshold"],
-                           caching=w["caching"])
+                           caching=w["caching"], windows=w["windows"])
     sched.vectorized = vectorized
     sched.check_invariants = True
     cap = sched.max_request_tokens
@@ -609,6 +639,7 @@ def test_random_workloads_keep_blocks_budgets_and_outputs_intact(w, run_ahead, v
     event(f"prefix hits: {min(stats.prefix_cache_hits, 1)}")
     event(f"aborted: {min(len(aborted), 1)}")
     assert sched.kv_cache_manager.req_to_blocks == {}
+    assert all(table == {} for table in sched.kv_cache_manager.tables)  # every group's
     assert not sched.waiting and not sched.running
     for rid, req in reqs.items():
         if rid in aborted:

@@ -30,7 +30,8 @@ def make_scheduler(w: dict, vectorized: bool,
     sched = Scheduler(EngineConfig(
         model_config=model,
         cache_config=CacheConfig(block_size=w["block_size"], enable_prefix_caching=w["caching"],
-                                 num_blocks=w["num_blocks"]),
+                                 num_blocks=w["num_blocks"],
+                                 group_windows=w.get("windows", (None,))),
         scheduler_config=SchedulerConfig(
             max_num_seqs=w["max_num_seqs"], max_num_batched_tokens=w["max_num_batched_tokens"],
             max_model_len=w["max_model_len"], enable_chunked_prefill=w["chunked"],
@@ -138,9 +139,13 @@ def make_requests(spec: list[dict]) -> list[Request]:
 
 @st.composite
 def workloads(draw):
-    return dict(scheduler_shapes(draw, max_pool_tokens=40, max_num_seqs=6),
-                extras_rate=draw(st.sampled_from([0.0, 0.1])),  # logprobs, pooling
-                run_ahead=draw(st.booleans()))
+    w = dict(scheduler_shapes(draw, max_pool_tokens=40, max_num_seqs=6),
+             extras_rate=draw(st.sampled_from([0.0, 0.1])),  # logprobs, pooling
+             run_ahead=draw(st.booleans()),
+             # KV cache groups: full attention alone, or beside sliding windows
+             windows=draw(st.sampled_from([(None,), (None,), (None, 3), (None, 5, 2)])))
+    w["num_blocks"] *= len(w["windows"])
+    return w
 
 
 def random_spec(w: dict, cap: int, rng: random.Random) -> list[tuple[int, dict]]:
@@ -237,6 +242,7 @@ def test_array_path_and_per_request_path_make_identical_steps(w):
     block pool, aborts (between steps and while a step runs), finishes by EOS, stop id
     and length, logprobs and pooling steps, with and without async run-ahead."""
     calls, stats = run_both(w)
+    event(f"KV cache groups: {len(w['windows'])}")
     event(f"preemptions: {min(stats.num_preemptions, 1)}")
     event(f"prefix hits: {min(stats.prefix_cache_hits, 1)}")
     event(f"array schedule passes: {min(calls['schedule_running'], 1)}")
