@@ -14,8 +14,14 @@ as it comes and return it:
     float8_e4m3fn and the dot takes fp8 operands with a float32 result (XLA's
     FP8 GEMM on Hopper; upcast elsewhere), then both scales are applied.
 
+The mixture-of-experts layer's stacked expert weights (layers/moe.py) take the
+same methods through `grouped`: one scale per expert and output channel, the
+grouped matmul (layers/grouped_matmul.py) taking the quantized operands and the
+scales applied to its float32 result, each row by its expert's.
+
 The host-side quantizers (`quantize_per_channel`) are what the loader uses on
-a float checkpoint; they round the same way on every host.
+a float checkpoint; they round the same way on every host (`quantize_traced` is
+the same rounding in jnp, for dummy weights).
 """
 
 from __future__ import annotations
@@ -53,6 +59,15 @@ class _QuantizedMethod:
         # The fused matmul-add kernel reads float weights only: a plain add here.
         return residual + self.apply(layer, x)
 
+    def grouped(self, gmm: Any, x: jax.Array, w: jax.Array, scale: jax.Array,
+                group_sizes: jax.Array, row_group: jax.Array) -> jax.Array:
+        """`gmm`'s product of rows `x [M, K]` sorted by group with the quantized group
+        weights `w [G, N, K]`, `scale [G, N]`, in float32 `[M, N]`; `row_group [M]` is
+        each row's group (any valid group for rows outside every group)."""
+        xq, x_scale = self.activations(x)
+        out = gmm(xq, w, group_sizes, out_dtype=jnp.float32) * scale[row_group]
+        return out if x_scale is None else out * x_scale
+
 
 @dataclasses.dataclass(frozen=True)
 class Int8WeightOnly(_QuantizedMethod):
@@ -66,6 +81,10 @@ class Int8WeightOnly(_QuantizedMethod):
                          preferred_element_type=jnp.float32)
         return (out * scale).astype(x.dtype)
 
+    def activations(self, x: jax.Array) -> tuple[jax.Array, None]:
+        """Weight-only: the activations go in as they are."""
+        return x, None
+
     def quantize(self, w: np.ndarray, in_dims: int) -> tuple[np.ndarray, np.ndarray]:
         return quantize_per_channel(w, in_dims, "int8")
 
@@ -78,15 +97,20 @@ class Fp8Linear(_QuantizedMethod):
     weight_dtype = jnp.dtype(jnp.float8_e4m3fn)
 
     def product(self, x: jax.Array, w: jax.Array, scale: jax.Array, in_dims: int) -> jax.Array:
-        xf = x.astype(jnp.float32)
-        in_axes = tuple(range(1, 1 + in_dims))
-        amax = jnp.max(jnp.abs(xf), axis=in_axes, keepdims=True)
-        x_scale = jnp.maximum(amax, 1e-12) / FP8_MAX  # an all-zero token stays zero
-        xq = (xf / x_scale).astype(jnp.float8_e4m3fn)
+        xq, x_scale = self.activations(x, in_dims)
         out = jnp.einsum(_einsum_spec(in_dims, w.ndim), xq, w,
                          preferred_element_type=jnp.float32)
         x_scale = x_scale.reshape(x.shape[0], *([1] * (out.ndim - 1)))
         return (out * x_scale * scale).astype(x.dtype)
+
+    def activations(self, x: jax.Array, in_dims: int = 1) -> tuple[jax.Array, jax.Array]:
+        """`(e4m3 x / s, s)` with `s` `[T, 1...]` each token's `amax / 448` over its
+        trailing `in_dims` input axes."""
+        xf = x.astype(jnp.float32)
+        in_axes = tuple(range(1, 1 + in_dims))
+        amax = jnp.max(jnp.abs(xf), axis=in_axes, keepdims=True)
+        x_scale = jnp.maximum(amax, 1e-12) / FP8_MAX  # an all-zero token stays zero
+        return (xf / x_scale).astype(jnp.float8_e4m3fn), x_scale
 
     def quantize(self, w: np.ndarray, in_dims: int) -> tuple[np.ndarray, np.ndarray]:
         return quantize_per_channel(w, in_dims, "fp8")
@@ -122,6 +146,19 @@ def quantize_per_channel(w: np.ndarray, in_dims: int, kind: str
     else:
         q = np.clip(scaled, -FP8_MAX, FP8_MAX).astype(ml_dtypes.float8_e4m3fn)
     return q, scale
+
+
+def quantize_traced(method: Any, w: jax.Array, in_dims: int) -> tuple[jax.Array, jax.Array]:
+    """Per-output-channel quantization of a (traced) float weight, rounded as
+    `quantize_per_channel` rounds (dummy weights)."""
+    in_axes = tuple(range(w.ndim - in_dims, w.ndim))
+    qmax = INT8_MAX if method.weight_dtype == jnp.int8 else FP8_MAX
+    amax = jnp.max(jnp.abs(w), axis=in_axes)
+    scale = jnp.where(amax > 0, amax / qmax, 1.0)
+    scaled = w / scale.reshape(scale.shape + (1,) * in_dims)
+    if method.weight_dtype == jnp.int8:
+        scaled = jnp.round(scaled)
+    return jnp.clip(scaled, -qmax, qmax).astype(method.weight_dtype), scale
 
 
 def dequantize(q: np.ndarray, scale: np.ndarray) -> np.ndarray:

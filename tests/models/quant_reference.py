@@ -9,8 +9,9 @@ checkpoint in an FP8 format vLLM and transformers read: float8_e4m3fn weights
 with a per-tensor `weight_scale` (`quant_method: "fp8"`, vLLM's Fp8Config), a
 per-channel `[out, 1]` `weight_scale` (compressed-tensors, channel strategy,
 dynamic per-token activations) or `[out/B, in/B]` `weight_scale_inv` blocks
-(transformers' FineGrainedFP8, DeepSeek / Qwen FP8); embeddings, norms and the
-LM head stay float, as those tools leave them.
+(transformers' FineGrainedFP8, DeepSeek / Qwen FP8); each MoE expert's
+projections get their own scales; embeddings, norms, MoE routers and the LM head
+stay float, as those tools leave them.
 """
 
 from __future__ import annotations
@@ -30,7 +31,9 @@ from safetensors.torch import save_file as torch_save_file
 from jaxllm.layers.quant import FP8_MAX, dequantize, quantize_per_channel
 
 BLOCK = 24  # block scales' block size: not a divisor of the tiny shapes (partial blocks)
-PROJECTION = re.compile(r"\.(self_attn\.[qkvo]_proj|mlp\.(gate|up|down)_proj)\.weight$")
+PROJECTION = re.compile(r"\.(self_attn\.[qkvo]_proj|mlp\.(gate|up|down)_proj"
+                        r"|(mlp|block_sparse_moe)\.experts\.\d+\.(gate_proj|up_proj|down_proj|w[123])"
+                        r")\.weight$")
 
 
 def _tensors(model_dir: str) -> dict[str, np.ndarray]:
