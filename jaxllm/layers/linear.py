@@ -79,6 +79,9 @@ class Linear(nnx.Module):
             # One scale per output channel, sharded with the output channels.
             self.weight_scale = nnx.Param(scale, out_sharding=P(*spec[:len(out_shape)]),
                                           eager_sharding=False)
+        # A static activation scale (an FP8 checkpoint's `input_scale`), one per layer.
+        self.input_scale = (make_param(rngs, (), jnp.float32, P(), "ones")
+                            if getattr(self.method, "static", False) else None)
         self.bias = (make_param(rngs, out_shape, dtype,
                                 bias_spec if bias_spec is not None else P(*spec[:len(out_shape)]),
                                 "zeros") if bias else None)

@@ -20,6 +20,7 @@ Weights keep Hugging Face's `[out, in]` orientation, stacked per expert:
   down_proj          [E, hidden, I]    ('model', None, None)         expert parallel
   gate_up_proj_scale [E, 2, I]         ('model', None, None)         quantized experts only
   down_proj_scale    [E, hidden]       ('model', None)               quantized experts only
+  *_input_scale      []                replicated                    static fp8 only
 
 Quantized (`method`, layers/quant.py: `--quantization int8|fp8`), the experts'
 weights are int8 / float8_e4m3fn with one float32 scale per expert and output
@@ -65,7 +66,8 @@ def route(logits: jax.Array, top_k: int, renormalize: bool) -> tuple[jax.Array, 
 def expert_ffn(x: jax.Array, weights: jax.Array, ids: jax.Array, gate_up: jax.Array,
                down: jax.Array, gmm: GroupedMatmul, first_expert: jax.Array | int = 0,
                method: Any = None, gate_up_scale: jax.Array | None = None,
-               down_scale: jax.Array | None = None) -> jax.Array:
+               down_scale: jax.Array | None = None,
+               input_scales: tuple[jax.Array, jax.Array] | None = None) -> jax.Array:
     """`sum_j weights[t, j] * expert_{ids[t, j]}(x[t])` over the experts this call holds,
     `[T, hidden]` in float32 (partial sums over devices add up before the cast).
 
@@ -73,7 +75,8 @@ def expert_ffn(x: jax.Array, weights: jax.Array, ids: jax.Array, gate_up: jax.Ar
     first_expert + E_l - 1`; pairs routed to any other expert contribute zero (another
     device holds it). One argsort of the T*k pairs by local expert puts the pairs this
     call skips last, outside every group. `method` (quantized weights): layers/quant.py's,
-    with the per-expert channel scales `gate_up_scale [E_l, 2, I]`, `down_scale [E_l, H]`.
+    with the per-expert channel scales `gate_up_scale [E_l, 2, I]`, `down_scale [E_l, H]`
+    (and, static fp8, the two products' activation scales `input_scales`).
     """
     t, k = ids.shape
     local, inter, hidden = gate_up.shape[0], gate_up.shape[2], gate_up.shape[3]
@@ -85,15 +88,18 @@ def expert_ffn(x: jax.Array, weights: jax.Array, ids: jax.Array, gate_up: jax.Ar
     token = order // k
     row_expert = jnp.minimum(key[order], local - 1)  # skipped pairs: any expert, masked
 
-    def product(lhs: jax.Array, w: jax.Array, scale: jax.Array | None) -> jax.Array:
+    statics = input_scales or (None, None)
+
+    def product(lhs: jax.Array, w: jax.Array, scale: jax.Array | None, i: int) -> jax.Array:
         if method is None:
             return gmm(lhs, w, sizes)
-        return method.grouped(gmm, lhs, w, scale, sizes, row_expert).astype(x.dtype)
+        return method.grouped(gmm, lhs, w, scale, sizes, row_expert, statics[i]
+                              ).astype(x.dtype)
 
     h = product(x[token], gate_up.reshape(local, 2 * inter, hidden),
-                None if gate_up_scale is None else gate_up_scale.reshape(local, 2 * inter))
+                None if gate_up_scale is None else gate_up_scale.reshape(local, 2 * inter), 0)
     h = jax.nn.silu(h[:, :inter]) * h[:, inter:]
-    y = product(h, down, down_scale)
+    y = product(h, down, down_scale, 1)
     scale = jnp.where(mine[order], weights.reshape(-1)[order], 0.0)
     # where, not a product: the kernel leaves the skipped pairs' rows unwritten (maybe NaN).
     y = jnp.where(mine[order][:, None], y.astype(jnp.float32) * scale[:, None], 0.0)
@@ -122,6 +128,12 @@ class SparseMoE(nnx.Module):
         self.method = method
         self.gate_up_proj, self.gate_up_proj_scale = _experts(rngs, (e, 2, i, h), dtype, method)
         self.down_proj, self.down_proj_scale = _experts(rngs, (e, h, i), dtype, method)
+        # Static fp8: one activation scale per product, the largest of every expert's
+        # (vLLM's choice), replicated.
+        static = getattr(method, "static", False)
+        self.gate_up_proj_input_scale, self.down_proj_input_scale = (
+            (make_param(rngs, (), jnp.float32, P(), "ones"),
+             make_param(rngs, (), jnp.float32, P(), "ones")) if static else (None, None))
 
     def __call__(self, x: jax.Array, residual: jax.Array | None) -> jax.Array:
         """`residual` plus the experts' weighted output for the normed input `x` (the
@@ -132,24 +144,26 @@ class SparseMoE(nnx.Module):
         experts = (self.gate_up_proj[...], self.down_proj[...])
         if self.method is not None:
             experts += (self.gate_up_proj_scale[...], self.down_proj_scale[...])
+        statics = (() if self.gate_up_proj_input_scale is None else
+                   (self.gate_up_proj_input_scale[...], self.down_proj_input_scale[...]))
 
-        def ffn(x, weights, ids, gate_up, down, *scales, first=0):
-            return expert_ffn(x, weights, ids, gate_up, down, self.gmm, first, self.method,
-                              *scales)
+        def ffn(x, weights, ids, statics, *experts, first=0):
+            return expert_ffn(x, weights, ids, *experts[:2], self.gmm, first, self.method,
+                              *experts[2:], input_scales=statics or None)
 
         if self.mesh is None:
-            out = ffn(x, weights, ids, *experts)
+            out = ffn(x, weights, ids, statics, *experts)
         else:
-            def shard(x, weights, ids, *experts):
+            def shard(x, weights, ids, statics, *experts):
                 first = jax.lax.axis_index("model") * experts[0].shape[0]
-                return jax.lax.psum(ffn(x, weights, ids, *experts, first=first), "model")
+                return jax.lax.psum(ffn(x, weights, ids, statics, *experts, first=first),
+                                    "model")
 
             out = _shard_map(shard, mesh=self.mesh,
-                             in_specs=(P(), P(), P()) + (P("model"),) * len(experts),
-                             out_specs=P(), check_vma=False)(x, weights, ids, *experts)
+                             in_specs=(P(), P(), P(), P()) + (P("model"),) * len(experts),
+                             out_specs=P(), check_vma=False)(x, weights, ids, statics, *experts)
         out = out.astype(x.dtype)
         return out if residual is None else residual + out
-
 
 
 def _experts(rngs: nnx.Rngs, shape: tuple[int, ...], dtype: jnp.dtype, method: Any

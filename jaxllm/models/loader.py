@@ -42,7 +42,9 @@ from jaxllm.models.contract import KVCacheSpec
 from jaxllm.models.orbax_io import ORBAX_DIR, is_orbax_checkpoint, load_orbax
 from jaxllm.models.quant_load import (
     KV_SCALES,
+    input_scale_path,
     kv_scales,
+    read_input_scale,
     read_source,
     scale_name,
     scale_path,
@@ -226,7 +228,7 @@ def _load_safetensors(cls: type, hf_config: Any, model_dir: str, state: nnx.Stat
         raise ParameterError("model", f"checkpoint {model_dir!r} has unexpected tensor "
                              f"{unexpected[0]!r}{more}, which {cls.__name__} does not use")
     sourced = {src.path for src in sources}
-    sourced |= {scale_path(p) for p in sourced}
+    sourced |= {at(p) for p in sourced for at in (scale_path, input_scale_path)}
     sourced.add(KV_SCALES)
     unsourced = sorted(str(p) for p in set(variables) - sourced)
     if unsourced:
@@ -253,6 +255,9 @@ def _load_safetensors(cls: type, hf_config: Any, model_dir: str, state: nnx.Stat
             if scale is not None:
                 values[scale_at] = _place(scale.astype(np.float32),
                                           _lookup(shardings, scale_at))
+            if (input_at := input_scale_path(src.path)) in variables:
+                values[input_at] = _place(read_input_scale(src, ckpt.read, available),
+                                          _lookup(shardings, input_at))
             bar.update(len(src.tensors))
     if KV_SCALES in variables:  # an fp8 KV cache's scales: the checkpoint's or 1.0
         num_layers = variables[KV_SCALES].get_value().shape[0]

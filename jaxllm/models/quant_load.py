@@ -20,8 +20,11 @@ and `X_scale`, one scale per expert and output channel, `scale_path`). Its weigh
     scale is that constant: nothing is rounded again. Block scales vary along a
     channel, so those weights are dequantized in float32 and quantized again per
     channel (as are FP8 checkpoints loaded with `--quantization int8`).
-Static activation scales (`input_scale`) are not used: activations always get a
-dynamic per-token scale.
+Static activation scales (quantization "fp8_static", jaxllm/quant_config.py): a
+layer's one `input_scale` is the largest of its checkpoint tensors' `X.input_scale`
+(q, k and v for qkv; every expert's gate and up for stacked experts), the scale
+vLLM takes for fused layers. Otherwise activations get a dynamic per-token scale
+and the checkpoint's `input_scale` tensors are not read.
 """
 
 from __future__ import annotations
@@ -56,6 +59,27 @@ def scale_path(path: tuple) -> tuple:
     if path[-1] == "weight":
         return path[:-1] + ("weight_scale",)
     return path[:-1] + (f"{path[-1]}_scale",)
+
+
+def input_scale_path(path: tuple) -> tuple:
+    """Where the model holds the static activation scale of the weight at `path`."""
+    if path[-1] == "weight":
+        return path[:-1] + ("input_scale",)
+    return path[:-1] + (f"{path[-1]}_input_scale",)
+
+
+def read_input_scale(src: WeightSource, read: Callable[[str], np.ndarray], names: set[str]
+                     ) -> np.ndarray:
+    """The static activation scale of one parameter: the largest `input_scale` of its
+    checkpoint tensors."""
+    found = []
+    for tensor in src.tensors:
+        name = tensor[:-len("weight")] + "input_scale"
+        if name not in names:
+            raise ParameterError("model", f"the checkpoint's quantization_config asks for "
+                                 f"static activation scales, but {name!r} is missing")
+        found.append(float(np.max(np.asarray(read(name), np.float32))))
+    return np.asarray(max(found), np.float32)
 
 
 def scale_name(names: set[str], tensor: str) -> str | None:

@@ -187,7 +187,9 @@ def test_fp8_checkpoint_loads_as_written_and_matches_its_dequantized_twin(layout
         assert np.abs(g - w).max() <= 0.1 * np.abs(w).max()
 
 
-@pytest.mark.parametrize("arch,layout", [("qwen3_moe", "per_tensor"), ("mixtral", "block")])
+@pytest.mark.parametrize("arch,layout", [("qwen3_moe", "per_tensor"),
+                                         pytest.param("mixtral", "block",
+                                                      marks=pytest.mark.slow)])
 def test_fp8_moe_checkpoint_loads_per_expert_scales(arch, layout, tmp_path):
     """Each expert's projections carry their own scale (per tensor: kept bit for bit,
     one channel scale per expert; blocks: re-quantized per channel)."""
