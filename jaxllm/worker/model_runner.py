@@ -179,7 +179,7 @@ class ModelRunner:
         if self.spec is not None:
             self.kv_cache = self.spec.precompile(
                 self.state, self.programs.head, self.kv_cache, self.programs.dummy_inputs,
-                self.vocab_size, self.input_batch.sampling.device_put)
+                self.vocab_size, self.input_batch.sampling.device_put, self.programs.lora_args)
 
     # ------------------------------------------------------------------- step
 
@@ -233,7 +233,7 @@ class ModelRunner:
             ib.num_tokens[rows] -= num_drafts
             self.kv_cache, hidden = self.spec.forward(
                 self.state, self.kv_cache, inputs.packed,
-                self.spec.verify_rows(inputs.first, nsched, num_drafts))
+                self.spec.verify_rows(inputs.first, nsched, num_drafts), *lora)
             verify, states, last_hidden, out_index = (draft_lists, num_drafts, hidden), None, \
                 None, None
         else:

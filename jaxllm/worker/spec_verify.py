@@ -8,7 +8,8 @@ request with d < K drafts repeats its first row), and the verify sampler
 (sample/rejection_sampler.py) turns them into each request's accepted drafts
 plus one token, with the target's logprobs of each. Shapes: the verify
 forward per token bucket, the verify sampler per request bucket and sampling
-mode, all compiled at start-up.
+mode, all compiled at start-up. With LoRA on, the verify forward runs the target
+with each request's adapter, taking the usual forward's slot argument.
 
 A step whose requests need penalties, a logit adjustment or a token bitmask
 (such requests never draft, but may share a step with one that does) samples
@@ -29,6 +30,7 @@ import numpy as np
 from flax import nnx
 
 from jaxllm.core.runner_output import ModelRunnerOutput
+from jaxllm.lora.layers import set_lora_masks
 from jaxllm.sample.logprobs import LogprobsLists
 from jaxllm.sample.metadata import SamplingMetadata, variant_metadata
 from jaxllm.sample.rejection_sampler import rejection_sample
@@ -54,9 +56,11 @@ def verify_functions(graphdef: Any, state_def: Any, head_logits: Any, num_reqs: 
                      width: int, k1: int) -> tuple[Any, Any, Any]:
     """The jitted verify forward, verify sampler and position-0 gather of one model graph."""
 
-    def forward(weights, kv_cache, packed, rows):
+    def forward(weights, kv_cache, packed, rows, lora_slots=None):
         input_ids, positions, md, _, _ = unpack_step_inputs(packed, num_reqs, width)
         model = nnx.merge(graphdef, jax.tree.unflatten(state_def, weights))
+        if lora_slots is not None:  # the target with each request's adapter (-1: none)
+            set_lora_masks(model, lora_slots, md.cu_q_lens, input_ids.shape[0])
         states, kv_cache = model(input_ids, positions, kv_cache, md)
         return kv_cache, states[rows]
 
@@ -180,15 +184,17 @@ class SpecVerifier:
         return md.penalties is None and md.logit_adjust is None and md.token_bitmask is None
 
     def precompile(self, state: list, head: jax.Array, kv_cache: jax.Array,
-                   packed_of: Any, vocab_size: int, device_put: Any) -> jax.Array:
-        """Compiles the verify forward for every token bucket and the verify sampler for
-        every request bucket and mode; returns the (donated) KV cache."""
+                   packed_of: Any, vocab_size: int, device_put: Any,
+                   lora_args: tuple = ()) -> jax.Array:
+        """Compiles the verify forward for every token bucket (with the LoRA argument
+        `lora_args` when LoRA is on) and the verify sampler for every request bucket and
+        mode; returns the (donated) KV cache."""
         b = self.buckets
         s = b.max_num_seqs
         rows = np.zeros(s * self.k1, np.int32)
         hidden = None
         for t in b.token_buckets:
-            kv_cache, hidden = self.forward(state, kv_cache, packed_of(t), rows)
+            kv_cache, hidden = self.forward(state, kv_cache, packed_of(t), rows, *lora_args)
         for r in b.request_buckets:
             ids, counts = np.zeros((r, self.k), np.int32), np.zeros(r, np.int32)
             for md in variant_metadata(r, vocab_size, device_put, np.zeros(r, np.int32)):
