@@ -8,11 +8,12 @@ import os
 from dataclasses import dataclass, field
 from typing import Any
 
+from jaxllm.distributed.multihost import DistributedSpec, resolve_distributed
 from jaxllm.errors import ParameterError
 from jaxllm.lora.config import LoRAConfig
 from jaxllm.pooler_config import PoolerConfig, load_pooler_config
 from jaxllm.quant_config import resolve_quantization
-from jaxllm.spec_decode.config import SpeculativeConfig
+from jaxllm.spec_decode.config import MODEL_METHODS, SpeculativeConfig
 
 _DTYPES = ("auto", "float32", "bfloat16", "float16")
 
@@ -80,11 +81,14 @@ class PlainHFConfig:
 
 def portable_config(config: EngineConfig) -> EngineConfig:
     """`config` with its model config made picklable without transformers."""
-    hf = config.model_config.hf_config
-    if isinstance(hf, PlainHFConfig) or not hasattr(hf, "to_dict"):
-        return config
-    mc = dataclasses.replace(config.model_config, hf_config=PlainHFConfig(hf.to_dict()))
-    return dataclasses.replace(config, model_config=mc)
+    def plain(mc: ModelConfig | None) -> ModelConfig | None:
+        hf = mc and mc.hf_config
+        if hf is None or isinstance(hf, PlainHFConfig) or not hasattr(hf, "to_dict"):
+            return mc
+        return dataclasses.replace(mc, hf_config=PlainHFConfig(hf.to_dict()))
+
+    return dataclasses.replace(config, model_config=plain(config.model_config),
+                               draft_model_config=plain(config.draft_model_config))
 
 
 @dataclass
@@ -117,6 +121,8 @@ class ParallelConfig:
     data_parallel_size: int = 1
     # Which of them this core is (set per core process: engine/dp_client.py).
     data_parallel_rank: int = 0
+    # A multi-host engine's job (distributed/multihost.py); None: one process.
+    distributed: DistributedSpec | None = None
 
 
 @dataclass
@@ -138,6 +144,8 @@ class EngineConfig:
     # Dispatch step N+1 before step N's sampled tokens reach the host.
     async_scheduling: bool = True
     speculative_config: SpeculativeConfig | None = None
+    # The draft model of speculative decoding's model methods (draft_model), checked.
+    draft_model_config: ModelConfig | None = None
     lora_config: LoRAConfig | None = None  # None: LoRA disabled
 
 
@@ -195,12 +203,32 @@ class EngineArgs:
     enable_lora: bool = False
     max_loras: int = 1
     max_lora_rank: int = 16
+    # A multi-host engine (distributed/multihost.py; else JAX_COORDINATOR_ADDRESS,
+    # JAX_NUM_PROCESSES, JAX_PROCESS_ID).
+    distributed_coordinator_address: str | None = None
+    distributed_num_processes: int | None = None
+    distributed_process_id: int | None = None
 
     @classmethod
     def field_names(cls) -> set[str]:
         return {f.name for f in dataclasses.fields(cls)}
 
+    def distributed_spec(self) -> DistributedSpec | None:
+        """The multi-host job these arguments (or the environment) name, if any."""
+        return resolve_distributed(self.distributed_coordinator_address,
+                                   self.distributed_num_processes, self.distributed_process_id)
+
     def create_engine_config(self) -> EngineConfig:
+        distributed = self.distributed_spec()
+        if distributed is not None and distributed.process_id > 0:
+            raise ParameterError("distributed_process_id",
+                                 f"process {distributed.process_id} is a follower host, which "
+                                 "builds no engine: run `jaxllm serve` there with the same "
+                                 "--distributed-* flags (it follows host 0)")
+        if distributed is not None and self.data_parallel_size > 1:
+            raise ParameterError("data_parallel_size",
+                                 "a multi-host engine runs one replica; use "
+                                 "data_parallel_size=1 with distributed_num_processes")
         model_config = self._model_config()
         max_len = model_config.max_model_len
         max_batched = self.max_num_batched_tokens or max(2048, min(max_len, 8192))
@@ -236,6 +264,7 @@ class EngineArgs:
             raise ParameterError("data_parallel_size",
                                  f"must be at least 1, got {self.data_parallel_size}")
         lora = LoRAConfig.from_args(self, model_config.is_encoder)
+        spec = SpeculativeConfig.from_dict(self.speculative_config)
         return EngineConfig(
             model_config=model_config, lora_config=lora,
             cache_config=CacheConfig(
@@ -250,14 +279,39 @@ class EngineArgs:
                 enable_chunked_prefill=self.enable_chunked_prefill and not model_config.is_encoder,
                 policy=self.scheduling_policy,
                 long_prefill_token_threshold=self.long_prefill_token_threshold),
-            parallel_config=ParallelConfig(self.tensor_parallel_size, self.data_parallel_size),
+            parallel_config=ParallelConfig(self.tensor_parallel_size, self.data_parallel_size,
+                                           distributed=distributed),
             attention_backend=self.attention_backend,
             attention_interpret=self.attention_interpret,
             mlp_backend=self.mlp_backend, mlp_interpret=self.mlp_interpret,
             compilation_cache_dir=self.compilation_cache_dir,
             token_buckets=self.token_buckets, request_buckets=self.request_buckets,
             precompile=self.precompile, async_scheduling=self.async_scheduling,
-            speculative_config=SpeculativeConfig.from_dict(self.speculative_config))
+            speculative_config=spec,
+            draft_model_config=self._draft_model_config(spec, model_config))
+
+    def _draft_model_config(self, spec: SpeculativeConfig | None,
+                            target: ModelConfig) -> ModelConfig | None:
+        """The draft model's config, checked against the target's: it runs in the target's
+        dtype, over the target's context, on the target's vocabulary."""
+        if spec is None or spec.method not in MODEL_METHODS:
+            return None
+        args = EngineArgs(model=spec.model, dtype=target.dtype, seed=self.seed,
+                          max_model_len=target.max_model_len, load_format=self.load_format,
+                          skip_tokenizer_init=True)
+        try:
+            draft = args._model_config()
+        except ParameterError as e:
+            raise ParameterError("speculative_config.model",
+                                 f"draft model {spec.model!r}: {e.field}: {e.message}") from e
+        if draft.is_encoder:
+            raise ParameterError("speculative_config.model",
+                                 f"{spec.model!r} is an encoder; a draft model must generate")
+        if draft.vocab_size != target.vocab_size:
+            raise ParameterError("speculative_config.model",
+                                 f"the draft's vocabulary ({draft.vocab_size}) differs from the "
+                                 f"target's ({target.vocab_size}); they must share a tokenizer")
+        return draft
 
     def _model_config(self) -> ModelConfig:
         from transformers import AutoConfig

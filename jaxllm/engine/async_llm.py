@@ -150,6 +150,9 @@ class AsyncLLM:
         if args.data_parallel_size < 1:
             raise ParameterError("data_parallel_size",
                                  f"must be at least 1, got {args.data_parallel_size}")
+        if args.distributed_spec() is not None:
+            # A multi-host core joins the job before its JAX starts: it needs the config first.
+            return cls(args.create_engine_config(), stat_loggers, startup_timeout_s)
         stored = config_cache.load(args)
         with ThreadPoolExecutor(1, thread_name_prefix="frontend-config") as pool:
             config_future = pool.submit(args.create_engine_config)

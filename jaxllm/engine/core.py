@@ -15,6 +15,9 @@ scheduler, until their grammar is compiled; a step with constrained requests
 launches its forward, then finishes the step in flight (whose tokens advance
 the grammars), fills the token bitmask on the host while the forward runs,
 and launches the sampler with it.
+
+On host 0 of a multi-host engine the runner is wrapped so that the follower
+hosts make each of its device calls too (lockstep.py); nothing else changes.
 """
 
 from __future__ import annotations
@@ -41,6 +44,7 @@ from jaxllm.structured_output.grammar import make_tokenizer
 from jaxllm.structured_output.manager import StructuredOutputManager
 
 if TYPE_CHECKING:
+    from jaxllm.engine.lockstep import LockstepLeader
     from jaxllm.worker.model_runner import StepHandle
 
 logger = logging.getLogger(__name__)
@@ -73,7 +77,18 @@ class EngineCore:
 
         self.config = config
         t0 = time.perf_counter()
-        self.model_runner = ModelRunner(config)
+        # Host 0 of a multi-host engine: the followers replay the runner's calls.
+        self.lockstep: LockstepLeader | None = None
+        spec = config.parallel_config.distributed
+        if spec is not None:
+            from jaxllm.distributed.multihost import initialize
+            from jaxllm.engine.lockstep import LeaderRunner, LockstepLeader
+
+            initialize(spec)
+            self.lockstep = LockstepLeader(spec, config)
+            self.model_runner = LeaderRunner(ModelRunner(config), self.lockstep)
+        else:
+            self.model_runner = ModelRunner(config)
         if config.precompile:
             self.model_runner.precompile()
         # The KV cache's size is known once the runner has measured the device:
@@ -270,4 +285,6 @@ class EngineCore:
     def shutdown(self) -> None:
         if self.structured is not None:
             self.structured.shutdown()
+        if self.lockstep is not None:
+            self.lockstep.close()
 

@@ -79,6 +79,8 @@ class EngineCoreProc:
         ]
         for t in self._threads:
             t.start()
+        if self.engine_core.lockstep is not None:  # a follower host lost: tell the frontend
+            self.engine_core.lockstep.on_lost = self.report_fatal
 
     def request_stop(self) -> None:
         """Safe from a signal handler: the wake-up is queued from a fresh thread."""

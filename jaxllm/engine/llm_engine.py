@@ -48,7 +48,10 @@ class LLMEngine:
             # Each replica is its own core process (dp_client.py).
             self.engine_core: EngineCoreClient = DPSyncMPClient(config)
         else:
-            self.engine_core = EngineCoreClient.make_client(config, multiprocess)
+            # A multi-host core runs in its own process: when a follower host dies it
+            # exits (engine/lockstep.py), and this process reports the engine dead.
+            self.engine_core = EngineCoreClient.make_client(
+                config, multiprocess or config.parallel_config.distributed is not None)
         self.input_processor = InputProcessor(config.model_config, self.tokenizer,
                                               self.engine_core.max_request_tokens)
         self.output_processor = OutputProcessor(self.tokenizer)

@@ -20,7 +20,13 @@ _SKIP = {"model", "token_buckets", "request_buckets", "gpu_memory_utilization",
          "num_gpu_blocks_override", "speculative_config"}
 _SHORT = {"tensor_parallel_size": "-tp", "data_parallel_size": "-dp"}  # vLLM's short flags
 _HELP = {"data_parallel_size": "engine cores, each a full replica on its own "
-                               "tensor-parallel-size devices, behind this one server"}
+                               "tensor-parallel-size devices, behind this one server",
+         "distributed_coordinator_address": "multi-host: host 0's host:port for "
+                                            "jax.distributed (else JAX_COORDINATOR_ADDRESS)",
+         "distributed_num_processes": "multi-host: the number of hosts (processes); 0 has "
+                                      "JAX find the job on a TPU VM slice",
+         "distributed_process_id": "multi-host: this host's index; 0 serves, any other "
+                                   "follows host 0 in lockstep"}
 
 
 def add_engine_args(parser: argparse.ArgumentParser) -> None:

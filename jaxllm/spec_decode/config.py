@@ -1,15 +1,18 @@
-"""vLLM's `speculative_config`, checked: the method and how many drafts a step verifies."""
+"""vLLM's `speculative_config`, checked: the method, its draft model and how many drafts a
+step verifies."""
 
 from __future__ import annotations
 
 import dataclasses
 import json
+import os
 from dataclasses import dataclass
 from typing import Any
 
 from jaxllm.errors import ParameterError
 
-SPEC_METHODS = ("ngram",)  # what this engine drafts with (vLLM's `method` names)
+SPEC_METHODS = ("ngram", "draft_model")  # what this engine drafts with (vLLM's `method` names)
+MODEL_METHODS = ("draft_model",)  # the methods that run a model of their own (`model`)
 
 
 @dataclass
@@ -44,6 +47,10 @@ class SpeculativeConfig:
         if method not in SPEC_METHODS:
             raise ParameterError("speculative_config.method",
                                  f"{method!r} is not supported; supported: {list(SPEC_METHODS)}")
+        model = raw.get("model")
+        if method in MODEL_METHODS and not (isinstance(model, str) and os.path.isdir(model)):
+            raise ParameterError("speculative_config.model",
+                                 f"method {method!r} needs a checkpoint directory, got {model!r}")
         k = raw.get("num_speculative_tokens")
         if not isinstance(k, int) or isinstance(k, bool) or not 1 <= k <= 16:
             raise ParameterError("speculative_config.num_speculative_tokens",
@@ -60,4 +67,4 @@ class SpeculativeConfig:
             raise ParameterError("speculative_config.prompt_lookup_min",
                                  f"{lo} exceeds prompt_lookup_max {hi}")
         return cls(method=method, num_speculative_tokens=k, prompt_lookup_max=hi,
-                   prompt_lookup_min=lo, model=raw.get("model"))
+                   prompt_lookup_min=lo, model=model)

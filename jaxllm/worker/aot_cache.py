@@ -75,7 +75,9 @@ class ExecutableCache:
     @classmethod
     def create(cls, xla_cache_dir: str, context: dict[str, Any],
                devices: list[Any]) -> ExecutableCache | None:
-        if os.environ.get("JAXLLM_AOT_CACHE", "1") == "0":
+        # Nor in a multi-host job: its processes (on one machine, one directory) would
+        # share files while each must load a program made for its own devices.
+        if os.environ.get("JAXLLM_AOT_CACHE", "1") == "0" or jax.process_count() > 1:
             return None
         return cls(os.path.join(xla_cache_dir, "jaxllm-aot"), context, devices)
 

@@ -53,6 +53,9 @@ class Buckets:
         if rb[-1] < max_num_seqs:
             raise ParameterError("request_buckets", f"the largest ({rb[-1]}) must cover "
                                  f"max_num_seqs={max_num_seqs}")
+        # No step holds more than max_num_seqs requests, and the per-row state is that
+        # tall: a larger bucket is that bucket.
+        rb = sorted({min(r, max_num_seqs) for r in rb})
         width = -(-max_model_len // block_size)
         return cls(tuple(tb), tuple(rb), max_num_seqs, width)
 

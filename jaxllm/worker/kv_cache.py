@@ -21,6 +21,7 @@ from jax.sharding import Mesh
 
 from jaxllm.config import CacheConfig
 from jaxllm.distributed.mesh import kv_cache_sharding
+from jaxllm.distributed.multihost import agree_min
 
 logger = logging.getLogger(__name__)
 
@@ -51,12 +52,15 @@ class PagedKVCache:
     head_dim: int
     block_size: int
     dtype: Any
+    # Bytes another cache holds per block of this one (a draft model's, same block ids).
+    extra_bytes_per_block: int = 0
 
     def bytes_per_block(self) -> int:
-        """One block of every layer, over the whole mesh."""
+        """One block of every layer, over the whole mesh (and the extra cache's)."""
         shape = self.attn_backend.kv_cache_shape(1, self.block_size, self.num_kv_heads,
                                                  self.head_dim)
-        return int(np.prod(shape)) * jnp.dtype(self.dtype).itemsize * self.num_layers
+        return (int(np.prod(shape)) * jnp.dtype(self.dtype).itemsize * self.num_layers
+                + self.extra_bytes_per_block)
 
     def num_blocks(self, cache: CacheConfig, max_num_seqs: int, max_model_len: int,
                    activation_reserve: Callable[[], int],
@@ -87,7 +91,8 @@ class PagedKVCache:
         if budget is None:
             want = max_num_seqs * (-(-max_model_len // self.block_size)) * per_block
             budget = min(want, _CPU_DEFAULT_KV_BYTES)
-        num_blocks = int(budget // per_block)
+        # Every host of a multi-host engine allocates the same cache: the least any holds.
+        num_blocks = agree_min(int(budget // per_block))
         if num_blocks < 2:
             raise ValueError(f"KV cache budget of {budget} bytes holds no block "
                              f"({per_block} bytes each): raise hbm_utilization or kv_cache_bytes")

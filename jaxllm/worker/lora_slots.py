@@ -17,8 +17,6 @@ from typing import Any
 import jax
 import numpy as np
 from flax import nnx
-from jax.sharding import NamedSharding
-from jax.sharding import PartitionSpec as P
 
 from jaxllm.core.sched_output import SchedulerOutput
 from jaxllm.lora.config import LoRAConfig
@@ -93,9 +91,9 @@ class LoRASlots:
             return None
         slots = cls(model, state, config.max_loras, config.max_lora_rank,
                     programs.buckets.max_num_seqs)
-        mesh = state[slots.indices[0]].sharding.mesh
-        programs.lora_args = (jax.device_put(np.full(slots.num_rows, -1, np.int32),
-                                             NamedSharding(mesh, P())),)
+        # Host arrays, as the packed step inputs: the step's call copies them with its
+        # launch, where a separate device_put would wait for the step in flight.
+        programs.lora_args = (np.full(slots.num_rows, -1, np.int32),)
         slots.precompile()
         return slots
 
@@ -122,17 +120,17 @@ class LoRASlots:
         self._store([np.zeros(self.state[i].shape[1:], self.state[i].dtype)
                      for i in self.indices], 0)
 
-    def step_args(self, so: SchedulerOutput, mesh: jax.sharding.Mesh) -> tuple:
+    def step_args(self, so: SchedulerOutput) -> tuple:
         """The forward's LoRA argument for step `so`: each request's slot `[num_rows]`
-        (placed like the step's other inputs), its adapters loaded first. Also follows
-        the requests that start and end."""
+        (a host array, like the step's other inputs), its adapters loaded first. Also
+        follows the requests that start and end."""
         for req_id in so.finished_req_ids | so.preempted_req_ids:
             self.req_lora.pop(req_id, None)
         for new in so.scheduled_new_reqs:
             if new.lora_request is not None:
                 self.req_lora[new.req_id] = new.lora_request
         slots = self.step_slots(so.req_ids, self.num_rows)
-        self.last_args = (jax.device_put(slots, NamedSharding(mesh, P())),)
+        self.last_args = (slots,)
         return self.last_args
 
     def remove_adapter(self, lora_int_id: int) -> None:

@@ -42,6 +42,7 @@ from jaxllm.sample.logprobs import LogprobsLists
 from jaxllm.sample.sampler import SamplerOutput
 from jaxllm.worker.aot_cache import ExecutableCache
 from jaxllm.worker.buckets import Buckets
+from jaxllm.worker.draft_model import DraftModel
 from jaxllm.worker.input_batch import InputBatch
 from jaxllm.worker.kv_cache import PagedKVCache, activation_reserve
 from jaxllm.worker.lora_slots import LoRASlots, lora_args
@@ -129,8 +130,11 @@ class ModelRunner:
         k1 = spec.num_speculative_tokens + 1 if spec else 1  # logits rows per request
         self.num_layers, self.num_kv_heads, self.head_dim = kv_cache_spec(
             mc.hf_config, self.mesh.shape["model"])
+        # A draft model loads first (its weights are used memory); its cache mirrors ours.
+        drafter = DraftModel.load(config, self.mesh, self.attn_backend, self.swiglu, b)
         kv = PagedKVCache(self.attn_backend, self.mesh, self.num_layers, self.num_kv_heads,
-                          self.head_dim, cc.block_size, jnp.dtype(kv_cache_dtype(mc)))
+                          self.head_dim, cc.block_size, jnp.dtype(kv_cache_dtype(mc)),
+                          drafter.bytes_per_block() if drafter else 0)
         # The caller hands this count to the scheduler (EngineCore).
         self.num_kv_blocks = kv.num_blocks(
             cc, sc.max_num_seqs, mc.max_model_len,
@@ -138,6 +142,8 @@ class ModelRunner:
                                        b.request_buckets[-1] * k1,
                                        self.vocab_size, self.dtype, PROMPT_LOGPROBS_ROWS))
         self.kv_cache = kv.allocate(self.num_kv_blocks)
+        if drafter is not None:
+            drafter.allocate(self.num_kv_blocks)
         self.input_batch = InputBatch(sc.max_num_seqs, mc.max_model_len, b.max_blocks_per_req,
                                       self.vocab_size)
         replicated = NamedSharding(self.mesh, P())
@@ -165,7 +171,7 @@ class ModelRunner:
         self.lora = LoRASlots.create(model, self.state, config.lora_config, self.programs)
         # What a verify program is built from (spec_verify.py; benchmarks make their own).
         self.graph = (graphdef, jax.tree.structure(state), model.head_logits)
-        self.spec = None if spec is None else SpecVerifier(spec, *self.graph, b)
+        self.spec = None if spec is None else SpecVerifier(spec, *self.graph, b, drafter)
 
     @property
     def aot_cache(self) -> ExecutableCache | None:
@@ -213,7 +219,7 @@ class ModelRunner:
         still in flight) is taken from that step's device output.
         """
         self._update_states(so)
-        lora = self.lora.step_args(so, self.mesh) if self.lora else ()  # adapters' slots
+        lora = self.lora.step_args(so) if self.lora else ()  # adapters' slots
         if so.total_num_scheduled_tokens == 0:
             return None
         ib = self.input_batch
@@ -231,15 +237,15 @@ class ModelRunner:
         end = inputs.kv_lens
         if drafts:
             ib.num_tokens[rows] -= num_drafts
-            self.kv_cache, hidden = self.spec.forward(
-                self.state, self.kv_cache, inputs.packed,
-                self.spec.verify_rows(inputs.first, nsched, num_drafts), *lora)
-            verify, states, last_hidden, out_index = (draft_lists, num_drafts, hidden), None, \
-                None, None
+            verify = self.spec.verify_forward(self, inputs, rows, nsched, draft_lists,
+                                              num_drafts)
+            states = last_hidden = out_index = None
         else:
             prev_tokens = self._last_sampled if inputs.reads_prev else self._no_prev
             self.kv_cache, states, last_hidden, out_index = self.programs.run_forward(
                 self.state, self.kv_cache, inputs.packed, prev_tokens, *lora)
+            if self.spec is not None:
+                self.spec.follow(inputs.packed)
         prompt_lp = None
         # (A verify step scores no prompt: the scheduler drafts in no step that does.)
         if verify is None and ib.wants_prompt_logprobs[:ib.num_reqs].any():  # rare

@@ -9,13 +9,16 @@ request with d < K drafts repeats its first row), and the verify sampler
 plus one token, with the target's logprobs of each. Shapes: the verify
 forward per token bucket, the verify sampler per request bucket and sampling
 mode, all compiled at start-up. With LoRA on, the verify forward runs the target
-with each request's adapter, taking the usual forward's slot argument.
+with each request's adapter, taking the usual forward's slot argument (a draft
+model drafts without adapters: its drafts are only proposals).
 
 A step whose requests need penalties, a logit adjustment or a token bitmask
 (such requests never draft, but may share a step with one that does) samples
 position 0 of every request with the usual sampler: every draft of that step
 is rejected, and the target distribution is kept. After each step the ngram
-proposer drafts the next step's tokens from every request's context on the host.
+proposer drafts the next step's tokens from every request's context on the host;
+a draft model (draft_model.py) drafts on the device at the verify step's
+dispatch instead, and after each step only says how many drafts come.
 """
 
 from __future__ import annotations
@@ -39,7 +42,9 @@ from jaxllm.sampling_params import MAX_LOGPROBS
 from jaxllm.spec_decode.config import SpeculativeConfig
 from jaxllm.spec_decode.ngram import propose_ngram
 from jaxllm.worker.buckets import Buckets
-from jaxllm.worker.step_inputs import unpack_step_inputs
+from jaxllm.worker.draft_model import DraftModel
+from jaxllm.worker.lora_slots import lora_args
+from jaxllm.worker.step_inputs import StepInputs, unpack_step_inputs
 
 
 @dataclasses.dataclass
@@ -56,8 +61,10 @@ def verify_functions(graphdef: Any, state_def: Any, head_logits: Any, num_reqs: 
                      width: int, k1: int) -> tuple[Any, Any, Any]:
     """The jitted verify forward, verify sampler and position-0 gather of one model graph."""
 
-    def forward(weights, kv_cache, packed, rows, lora_slots=None):
-        input_ids, positions, md, _, _ = unpack_step_inputs(packed, num_reqs, width)
+    def forward(weights, kv_cache, packed, rows, drafts, lora_slots=None):
+        input_ids, positions, md, src, _ = unpack_step_inputs(packed, num_reqs, width)
+        # Drafts made on the device (a draft model's) are read from its output.
+        input_ids = jnp.where(src >= 0, drafts.reshape(-1)[jnp.maximum(src, 0)], input_ids)
         model = nnx.merge(graphdef, jax.tree.unflatten(state_def, weights))
         if lora_slots is not None:  # the target with each request's adapter (-1: none)
             set_lora_masks(model, lora_slots, md.cu_q_lens, input_ids.shape[0])
@@ -67,6 +74,8 @@ def verify_functions(graphdef: Any, state_def: Any, head_logits: Any, num_reqs: 
     def sample(head, hidden, draft_ids, num_drafts, md):
         r = md.temperature.shape[0]
         logits = head_logits(head, hidden[:r * k1])
+        if draft_ids.shape[0] != r:  # a draft model's `[max_num_seqs, K]` output
+            draft_ids = jnp.pad(draft_ids, ((0, max(r - draft_ids.shape[0], 0)), (0, 0)))[:r]
         tokens, emitted = rejection_sample(logits, draft_ids, num_drafts, md)
         lps = None
         if md.num_logprobs:
@@ -84,8 +93,12 @@ class SpecVerifier:
     """The verify programs of one runner, and its draft proposer."""
 
     def __init__(self, config: SpeculativeConfig, graphdef: Any, state_def: Any,
-                 head_logits: Any, buckets: Buckets):
+                 head_logits: Any, buckets: Buckets, drafter: DraftModel | None = None):
         self.config = config
+        self.drafter = drafter
+        # The verify forward's device drafts where none are made on the device.
+        self.no_drafts = jnp.zeros((buckets.max_num_seqs, config.num_speculative_tokens),
+                                   jnp.int32)
         self.k = config.num_speculative_tokens
         self.k1 = self.k + 1
         self.buckets = buckets
@@ -117,12 +130,38 @@ class SpecVerifier:
 
     def propose(self, token_ids: np.ndarray, num_tokens: np.ndarray, rows: list[int]
                 ) -> list[list[int]]:
-        """Next step's drafts for each of `rows` (ngram over its known tokens)."""
+        """Next step's drafts for each of `rows` (ngram over its known tokens; a draft
+        model's are placeholders, made at dispatch)."""
         c = self.config
+        if self.drafter is not None:
+            return [[0] * self.k for _ in rows]
         return [propose_ngram(token_ids[row, :num_tokens[row]], self.k, c.prompt_lookup_min,
                               c.prompt_lookup_max).tolist() for row in rows]
 
     # ---- device side -------------------------------------------------------
+
+    def verify_forward(self, runner: Any, inputs: StepInputs, rows: np.ndarray,
+                       num_scheduled: np.ndarray, drafts: list[list[int]],
+                       num_drafts: np.ndarray) -> tuple:
+        """Launches the verify forward (after a draft model's proposal, and before its
+        `follow`); returns the handle's `verify`: (draft ids, counts, hidden rows)."""
+        r_pad = self.buckets.pad_requests(rows.size)
+        ids, counts = self.draft_arrays(num_drafts, drafts, r_pad)
+        device_drafts = self.no_drafts
+        if self.drafter is not None:
+            ids = device_drafts = self.drafter.propose(runner.input_batch, rows, inputs,
+                                                       num_drafts)
+        runner.kv_cache, hidden = self.forward(
+            runner.state, runner.kv_cache, inputs.packed,
+            self.verify_rows(inputs.first, num_scheduled, num_drafts), device_drafts,
+            *lora_args(runner.lora))
+        self.follow(inputs.packed, device_drafts)
+        return ids, counts, hidden
+
+    def follow(self, packed: np.ndarray, drafts: jax.Array | None = None) -> None:
+        """A draft model's mirror of the target's step (nothing for ngram)."""
+        if self.drafter is not None:
+            self.drafter.follow(packed, self.no_drafts if drafts is None else drafts)
 
     # `runner` is the ModelRunner and `h` its StepHandle (model_runner.py imports this
     # module, so they are not named here).
@@ -131,12 +170,11 @@ class SpecVerifier:
         """The runner's sampler for a verify step: the rejection sampler, or the usual
         sampler at position 0 of every request where the step's sampling needs more."""
         ib, spec = runner.input_batch, self
-        drafts, num_drafts, hidden = h.verify
+        ids, counts, hidden = h.verify
         out_index = np.zeros(runner.buckets.max_num_seqs, np.int32)
         out_index[:rows.size] = ib.num_tokens[rows] - ib.num_prompt_tokens[rows]
         smd = ib.sampling.make_metadata(rows, h.r_pad, runner.seed, out_index[:h.r_pad])
         if grammar_bitmask is None and spec.verifiable(smd):
-            ids, counts = spec.draft_arrays(num_drafts, drafts, h.r_pad)
             h.verified = spec.sample(runner.programs.head, hidden, ids, counts, smd)
             return
         first, out_index = spec.first_rows(hidden, out_index)
@@ -185,18 +223,23 @@ class SpecVerifier:
 
     def precompile(self, state: list, head: jax.Array, kv_cache: jax.Array,
                    packed_of: Any, vocab_size: int, device_put: Any,
-                   lora_args: tuple = ()) -> jax.Array:
+                   lora: tuple = ()) -> jax.Array:
         """Compiles the verify forward for every token bucket (with the LoRA argument
-        `lora_args` when LoRA is on) and the verify sampler for every request bucket and
-        mode; returns the (donated) KV cache."""
+        `lora` when LoRA is on) and the verify sampler for every request bucket and
+        mode (and a draft model's programs); returns the (donated) KV cache."""
         b = self.buckets
         s = b.max_num_seqs
         rows = np.zeros(s * self.k1, np.int32)
         hidden = None
+        drafts = self.no_drafts if self.drafter is None else self.drafter.precompile(packed_of,
+                                                                            self.no_drafts)
         for t in b.token_buckets:
-            kv_cache, hidden = self.forward(state, kv_cache, packed_of(t), rows, *lora_args)
+            kv_cache, hidden = self.forward(state, kv_cache, packed_of(t), rows, drafts,
+                                            *lora)
         for r in b.request_buckets:
             ids, counts = np.zeros((r, self.k), np.int32), np.zeros(r, np.int32)
+            if self.drafter is not None:
+                ids = drafts
             for md in variant_metadata(r, vocab_size, device_put, np.zeros(r, np.int32)):
                 if md.penalties is None and md.logit_adjust is None and md.token_bitmask is None:
                     self.sample_fn(head, hidden, ids, counts, md)

@@ -51,6 +51,13 @@ def unpack_step_inputs(packed: jax.Array, num_reqs: int, width: int) -> tuple:
     return tok[0], tok[1], md, tok[3], req[:, width + 3]
 
 
+def src_view(packed: np.ndarray, num_reqs: int, width: int) -> np.ndarray:
+    """The writable `src` row of `pack_step_inputs`' array (speculative drafts made on
+    the device name their row of the proposer's output there)."""
+    split = num_reqs * (width + 4)
+    return packed[split:].reshape(4, -1)[3]
+
+
 @dataclass
 class StepInputs:
     """One step's packed forward inputs and the per-request numbers the runner reuses."""

@@ -12,7 +12,11 @@ import os
 import sys
 from typing import Any
 
-from jaxllm.entrypoints.arg_utils import DEFAULT_MAX_REQUEST_BYTES, add_engine_args
+from jaxllm.entrypoints.arg_utils import (
+    DEFAULT_MAX_REQUEST_BYTES,
+    add_engine_args,
+    engine_args_from,
+)
 from jaxllm.entrypoints.openai.supervisor import DEFAULT_ENGINE_RESTARTS
 from jaxllm.entrypoints.openai.tool_parsers import TOOL_PARSERS
 from jaxllm.errors import ParameterError
@@ -148,4 +152,24 @@ def cmd_serve(ns: argparse.Namespace) -> int:
                  "reinstall jaxllm with its dependencies: pip install jaxllm")
 
     # A ParameterError is printed in one line by the CLI's main(), as for every command.
-    return run_server(resolve_args(ns))
+    args = resolve_args(ns)
+    spec = engine_args_from(args).distributed_spec()
+    if spec is not None and not spec.is_leader:  # a follower host of a multi-host engine
+        return run_follower_process(spec)
+    if spec is not None:  # a multi-host core cannot come back alone: its followers left
+        args.engine_restarts = 0
+    return run_server(args)
+
+
+def run_follower_process(spec: Any) -> int:
+    """A follower host (engine/lockstep.py), then a quick exit: the interpreter's teardown
+    would wait on a `jax.distributed` job whose host 0 is gone."""
+    import logging
+
+    from jaxllm.engine.lockstep import run_follower
+
+    code = run_follower(spec)
+    logging.shutdown()
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(code)
