@@ -1,6 +1,7 @@
-"""Multi-LoRA with ngram speculative decoding: the verify forward runs the target with
-each request's adapter, so greedy output equals the same LoRA batch without speculation,
-requests with three adapters and the base model mixed in one batch."""
+"""Multi-LoRA with speculative decoding: the verify forward runs the target with each
+request's adapter, so greedy output equals the same LoRA batch without speculation,
+requests with three adapters and the base model mixed in one batch; drafts come from
+the ngram proposer, or from a draft model (the base model, without adapters)."""
 
 from __future__ import annotations
 
@@ -19,7 +20,7 @@ GREEDY = SamplingParams(temperature=0.0, max_tokens=24, ignore_eos=True)
 
 
 @pytest.mark.slow
-def test_lora_with_ngram_speculation_equals_lora_without_it(tmp_path):
+def test_lora_with_ngram_or_draft_model_speculation_equals_lora_without_it(tmp_path):
     base = make_tiny_checkpoint(tmp_path, arch="llama", num_attention_heads=4,
                                 num_key_value_heads=2)
     loras = [None]
@@ -43,11 +44,14 @@ def test_lora_with_ngram_speculation_equals_lora_without_it(tmp_path):
     for p in range(len(prompts)):  # every adapter changes that prompt's tokens
         row = want[p * len(loras):(p + 1) * len(loras)]
         assert all(row[j] != row[0] for j in range(1, len(loras)))
-    llm = LLM(base, **engine, speculative_config=SPEC)
-    stats = _record_spec_stats(llm)
-    with recorded_compilations() as compiles:
-        got = run(llm)
-    assert compiles == []
-    assert got == want
-    drafts, draft_tokens, accepted = _totals(stats)
-    assert drafts > 0 and 0 < accepted <= draft_tokens  # verify steps really ran
+    draft_model = {"method": "draft_model", "model": base, "num_speculative_tokens": 3}
+    for spec in (SPEC, draft_model):
+        llm = LLM(base, **engine, speculative_config=spec)
+        stats = _record_spec_stats(llm)
+        with recorded_compilations() as compiles:
+            got = run(llm)
+        assert compiles == []
+        assert got == want, spec["method"]
+        drafts, draft_tokens, accepted = _totals(stats)
+        assert drafts > 0 and 0 < accepted <= draft_tokens  # verify steps really ran
+        del llm
