@@ -48,7 +48,7 @@ class ModelConfig:
     # What the engine serves, vLLM's names: "generate" and/or "embed" (`runner`).
     supported_tasks: tuple[str, ...] = ("generate", "embed")
     pooler_config: PoolerConfig = field(default_factory=lambda: PoolerConfig("LAST", True))
-    quantization: str | None = None  # resolved: None | "fp8" | "int8" (layers/quant.py)
+    quantization: str | None = None  # resolved: None | "fp8" | "fp8_static" | "int8"
     kv_cache_dtype: str = "auto"
 
     @property

@@ -2,7 +2,10 @@
 
 `quantization`: None, "fp8" or "int8" (jaxllm/layers/quant.py), or what the
 checkpoint's `quantization_config` (or a jaxllm orbax checkpoint's metadata)
-says; `kv_cache_dtype`: vLLM's "auto" (the model dtype), "fp8" / "fp8_e4m3".
+says: "fp8", or "fp8_static" for FP8 weights with static activation scales
+(`activation_scheme: "static"`, compressed-tensors' non-dynamic per-tensor
+input activations), which `--quantization fp8` accepts too; `kv_cache_dtype`:
+vLLM's "auto" (the model dtype), "fp8" / "fp8_e4m3".
 """
 
 from __future__ import annotations
@@ -31,15 +34,27 @@ def _checkpoint_quantization(raw: dict) -> str | None:
         return None
     method = qc.get("quant_method")
     if method == "fp8":
-        return "fp8"
+        scheme = qc.get("activation_scheme", "dynamic")
+        if scheme not in ("dynamic", "static"):
+            raise ParameterError("config.json:quantization_config.activation_scheme",
+                                 f"must be 'dynamic' or 'static', got {scheme!r}")
+        return "fp8_static" if scheme == "static" else "fp8"
     if method == "compressed-tensors":
+        static = False
         for group in (qc.get("config_groups") or {}).values():
             weights = group.get("weights") or {}
             if weights.get("type") != "float" or weights.get("num_bits") != 8:
                 raise ParameterError("config.json:quantization_config",
                                      "compressed-tensors is read for 8-bit float weights "
                                      f"only, got {weights}")
-        return "fp8"
+            acts = group.get("input_activations") or {}
+            if acts and not acts.get("dynamic", True):
+                if acts.get("strategy") != "tensor":
+                    raise ParameterError("config.json:quantization_config",
+                                         "static input activations are read per tensor "
+                                         f"only, got {acts}")
+                static = True
+        return "fp8_static" if static else "fp8"
     raise ParameterError("config.json:quantization_config",
                          f"quant_method {method!r} is not supported (supported: 'fp8', "
                          "'compressed-tensors' with 8-bit float weights)")
@@ -60,8 +75,8 @@ def resolve_quantization(requested: str | None, kv_cache_dtype: str, raw: dict,
     if stored is None and os.path.isfile(orbax_meta):
         with open(orbax_meta) as f:
             stored = json.load(f).get("quantization")
-    if stored is not None and requested not in (None, stored):
+    if stored is not None and requested not in (None, stored.removesuffix("_static")):
         # As vLLM: a quantized checkpoint runs in its own format.
         raise ParameterError("quantization", f"{requested!r}, but the checkpoint is already "
                              f"quantized as {stored!r}")
-    return {"quantization": requested or stored, "kv_cache_dtype": kv_cache_dtype}
+    return {"quantization": stored or requested, "kv_cache_dtype": kv_cache_dtype}

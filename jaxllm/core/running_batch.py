@@ -121,14 +121,10 @@ class RunningBatch:
     def __iter__(self) -> Iterator[Request]:
         return iter(self.requests)
 
-    def admits_lora(self, request: Request) -> bool:
-        """Whether running `request` too keeps at most `max_loras` distinct LoRA adapters
-        running (the device's adapter slots; vLLM caps a batch the same way): if not,
-        it waits until a running adapter's requests finish."""
-        if not request.lora_int_id:
-            return True
-        active = {r.lora_int_id for r in self.requests if r.lora_int_id}
-        return request.lora_int_id in active or len(active) < self.max_loras
+    def active_loras(self) -> set[int]:
+        """The distinct LoRA adapters running (at most `max_loras`, the device's adapter
+        slots; vLLM caps a batch the same way)."""
+        return {r.lora_int_id for r in self.requests if r.lora_int_id}
 
     def __getitem__(self, i: int) -> Request:
         return self.requests[i]

@@ -5,7 +5,9 @@ Each step has a token budget (`max_num_batched_tokens`) and a request cap
 waiting requests are admitted; a prompt that does not fit the remaining budget
 is cut into chunks (chunked prefill). When the cache runs out of blocks the
 lowest-priority, latest-arrived running request is preempted: its blocks are
-freed and it is recomputed later. `update_from_output` appends the sampled
+freed and it is recomputed later. At most `max_loras` distinct LoRA adapters run
+at once; a waiting request whose adapter has no free slot is passed over, keeping
+its place, and later ones are admitted (as vLLM). `update_from_output` appends the sampled
 tokens, applies stop conditions and turns the step into EngineCoreOutputs.
 
 The running requests form a RunningBatch whose per-step counters are arrays:
@@ -241,10 +243,18 @@ class Scheduler:
 
         # Admit waiting requests, unless this step had to preempt: the cache is
         # full, and a preempted request must not come straight back.
+        skipped: list[Request] = []
+        loras = running.active_loras() if running.max_loras and self.waiting else set()
         while not preempted and self.waiting and token_budget > 0:
             request = self.waiting.peek()
-            if len(running) >= self.max_num_seqs or not running.admits_lora(request):
+            if len(running) >= self.max_num_seqs:
                 break
+            lora = request.lora_int_id
+            if lora and lora not in loras and len(loras) >= running.max_loras:
+                # As vLLM: its adapter finds no free slot, so it keeps its place in the
+                # queue while later requests whose adapters fit (or that have none) run.
+                skipped.append(self.waiting.pop())
+                continue
             if spec_tokens and not DraftPlanner.allowed((), request):
                 break  # it waits for a step without drafts
             hit_blocks, num_computed = kv.get_computed_blocks(request)
@@ -276,6 +286,10 @@ class Scheduler:
             num_prompt_tokens += max(0, min(after, request.num_prompt_tokens) - num_computed)
             scheduled(request, num_new, after)
             running.append(request, *kv.block_state(req_id))
+            if lora:
+                loras.add(lora)
+        for request in reversed(skipped):
+            self.waiting.prepend(request)
 
         if more_counts:
             counts = np.concatenate([counts, np.array(more_counts, np.int32)])

@@ -12,6 +12,11 @@ Three bodies, one contract (`GroupedMatmul`):
     shapes stay fixed; a tile gathers its group's weight, which at decode reads about
     the routed experts only.
 
+Quantized experts (layers/quant.py) pass int8 / float8_e4m3fn operands and ask for
+a float32 result to scale: ragged_dot and "tiled" take them as they are (XLA's
+mixed or FP8 dot); megablox reads bfloat16 / float32 only, so it gets them upcast,
+which is exact (int8 and e4m3 values are all bfloat16 values).
+
 `default_grouped_matmul` picks megablox on TPU and ragged_dot elsewhere;
 `JAXLLM_MOE_KERNEL` overrides it (a device benchmark's knob).
 """
@@ -53,21 +58,27 @@ class GroupedMatmul:
             raise ParameterError("kernel", f"must be one of {GROUPED_MATMULS}, "
                                  f"got {self.kernel!r}")
 
-    def __call__(self, lhs: jax.Array, rhs: jax.Array, group_sizes: jax.Array) -> jax.Array:
+    def __call__(self, lhs: jax.Array, rhs: jax.Array, group_sizes: jax.Array,
+                 out_dtype: jnp.dtype | None = None) -> jax.Array:
+        out_dtype = lhs.dtype if out_dtype is None else out_dtype
         if self.kernel == "megablox":
-            return self._megablox(lhs, rhs, group_sizes)
+            return self._megablox(lhs, rhs, group_sizes).astype(out_dtype)
         if self.kernel == "tiled":
-            return self._tiled(lhs, rhs, group_sizes)
+            return self._tiled(lhs, rhs, group_sizes).astype(out_dtype)
         dims = jax.lax.RaggedDotDimensionNumbers(
             dot_dimension_numbers=(([1], [2]), ([], [])),
             lhs_ragged_dimensions=[0], rhs_group_dimensions=[0])
         return jax.lax.ragged_dot_general(lhs, rhs, group_sizes, dims,
                                           preferred_element_type=jnp.float32
-                                          ).astype(lhs.dtype)
+                                          ).astype(out_dtype)
 
     def _megablox(self, lhs: jax.Array, rhs: jax.Array, group_sizes: jax.Array) -> jax.Array:
         from jax.experimental.pallas.ops.tpu.megablox import gmm
 
+        floats = (jnp.bfloat16, jnp.float32)
+        if lhs.dtype not in floats or rhs.dtype not in floats:  # quantized operands
+            operand = jnp.float32 if jnp.float32 in (lhs.dtype, rhs.dtype) else jnp.bfloat16
+            lhs, rhs = lhs.astype(operand), rhs.astype(operand)
         m, k = lhs.shape
         n = rhs.shape[1]
         rows, depth, cols = self.tiling
@@ -79,11 +90,7 @@ class GroupedMatmul:
         out = gmm(lhs, rhs, group_sizes, preferred_element_type=jnp.float32,
                   tiling=(tm, min(depth, k), min(cols, n)), transpose_rhs=True,
                   interpret=self.interpret)
-        return out[:m].astype(lhs.dtype)
-
-
-
-
+        return out[:m]
 
     def _tiled(self, lhs: jax.Array, rhs: jax.Array, group_sizes: jax.Array) -> jax.Array:
         m, groups = lhs.shape[0], rhs.shape[0]
@@ -103,8 +110,7 @@ class GroupedMatmul:
                                                   side="right"), groups - 1)
         out = jnp.einsum("tmk,tnk->tmn", x.reshape(tiles, tm, -1), rhs[tile_group],
                          preferred_element_type=jnp.float32)
-        out = out.reshape(tiles * tm, -1).at[pos].get(mode="fill", fill_value=0)
-        return out.astype(lhs.dtype)
+        return out.reshape(tiles * tm, -1).at[pos].get(mode="fill", fill_value=0)
 
 
 def default_grouped_matmul(mesh: Mesh | None = None) -> GroupedMatmul:

@@ -21,6 +21,7 @@ from flax import nnx
 from jax.sharding import PartitionSpec as P
 
 from jaxllm.layers.mlp import MatmulAdd
+from jaxllm.layers.quant import quantize_traced
 
 INIT_STD = 0.02  # dummy weights: small enough that activations stay finite
 
@@ -73,11 +74,14 @@ class Linear(nnx.Module):
             self.weight_scale = None
         else:  # quantized (layers/quant.py): dummy weights are quantized random ones
             w = make_param(rngs, (*out_shape, *in_shape), jnp.float32, spec)
-            q, scale = _quantize_traced(self.method, w[...], self.in_dims)
+            q, scale = quantize_traced(self.method, w[...], self.in_dims)
             self.weight = nnx.Param(q, out_sharding=spec, eager_sharding=False)
             # One scale per output channel, sharded with the output channels.
             self.weight_scale = nnx.Param(scale, out_sharding=P(*spec[:len(out_shape)]),
                                           eager_sharding=False)
+        # A static activation scale (an FP8 checkpoint's `input_scale`), one per layer.
+        self.input_scale = (make_param(rngs, (), jnp.float32, P(), "ones")
+                            if getattr(self.method, "static", False) else None)
         self.bias = (make_param(rngs, out_shape, dtype,
                                 bias_spec if bias_spec is not None else P(*spec[:len(out_shape)]),
                                 "zeros") if bias else None)
@@ -102,15 +106,3 @@ class Linear(nnx.Module):
             residual = residual + self.lora(x)
         return self.method.apply_add(self, x, residual)
 
-
-def _quantize_traced(method: Any, w: jax.Array, in_dims: int) -> tuple[jax.Array, jax.Array]:
-    """Per-output-channel quantization of a (traced) float weight, as
-    layers/quant.py's host quantizer does it (for dummy weights)."""
-    in_axes = tuple(range(w.ndim - in_dims, w.ndim))
-    qmax = 127.0 if method.weight_dtype == jnp.int8 else 448.0
-    amax = jnp.max(jnp.abs(w), axis=in_axes)
-    scale = jnp.where(amax > 0, amax / qmax, 1.0)
-    scaled = w / scale.reshape(scale.shape + (1,) * in_dims)
-    if method.weight_dtype == jnp.int8:
-        scaled = jnp.round(scaled)
-    return jnp.clip(scaled, -qmax, qmax).astype(method.weight_dtype), scale

@@ -12,10 +12,20 @@ as it comes and return it:
   * `Fp8Linear` (`--quantization fp8`): activations get a dynamic per-token
     scale (`amax / 448` over the token's input features), both operands go to
     float8_e4m3fn and the dot takes fp8 operands with a float32 result (XLA's
-    FP8 GEMM on Hopper; upcast elsewhere), then both scales are applied.
+    FP8 GEMM on Hopper; upcast elsewhere), then both scales are applied. With
+    `static` (an FP8 checkpoint's `activation_scheme: static`) the activations'
+    scale is instead the layer's one float32 `input_scale`, read from the
+    checkpoint (the largest of the fused parts', as vLLM), values past e4m3's
+    range saturating.
+
+The mixture-of-experts layer's stacked expert weights (layers/moe.py) take the
+same methods through `grouped`: one scale per expert and output channel, the
+grouped matmul (layers/grouped_matmul.py) taking the quantized operands and the
+scales applied to its float32 result, each row by its expert's.
 
 The host-side quantizers (`quantize_per_channel`) are what the loader uses on
-a float checkpoint; they round the same way on every host.
+a float checkpoint; they round the same way on every host (`quantize_traced` is
+the same rounding in jnp, for dummy weights).
 """
 
 from __future__ import annotations
@@ -45,13 +55,27 @@ def _einsum_spec(x_ndim_in: int, w_ndim: int) -> str:
 class _QuantizedMethod:
     """`Linear`'s method interface (layers/linear.py) over `product`."""
 
+    static = False  # whether the layer holds a static activation `input_scale`
+
     def apply(self, layer: Any, x: jax.Array) -> jax.Array:
-        out = self.product(x, layer.weight[...], layer.weight_scale[...], layer.in_dims)
+        out = self.product(x, layer.weight[...], layer.weight_scale[...], layer.in_dims,
+                           layer.input_scale[...] if self.static else None)
         return out if layer.bias is None else out + layer.bias[...]
 
     def apply_add(self, layer: Any, x: jax.Array, residual: jax.Array) -> jax.Array:
         # The fused matmul-add kernel reads float weights only: a plain add here.
         return residual + self.apply(layer, x)
+
+    def grouped(self, gmm: Any, x: jax.Array, w: jax.Array, scale: jax.Array,
+                group_sizes: jax.Array, row_group: jax.Array,
+                input_scale: jax.Array | None = None) -> jax.Array:
+        """`gmm`'s product of rows `x [M, K]` sorted by group with the quantized group
+        weights `w [G, N, K]`, `scale [G, N]`, in float32 `[M, N]`; `row_group [M]` is
+        each row's group (any valid group for rows outside every group);
+        `input_scale`: the static activation scale (`static` methods)."""
+        xq, x_scale = self.activations(x, 1, input_scale)
+        out = gmm(xq, w, group_sizes, out_dtype=jnp.float32) * scale[row_group]
+        return out if x_scale is None else out * x_scale
 
 
 @dataclasses.dataclass(frozen=True)
@@ -61,10 +85,16 @@ class Int8WeightOnly(_QuantizedMethod):
     name = "int8"
     weight_dtype = jnp.dtype(jnp.int8)
 
-    def product(self, x: jax.Array, w: jax.Array, scale: jax.Array, in_dims: int) -> jax.Array:
+    def product(self, x: jax.Array, w: jax.Array, scale: jax.Array, in_dims: int,
+                input_scale: None = None) -> jax.Array:
         out = jnp.einsum(_einsum_spec(in_dims, w.ndim), x, w.astype(x.dtype),
                          preferred_element_type=jnp.float32)
         return (out * scale).astype(x.dtype)
+
+    def activations(self, x: jax.Array, in_dims: int = 1, input_scale: None = None
+                    ) -> tuple[jax.Array, None]:
+        """Weight-only: the activations go in as they are."""
+        return x, None
 
     def quantize(self, w: np.ndarray, in_dims: int) -> tuple[np.ndarray, np.ndarray]:
         return quantize_per_channel(w, in_dims, "int8")
@@ -72,31 +102,47 @@ class Int8WeightOnly(_QuantizedMethod):
 
 @dataclasses.dataclass(frozen=True)
 class Fp8Linear(_QuantizedMethod):
-    """W8A8 e4m3: per-output-channel weight scales, dynamic per-token activation scales."""
+    """W8A8 e4m3: per-output-channel weight scales, dynamic per-token activation scales
+    (`static`: the layer's one static activation scale)."""
 
+    static: bool = False
     name = "fp8"
     weight_dtype = jnp.dtype(jnp.float8_e4m3fn)
 
-    def product(self, x: jax.Array, w: jax.Array, scale: jax.Array, in_dims: int) -> jax.Array:
+    def product(self, x: jax.Array, w: jax.Array, scale: jax.Array, in_dims: int,
+                input_scale: jax.Array | None = None) -> jax.Array:
+        xq, x_scale = self.activations(x, in_dims, input_scale)
+        out = jnp.einsum(_einsum_spec(in_dims, w.ndim), xq, w,
+                         preferred_element_type=jnp.float32)
+        if x_scale.ndim:
+            x_scale = x_scale.reshape(x.shape[0], *([1] * (out.ndim - 1)))
+        return (out * x_scale * scale).astype(x.dtype)
+
+    def activations(self, x: jax.Array, in_dims: int = 1,
+                    input_scale: jax.Array | None = None) -> tuple[jax.Array, jax.Array]:
+        """`(e4m3 x / s, s)` with `s` `[T, 1...]` each token's `amax / 448` over its
+        trailing `in_dims` input axes, or the static scalar `input_scale`."""
         xf = x.astype(jnp.float32)
+        if input_scale is not None:
+            s = input_scale.astype(jnp.float32)
+            return jnp.clip(xf / s, -FP8_MAX, FP8_MAX).astype(jnp.float8_e4m3fn), s
         in_axes = tuple(range(1, 1 + in_dims))
         amax = jnp.max(jnp.abs(xf), axis=in_axes, keepdims=True)
         x_scale = jnp.maximum(amax, 1e-12) / FP8_MAX  # an all-zero token stays zero
-        xq = (xf / x_scale).astype(jnp.float8_e4m3fn)
-        out = jnp.einsum(_einsum_spec(in_dims, w.ndim), xq, w,
-                         preferred_element_type=jnp.float32)
-        x_scale = x_scale.reshape(x.shape[0], *([1] * (out.ndim - 1)))
-        return (out * x_scale * scale).astype(x.dtype)
+        return (xf / x_scale).astype(jnp.float8_e4m3fn), x_scale
 
     def quantize(self, w: np.ndarray, in_dims: int) -> tuple[np.ndarray, np.ndarray]:
         return quantize_per_channel(w, in_dims, "fp8")
 
 
-METHODS = {"int8": Int8WeightOnly(), "fp8": Fp8Linear()}
+# "fp8_static": fp8 with static activation scales, what an FP8 checkpoint's
+# quantization_config asks for (models/quant_load.static_activations); never a flag.
+METHODS = {"int8": Int8WeightOnly(), "fp8": Fp8Linear(), "fp8_static": Fp8Linear(static=True)}
 
 
 def linear_method(quantization: str | None):
-    """The `Linear` method for a `--quantization` value (None: the plain product)."""
+    """The `Linear` method for a `--quantization` value or "fp8_static" (None: the
+    plain product)."""
     if quantization is None:
         return None
     try:
@@ -122,6 +168,19 @@ def quantize_per_channel(w: np.ndarray, in_dims: int, kind: str
     else:
         q = np.clip(scaled, -FP8_MAX, FP8_MAX).astype(ml_dtypes.float8_e4m3fn)
     return q, scale
+
+
+def quantize_traced(method: Any, w: jax.Array, in_dims: int) -> tuple[jax.Array, jax.Array]:
+    """Per-output-channel quantization of a (traced) float weight, rounded as
+    `quantize_per_channel` rounds (dummy weights)."""
+    in_axes = tuple(range(w.ndim - in_dims, w.ndim))
+    qmax = INT8_MAX if method.weight_dtype == jnp.int8 else FP8_MAX
+    amax = jnp.max(jnp.abs(w), axis=in_axes)
+    scale = jnp.where(amax > 0, amax / qmax, 1.0)
+    scaled = w / scale.reshape(scale.shape + (1,) * in_dims)
+    if method.weight_dtype == jnp.int8:
+        scaled = jnp.round(scaled)
+    return jnp.clip(scaled, -qmax, qmax).astype(method.weight_dtype), scale
 
 
 def dequantize(q: np.ndarray, scale: np.ndarray) -> np.ndarray:

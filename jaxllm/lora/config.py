@@ -27,6 +27,4 @@ class LoRAConfig:
                                  f"must be at least 1, got {args.max_lora_rank}")
         if is_encoder:
             raise ParameterError("enable_lora", "LoRA serves decoder models only")
-        if args.speculative_config is not None:  # the verify program takes no adapter slots
-            raise ParameterError("enable_lora", "LoRA with speculative_config is not supported")
         return cls(args.max_loras, args.max_lora_rank)

@@ -75,7 +75,8 @@ def sparse_moe(arch: DecoderArch, layer: int, *, dtype: jnp.dtype, rngs: nnx.Rng
     moe = arch.moe
     return SparseMoE(num_experts=moe.num_experts, top_k=moe.top_k,
                      intermediate_size=moe.intermediate_size, hidden_size=arch.hidden_size,
-                     renormalize=moe.renormalize, dtype=dtype, rngs=rngs, mesh=mesh)
+                     renormalize=moe.renormalize, dtype=dtype, rngs=rngs, mesh=mesh,
+                     method=linear_method(arch.quantization))
 
 
 # Per-layer MLP kind (`DecoderArch.mlp_kinds`) -> its module. An MLP is called as
@@ -201,7 +202,7 @@ class DecoderForCausalLM(nnx.Module):
                  tensor_parallel_size: int = 1, quantization: str | None = None,
                  kv_cache_dtype: str = "auto"):
         arch = self.arch_from_hf_config(hf_config, tensor_parallel_size)
-        if quantization is not None:  # every attention and dense MLP projection
+        if quantization is not None:  # every attention and MLP projection, experts too
             arch = dataclasses.replace(arch, quantization=quantization)
         swiglu = swiglu or SwiGLU()
         dtype = jnp.dtype(dtype)

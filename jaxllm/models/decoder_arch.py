@@ -51,8 +51,9 @@ class DecoderArch:
     final_soft_cap: float | None = None
     query_pre_attn_scalar: float | None = None  # the attention scale is its -1/2 power
     moe: MoEArch | None = None  # the routed experts of the "moe" layers (models/moe.py)
-    # "int8" / "fp8": the attention and dense MLP projections' method (layers/quant.py);
-    # embeddings, the logits head, MoE routers and experts stay in the model dtype.
+    # "int8" / "fp8" / "fp8_static": the attention, dense MLP and MoE experts' method
+    # (layers/quant.py);
+    # embeddings, the logits head and MoE routers stay in the model dtype.
     quantization: str | None = None
 
     def __post_init__(self):

@@ -40,7 +40,15 @@ from jaxllm.errors import ParameterError
 from jaxllm.layers.attention_sharded import shard_attention
 from jaxllm.models.contract import KVCacheSpec
 from jaxllm.models.orbax_io import ORBAX_DIR, is_orbax_checkpoint, load_orbax
-from jaxllm.models.quant_load import KV_SCALES, kv_scales, read_source, scale_name
+from jaxllm.models.quant_load import (
+    KV_SCALES,
+    input_scale_path,
+    kv_scales,
+    read_input_scale,
+    read_source,
+    scale_name,
+    scale_path,
+)
 from jaxllm.models.quant_load import ignored as quant_ignored
 from jaxllm.models.registry import get_model_class
 
@@ -220,7 +228,7 @@ def _load_safetensors(cls: type, hf_config: Any, model_dir: str, state: nnx.Stat
         raise ParameterError("model", f"checkpoint {model_dir!r} has unexpected tensor "
                              f"{unexpected[0]!r}{more}, which {cls.__name__} does not use")
     sourced = {src.path for src in sources}
-    sourced |= {p[:-1] + ("weight_scale",) for p in sourced if p[-1] == "weight"}
+    sourced |= {at(p) for p in sourced for at in (scale_path, input_scale_path)}
     sourced.add(KV_SCALES)
     unsourced = sorted(str(p) for p in set(variables) - sourced)
     if unsourced:
@@ -230,8 +238,8 @@ def _load_safetensors(cls: type, hf_config: Any, model_dir: str, state: nnx.Stat
     with tqdm(total=len(needed), desc="Loading safetensors", unit="tensor") as bar:
         for src in sources:
             want = variables[src.path].get_value()
-            scale_path = src.path[:-1] + ("weight_scale",)
-            scale_var = variables.get(scale_path) if src.path[-1] == "weight" else None
+            scale_at = scale_path(src.path)
+            scale_var = variables.get(scale_at)
             kind = None
             if scale_var is not None:
                 kind = "int8" if want.dtype == jnp.int8 else "fp8"
@@ -245,8 +253,11 @@ def _load_safetensors(cls: type, hf_config: Any, model_dir: str, state: nnx.Stat
             host = host.astype(want.dtype, copy=False)
             values[src.path] = _place(host, _lookup(shardings, src.path))
             if scale is not None:
-                values[scale_path] = _place(scale.astype(np.float32),
-                                            _lookup(shardings, scale_path))
+                values[scale_at] = _place(scale.astype(np.float32),
+                                          _lookup(shardings, scale_at))
+            if (input_at := input_scale_path(src.path)) in variables:
+                values[input_at] = _place(read_input_scale(src, ckpt.read, available),
+                                          _lookup(shardings, input_at))
             bar.update(len(src.tensors))
     if KV_SCALES in variables:  # an fp8 KV cache's scales: the checkpoint's or 1.0
         num_layers = variables[KV_SCALES].get_value().shape[0]

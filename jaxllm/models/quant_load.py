@@ -1,7 +1,8 @@
 """Quantized weights from a safetensors checkpoint: quantize at load, or read FP8 ones.
 
 A quantized `Linear` (layers/quant.py) holds `weight` (int8 / float8_e4m3fn) and
-a float32 per-output-channel `weight_scale` beside it. Its weight source
+a float32 per-output-channel `weight_scale` beside it (stacked MoE experts: `X`
+and `X_scale`, one scale per expert and output channel, `scale_path`). Its weight source
 (models/decoder_weights.py) names the checkpoint's float tensors; here
   * a float checkpoint's tensors are fused as usual, then quantized per output
     channel on the host (`--quantization fp8|int8` on a bf16 model); and
@@ -12,14 +13,18 @@ a float32 per-output-channel `weight_scale` beside it. Its weight source
     (compressed-tensors' channel strategy), or `X.weight_scale_inv`, one per
     `weight_block_size` block (DeepSeek / Qwen FP8). Each tensor's multiplier is
     spread over its elements and fused with the same function as the weights,
-    so fused projections (qkv from q, k and v) keep every part's scale. Where the
+    so fused projections (qkv from q, k and v; the experts stacked from each
+    expert's own tensors and scales) keep every part's scale. Where the
     fused multiplier is constant along each output channel (per-tensor and
     per-channel checkpoints) the fp8 bits are kept as written and the channel
     scale is that constant: nothing is rounded again. Block scales vary along a
     channel, so those weights are dequantized in float32 and quantized again per
     channel (as are FP8 checkpoints loaded with `--quantization int8`).
-Static activation scales (`input_scale`) are not used: activations always get a
-dynamic per-token scale.
+Static activation scales (quantization "fp8_static", jaxllm/quant_config.py): a
+layer's one `input_scale` is the largest of its checkpoint tensors' `X.input_scale`
+(q, k and v for qkv; every expert's gate and up for stacked experts), the scale
+vLLM takes for fused layers. Otherwise activations get a dynamic per-token scale
+and the checkpoint's `input_scale` tensors are not read.
 """
 
 from __future__ import annotations
@@ -46,6 +51,35 @@ def block_size(hf_config: Any) -> tuple[int, int] | None:
     qc = qc if isinstance(qc, dict) else qc.to_dict()
     size = qc.get("weight_block_size")
     return None if size is None else (int(size[0]), int(size[1]))
+
+
+def scale_path(path: tuple) -> tuple:
+    """Where the model holds the per-channel scale of the quantized weight at `path`:
+    a `Linear`'s `weight_scale`, stacked experts' `<name>_scale`."""
+    if path[-1] == "weight":
+        return path[:-1] + ("weight_scale",)
+    return path[:-1] + (f"{path[-1]}_scale",)
+
+
+def input_scale_path(path: tuple) -> tuple:
+    """Where the model holds the static activation scale of the weight at `path`."""
+    if path[-1] == "weight":
+        return path[:-1] + ("input_scale",)
+    return path[:-1] + (f"{path[-1]}_input_scale",)
+
+
+def read_input_scale(src: WeightSource, read: Callable[[str], np.ndarray], names: set[str]
+                     ) -> np.ndarray:
+    """The static activation scale of one parameter: the largest `input_scale` of its
+    checkpoint tensors."""
+    found = []
+    for tensor in src.tensors:
+        name = tensor[:-len("weight")] + "input_scale"
+        if name not in names:
+            raise ParameterError("model", f"the checkpoint's quantization_config asks for "
+                                 f"static activation scales, but {name!r} is missing")
+        found.append(float(np.max(np.asarray(read(name), np.float32))))
+    return np.asarray(max(found), np.float32)
 
 
 def scale_name(names: set[str], tensor: str) -> str | None:

@@ -175,7 +175,7 @@ class ModelRunner:
         if self.spec is not None:
             self.kv_cache = self.spec.precompile(
                 self.state, self.programs.head, self.kv_cache, self.programs.dummy_inputs,
-                self.vocab_size, self.input_batch.sampling.device_put)
+                self.vocab_size, self.input_batch.sampling.device_put, self.programs.lora_args)
 
     # ------------------------------------------------------------------- step
 

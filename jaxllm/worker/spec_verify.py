@@ -8,7 +8,9 @@ request with d < K drafts repeats its first row), and the verify sampler
 (sample/rejection_sampler.py) turns them into each request's accepted drafts
 plus one token, with the target's logprobs of each. Shapes: the verify
 forward per token bucket, the verify sampler per request bucket and sampling
-mode, all compiled at start-up.
+mode, all compiled at start-up. With LoRA on, the verify forward runs the target
+with each request's adapter, taking the usual forward's slot argument (a draft
+model drafts without adapters: its drafts are only proposals).
 
 A step whose requests need a logits processor or a token bitmask (such
 requests never draft, but may share a step with one that does) samples
@@ -32,6 +34,7 @@ import numpy as np
 from flax import nnx
 
 from jaxllm.core.runner_output import ModelRunnerOutput
+from jaxllm.lora.layers import set_lora_masks
 from jaxllm.sample.logprobs import LogprobsLists
 from jaxllm.sample.metadata import SamplingMetadata, variant_metadata
 from jaxllm.sample.rejection_sampler import rejection_sample
@@ -42,6 +45,7 @@ from jaxllm.spec_decode.config import SpeculativeConfig
 from jaxllm.spec_decode.ngram import propose_ngram
 from jaxllm.worker.buckets import Buckets
 from jaxllm.worker.draft_model import DraftModel
+from jaxllm.worker.lora_slots import lora_args
 from jaxllm.worker.step_inputs import StepInputs, unpack_step_inputs
 
 
@@ -59,12 +63,14 @@ def verify_functions(graphdef: Any, state_def: Any, head_logits: Any, num_reqs: 
                      width: int, k1: int, num_groups: int = 1) -> tuple[Any, Any, Any]:
     """The jitted verify forward, verify sampler and position-0 gather of one model graph."""
 
-    def forward(weights, kv_cache, packed, rows, drafts):
+    def forward(weights, kv_cache, packed, rows, drafts, lora_slots=None):
         input_ids, positions, md, src, _ = unpack_step_inputs(packed, num_reqs, width,
                                                               num_groups)
         # Drafts made on the device (a draft model's) are read from its output.
         input_ids = jnp.where(src >= 0, drafts.reshape(-1)[jnp.maximum(src, 0)], input_ids)
         model = nnx.merge(graphdef, jax.tree.unflatten(state_def, weights))
+        if lora_slots is not None:  # the target with each request's adapter (-1: none)
+            set_lora_masks(model, lora_slots, md.cu_q_lens, input_ids.shape[0])
         states, kv_cache = model(input_ids, positions, kv_cache, md)
         return kv_cache, states[rows]
 
@@ -150,7 +156,8 @@ class SpecVerifier:
                                                        num_drafts)
         runner.kv_cache, hidden = self.forward(
             runner.state, runner.kv_cache, inputs.packed,
-            self.verify_rows(inputs.first, num_scheduled, num_drafts), device_drafts)
+            self.verify_rows(inputs.first, num_scheduled, num_drafts), device_drafts,
+            *lora_args(runner.lora))
         self.follow(inputs.packed, device_drafts)
         return ids, counts, hidden
 
@@ -219,10 +226,11 @@ class SpecVerifier:
         return needs_no_adjust(md)
 
     def precompile(self, state: list, head: jax.Array, kv_cache: jax.Array,
-                   packed_of: Any, vocab_size: int, device_put: Any) -> jax.Array:
-        """Compiles the verify forward for every token bucket and the verify sampler for
-        every request bucket and mode (and a draft model's programs); returns the
-        (donated) KV cache."""
+                   packed_of: Any, vocab_size: int, device_put: Any,
+                   lora: tuple = ()) -> jax.Array:
+        """Compiles the verify forward for every token bucket (with the LoRA argument
+        `lora` when LoRA is on) and the verify sampler for every request bucket and
+        mode (and a draft model's programs); returns the (donated) KV cache."""
         b = self.buckets
         s = b.max_num_seqs
         rows = np.zeros(s * self.k1, np.int32)
@@ -230,7 +238,8 @@ class SpecVerifier:
         drafts = self.no_drafts if self.drafter is None else self.drafter.precompile(packed_of,
                                                                             self.no_drafts)
         for t in b.token_buckets:
-            kv_cache, hidden = self.forward(state, kv_cache, packed_of(t), rows, drafts)
+            kv_cache, hidden = self.forward(state, kv_cache, packed_of(t), rows, drafts,
+                                            *lora)
         for r in b.request_buckets:
             ids, counts = np.zeros((r, self.k), np.int32), np.zeros(r, np.int32)
             if self.drafter is not None:

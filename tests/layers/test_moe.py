@@ -1,11 +1,13 @@
 """The mixture-of-experts layer: routing as transformers routes, and the grouped matmul by
-megablox (Pallas interpret mode) and by ragged_dot equal to a dense per-expert einsum,
-on one device and expert parallel over fake CPU devices."""
+megablox (Pallas interpret mode), ragged_dot and the tiled XLA body equal to a dense
+per-expert einsum, on one device and expert parallel over fake CPU devices, with float
+and with int8 / fp8 quantized expert weights."""
 
 from __future__ import annotations
 
 import jax
 import jax.numpy as jnp
+import ml_dtypes
 import numpy as np
 import pytest
 import torch
@@ -15,6 +17,7 @@ from jaxllm.distributed.mesh import make_mesh, param_shardings
 from jaxllm.errors import ParameterError
 from jaxllm.layers.grouped_matmul import GroupedMatmul, default_grouped_matmul
 from jaxllm.layers.moe import SparseMoE, expert_ffn, route
+from jaxllm.layers.quant import FP8_MAX, dequantize, linear_method, quantize_per_channel
 from jaxllm.models.moe_weights import MoEArch
 
 KERNELS = [GroupedMatmul("ragged_dot"), GroupedMatmul("megablox", interpret=True),
@@ -148,3 +151,75 @@ def test_sparse_layers_follow_transformers_decoder_sparse_step_and_mlp_only_laye
                  for i in range(6))
     assert MoEArch.from_hf_config(cfg).sparse_layers == want
     assert any(want) and (not all(want) or (step == 1 and not dense))
+
+
+def _fp8_rows(a: np.ndarray) -> np.ndarray:
+    """Each row of `a` rounded to e4m3 at its own scale `amax / 448`, as the fp8 method
+    quantizes activations, and scaled back (the value the fp8 product sees)."""
+    s = np.maximum(np.abs(a).max(-1, keepdims=True), 1e-12) / FP8_MAX
+    return (a / s).astype(ml_dtypes.float8_e4m3fn).astype(np.float32) * s
+
+
+def quantized_reference(x, weights, ids, gate_up, down, kind):
+    """`dense_reference` over the dequantized expert weights; for fp8 also each
+    (token, expert) pair's input and hidden rows rounded to e4m3 per row."""
+    gu = dequantize(*quantize_per_channel(gate_up, 1, kind))
+    dn = dequantize(*quantize_per_channel(down, 1, kind))
+    if kind == "int8":
+        return dense_reference(x, weights, ids, gu, dn)
+    h = np.einsum("th,esih->tesi", _fp8_rows(x), gu)
+    act = _fp8_rows(h[:, :, 0] / (1 + np.exp(-h[:, :, 0])) * h[:, :, 1])
+    every = np.einsum("tei,ehi->teh", act, dn)
+    mix = np.zeros(every.shape[:2])
+    np.put_along_axis(mix, ids, weights, axis=1)
+    return np.einsum("te,teh->th", mix, every)
+
+
+@pytest.mark.parametrize("kind", ["int8", "fp8"])
+@pytest.mark.parametrize("gmm", [KERNELS[0]] + [pytest.param(g, marks=pytest.mark.slow)
+                                                for g in KERNELS[1:]],
+                         ids=lambda g: g.kernel)
+def test_quantized_experts_equal_the_dense_einsum_over_dequantized_weights(gmm, kind):
+    """int8 / fp8 expert weights (one scale per expert and output channel) through every
+    grouped-matmul body, against the float einsum over the dequantized weights (fp8:
+    and over the activation rows rounded to e4m3 as the method rounds them); the
+    experts split in two still sum to the whole."""
+    x, weights, ids, gate_up, down = _draw(t=24, e=8, k=2)
+    method = linear_method(kind)
+    gu_q, gu_s = quantize_per_channel(gate_up, 1, kind)
+    dn_q, dn_s = quantize_per_channel(down, 1, kind)
+    assert gu_s.shape == (8, 2, 48) and dn_s.shape == (8, 32)
+
+    def run(s, n):
+        return np.asarray(jax.jit(lambda *a: expert_ffn(*a[:5], gmm, s, method, *a[5:]))(
+            x, weights, ids, gu_q[s:s + n], dn_q[s:s + n], gu_s[s:s + n], dn_s[s:s + n]))
+
+    want = quantized_reference(x, weights, ids, gate_up, down, kind)
+    unquantized = dense_reference(x, weights, ids, gate_up, down)
+    assert np.abs(want).max() > 0.5
+    assert np.abs(want - unquantized).max() > 1e-3  # the rounding is visible at this scale
+    got = run(0, 8)
+    np.testing.assert_allclose(got, want, rtol=0, atol=1e-4)
+    np.testing.assert_allclose(run(0, 4) + run(4, 4), want, rtol=0, atol=1e-4)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("kind", ["int8", "fp8"])
+def test_quantized_expert_parallel_layer_equals_one_device(kind):
+    """Quantized experts at tp 2: weights and their scales split by expert."""
+    kw = dict(num_experts=8, top_k=2, intermediate_size=48, hidden_size=32,
+              renormalize=True, dtype=jnp.float32, method=linear_method(kind))
+    one = SparseMoE(rngs=nnx.Rngs(0), **kw)
+    mesh = make_mesh(2)
+    split = SparseMoE(rngs=nnx.Rngs(0), mesh=mesh, **kw)
+    graphdef, state = nnx.split(split)
+    state = jax.device_put(nnx.to_pure_dict(state), param_shardings(state, mesh))
+    assert state["gate_up_proj"].dtype == linear_method(kind).weight_dtype
+    assert state["gate_up_proj_scale"].addressable_shards[0].data.shape == (4, 2, 48)
+    assert state["down_proj_scale"].addressable_shards[0].data.shape == (4, 32)
+    x = jnp.asarray(np.random.default_rng(2).normal(size=(16, 32)), jnp.float32)
+    residual = jnp.ones_like(x)
+    want = np.asarray(one(x, residual))
+    got = jax.jit(lambda s, x, r: nnx.merge(graphdef, s)(x, r))(state, x, residual)
+    assert np.abs(want - 1).max() > 1e-3
+    np.testing.assert_allclose(np.asarray(got), want, rtol=0, atol=1e-5)

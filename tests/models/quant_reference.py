@@ -9,8 +9,9 @@ checkpoint in an FP8 format vLLM and transformers read: float8_e4m3fn weights
 with a per-tensor `weight_scale` (`quant_method: "fp8"`, vLLM's Fp8Config), a
 per-channel `[out, 1]` `weight_scale` (compressed-tensors, channel strategy,
 dynamic per-token activations) or `[out/B, in/B]` `weight_scale_inv` blocks
-(transformers' FineGrainedFP8, DeepSeek / Qwen FP8); embeddings, norms and the
-LM head stay float, as those tools leave them.
+(transformers' FineGrainedFP8, DeepSeek / Qwen FP8); each MoE expert's
+projections get their own scales; embeddings, norms, MoE routers and the LM head
+stay float, as those tools leave them.
 """
 
 from __future__ import annotations
@@ -20,6 +21,7 @@ import os
 import re
 import shutil
 import tempfile
+import zlib
 
 import ml_dtypes
 import numpy as np
@@ -30,7 +32,9 @@ from safetensors.torch import save_file as torch_save_file
 from jaxllm.layers.quant import FP8_MAX, dequantize, quantize_per_channel
 
 BLOCK = 24  # block scales' block size: not a divisor of the tiny shapes (partial blocks)
-PROJECTION = re.compile(r"\.(self_attn\.[qkvo]_proj|mlp\.(gate|up|down)_proj)\.weight$")
+PROJECTION = re.compile(r"\.(self_attn\.[qkvo]_proj|mlp\.(gate|up|down)_proj"
+                        r"|(mlp|block_sparse_moe)\.experts\.\d+\.(gate_proj|up_proj|down_proj|w[123])"
+                        r")\.weight$")
 
 
 def _tensors(model_dir: str) -> dict[str, np.ndarray]:
@@ -70,10 +74,19 @@ def dequantized_twin(model_dir: str, kind: str, tmp_path) -> str:
     return out
 
 
-def write_fp8_checkpoint(model_dir: str, layout: str, tmp_path
+def static_input_scale(name: str) -> np.float32:
+    """A static activation scale for projection `name`: |x| up to 6 to 9 in range (the
+    tiny models' activations stay under that), varying between tensors so that a fused
+    layer's largest one is a real choice."""
+    return np.float32(6.0 / FP8_MAX * (1 + (zlib.crc32(name.encode()) % 4) / 6))
+
+
+def write_fp8_checkpoint(model_dir: str, layout: str, tmp_path, static: bool = False
                          ) -> tuple[str, str, dict[str, np.ndarray]]:
     """`(fp8 dir, dequantized float32 twin dir, the tensors written)` for `layout`
-    "per_tensor" | "per_channel" | "block"."""
+    "per_tensor" | "per_channel" | "block"; `static`: with a static per-tensor
+    activation scale `X.input_scale` per projection (`activation_scheme: "static"`,
+    compressed-tensors' non-dynamic tensor-strategy input activations)."""
     tensors = _tensors(model_dir)
     fp8: dict[str, np.ndarray] = {}
     twin: dict[str, np.ndarray] = {}
@@ -103,6 +116,9 @@ def write_fp8_checkpoint(model_dir: str, layout: str, tmp_path
             # jaxllm re-quantizes block weights per output channel (layers/quant.py).
             deq = dequantize(*quantize_per_channel(q.astype(np.float32) * spread, 1, "fp8"))
         twin[name] = deq
+        if static:
+            fp8[name[:-len("weight")] + "input_scale"] = np.asarray(
+                static_input_scale(name), np.float32).reshape(())
     qconfig = {
         "per_tensor": {"quant_method": "fp8", "activation_scheme": "dynamic"},
         "block": {"quant_method": "fp8", "activation_scheme": "dynamic", "fmt": "e4m3",
@@ -117,6 +133,11 @@ def write_fp8_checkpoint(model_dir: str, layout: str, tmp_path
                 "input_activations": {"num_bits": 8, "type": "float", "symmetric": True,
                                       "strategy": "token", "dynamic": True}}}},
     }[layout]
+    if static and layout == "per_channel":
+        qconfig["config_groups"]["group_0"]["input_activations"].update(strategy="tensor",
+                                                                        dynamic=False)
+    elif static:
+        qconfig["activation_scheme"] = "static"
     fp8_dir = _copy_dir(model_dir, tmp_path, f"fp8-{layout}-")
     with open(os.path.join(fp8_dir, "config.json")) as f:
         config = json.load(f)
