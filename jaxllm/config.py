@@ -96,14 +96,12 @@ class CacheConfig:
     block_size: int = 16
     hbm_utilization: float = 0.9
     enable_prefix_caching: bool = True
-    # Explicit KV capacity (needed on the CPU, optional elsewhere): blocks of every layer;
-    # with KV cache groups (jaxllm/kv_groups.py) the same memory holds more block ids.
+    # Explicit KV capacity, in blocks of every layer (KV cache groups fit more block ids).
     num_kv_blocks: int | None = None
     kv_cache_bytes: int | None = None
-    # Filled in once the runner has sized the cache; includes the reserved null block 0.
+    # Set by the runner's sizing: block ids with the null block 0, and each KV cache
+    # group's sliding window, None for full attention (jaxllm/kv_groups.py).
     num_blocks: int = 0
-    # Filled in with it: each KV cache group's sliding window, None for full attention
-    # (jaxllm/kv_groups.py).
     group_windows: tuple[int | None, ...] = (None,)
 
 
