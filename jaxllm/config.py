@@ -184,8 +184,7 @@ class EngineArgs:
     scheduling_policy: str = "fcfs"
     long_prefill_token_threshold: int = 0
     attention_backend: str = "auto"
-    # Run the Pallas attention body in Pallas interpret mode (CPU testing): with
-    # attention_backend="pallas_tpu" | "pallas_gpu" on a host without that chip.
+    # The Pallas attention body in interpret mode (CPU tests of pallas_tpu | pallas_gpu).
     attention_interpret: bool = False
     # The MLP's gate/up projection with SiLU·mul: "auto" (the fused Mosaic GPU kernel on
     # Hopper for large steps), "xla", or "pallas_gpu_mosaic" (the kernel wherever it fits;
@@ -205,8 +204,7 @@ class EngineArgs:
     enable_lora: bool = False
     max_loras: int = 1
     max_lora_rank: int = 16
-    # A multi-host engine (distributed/multihost.py; else JAX_COORDINATOR_ADDRESS,
-    # JAX_NUM_PROCESSES, JAX_PROCESS_ID).
+    # A multi-host engine (distributed/multihost.py; else the JAX_* environment).
     distributed_coordinator_address: str | None = None
     distributed_num_processes: int | None = None
     distributed_process_id: int | None = None
