@@ -17,13 +17,17 @@ import gc  # noqa: E402
 
 import pytest  # noqa: E402
 
+from jaxllm.worker import aot_cache  # noqa: E402
+
 
 @pytest.fixture(autouse=True, scope="module")
 def _release_compiled_programs():
     """Drops every compiled program after each test module. One pytest process runs the
     whole suite, and each CPU executable keeps its own memory mappings; kept for the
     whole run they approach the kernel's per-process mapping limit, and the process
-    then crashes in a later module's compile."""
+    then crashes in a later module's compile. The engines' program cache holds
+    executables that jax.clear_caches does not reach."""
     yield
+    aot_cache.clear_compiled()
     gc.collect()
     jax.clear_caches()
