@@ -1,4 +1,5 @@
-"""Test-wide setup: 8 fake CPU devices (for mesh tests), float32 matmuls, tiny checkpoints."""
+"""Test-wide setup: 8 fake CPU devices (for mesh tests), float32 matmuls, tiny checkpoints,
+and the suite split over two worker processes (pytest-xdist, pyproject's addopts)."""
 
 import os
 
@@ -17,13 +18,30 @@ import gc  # noqa: E402
 
 import pytest  # noqa: E402
 
+from jaxllm.worker import aot_cache  # noqa: E402
+
+# Workers for a run over several test files (`-n auto` in pyproject's addopts). Two: CI
+# has two cores, and each worker holds its own compiled programs in memory.
+MAX_WORKERS = 2
+
+
+def pytest_xdist_auto_num_workers(config: pytest.Config) -> int:
+    """Two workers for the suite or a directory; none (this process runs the tests) when
+    every argument names one file or test, where starting workers costs more than it saves."""
+    args = [a for a in config.args if not a.startswith("-")]
+    if args and all(".py" in a for a in args):
+        return 0
+    cpus = os.cpu_count() or 1
+    return min(MAX_WORKERS, cpus) if cpus > 1 else 0
+
 
 @pytest.fixture(autouse=True, scope="module")
 def _release_compiled_programs():
-    """Drops every compiled program after each test module. One pytest process runs the
-    whole suite, and each CPU executable keeps its own memory mappings; kept for the
-    whole run they approach the kernel's per-process mapping limit, and the process
-    then crashes in a later module's compile."""
+    """Drops every compiled program after each test module. Each CPU executable keeps
+    its own memory mappings; kept for the whole run they approach the kernel's
+    per-process mapping limit, and the process then crashes in a later module's compile.
+    The engines' program cache holds executables that jax.clear_caches does not reach."""
     yield
+    aot_cache.clear_compiled()
     gc.collect()
     jax.clear_caches()

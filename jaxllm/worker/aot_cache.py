@@ -156,6 +156,12 @@ class ExecutableCache:
 _compiled: dict[str, AotFunction] = {}
 
 
+def clear_compiled() -> None:
+    """Forgets this process's compiled programs (a live engine keeps its own references).
+    `jax.clear_caches` does not reach them, and each holds its executable's memory."""
+    _compiled.clear()
+
+
 class AotFunction:
     """Calls a compiled flat program with the original pytree arguments."""
 
