@@ -132,34 +132,47 @@ def test_seeded_sampling_with_speculation_is_deterministic(model_dir, prompts):
     assert alone == both[:2]  # a request's tokens do not depend on its batch
 
 
+# Every sampling mode a speculating engine must serve without compiling after warm-up.
+MIXED_SAMPLING = [
+    SamplingParams(temperature=0.0, max_tokens=30, ignore_eos=True),
+    SamplingParams(temperature=0.8, top_p=0.9, top_k=20, max_tokens=30, seed=1),
+    SamplingParams(temperature=1.0, min_p=0.1, max_tokens=30, logprobs=3),
+    SamplingParams(temperature=0.7, presence_penalty=0.5, max_tokens=9),
+    SamplingParams(temperature=0.0, max_tokens=5, prompt_logprobs=2),
+    SamplingParams(temperature=0.0, max_tokens=30, logit_bias={9: 1.0}),
+]
+
+
+def run_in_own_process(test_id: str) -> None:
+    """Runs one test (`file::name`) in a fresh pytest process with ISOLATED set."""
+    run = subprocess.run(
+        [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", test_id],
+        env={**os.environ, ISOLATED: "1"}, capture_output=True, text=True, timeout=900)
+    assert run.returncode == 0 and " passed" in run.stdout, run.stdout[-4000:] + run.stderr[-2000:]
+
+
+def assert_no_compilation_while_speculating(llm: LLM, prompts) -> None:
+    stats = _record_spec_stats(llm)
+    with recorded_compilations() as compiles:
+        _run(llm, prompts, MIXED_SAMPLING)
+    assert compiles == []
+    assert _totals(stats)[0] > 0
+
+
 def test_no_compilation_after_warmup_with_speculation():
     """Run in a process of its own. After the whole suite's earlier tests in one pytest
     process this test records a compilation that it does not record alone or after
     this module's other tests; which earlier test leaves that state is not yet found,
     so the property is checked where it is defined: one engine in a fresh process."""
-    run = subprocess.run(
-        [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider",
-         f"{__file__}::test_no_compilation_after_warmup_with_speculation_in_this_process"],
-        env={**os.environ, ISOLATED: "1"}, capture_output=True, text=True, timeout=900)
-    assert run.returncode == 0 and " passed" in run.stdout, run.stdout[-4000:] + run.stderr[-2000:]
+    run_in_own_process(
+        f"{__file__}::test_no_compilation_after_warmup_with_speculation_in_this_process")
 
 
 @pytest.mark.skipif(os.environ.get(ISOLATED) != "1",
                     reason="runs in its own process (test_no_compilation_after_warmup_...)")
 def test_no_compilation_after_warmup_with_speculation_in_this_process(model_dir, prompts):
-    llm = LLM(model_dir, **BASE, speculative_config=SPEC)
-    stats = _record_spec_stats(llm)
-    with recorded_compilations() as compiles:
-        _run(llm, prompts, [
-            SamplingParams(temperature=0.0, max_tokens=30, ignore_eos=True),
-            SamplingParams(temperature=0.8, top_p=0.9, top_k=20, max_tokens=30, seed=1),
-            SamplingParams(temperature=1.0, min_p=0.1, max_tokens=30, logprobs=3),
-            SamplingParams(temperature=0.7, presence_penalty=0.5, max_tokens=9),
-            SamplingParams(temperature=0.0, max_tokens=5, prompt_logprobs=2),
-            SamplingParams(temperature=0.0, max_tokens=30, logit_bias={9: 1.0}),
-        ])
-    assert compiles == []
-    assert _totals(stats)[0] > 0
+    assert_no_compilation_while_speculating(LLM(model_dir, **BASE, speculative_config=SPEC),
+                                            prompts)
 
 
 def test_temperature_one_distribution_equals_no_speculation(tmp_path):

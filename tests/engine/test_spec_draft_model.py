@@ -13,19 +13,24 @@ draft's programs are compiled at start-up; and the server takes the method in
 from __future__ import annotations
 
 import os
-import subprocess
-import sys
 
 import numpy as np
 import pytest
 
 from jaxllm import LLM, SamplingParams
-from tests.compilations import recorded_compilations
-from tests.engine.test_spec_decode import BASE, _assert_same, _record_spec_stats, _run, _totals
+from tests.engine.test_spec_decode import (
+    BASE,
+    ISOLATED,
+    _assert_same,
+    _record_spec_stats,
+    _run,
+    _totals,
+    assert_no_compilation_while_speculating,
+    run_in_own_process,
+)
 from tests.models.tiny_checkpoints import make_tiny_checkpoint
 
 pytestmark = pytest.mark.slow  # engines with and without speculation
-ISOLATED = "JAXLLM_TEST_ISOLATED"
 
 
 def noisy_copy(model_dir: str, out_dir, std: float, seed: int = 0) -> str:
@@ -162,11 +167,8 @@ def test_temperature_one_distribution_equals_no_speculation(tmp_path):
 
 def test_no_compilation_after_warmup_with_a_draft_model():
     """In a process of its own, as the ngram test (test_spec_decode.py) says why."""
-    run = subprocess.run(
-        [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider",
-         f"{__file__}::test_no_compilation_after_warmup_with_a_draft_model_in_this_process"],
-        env={**os.environ, ISOLATED: "1"}, capture_output=True, text=True, timeout=900)
-    assert run.returncode == 0 and " passed" in run.stdout, run.stdout[-4000:] + run.stderr[-2000:]
+    run_in_own_process(
+        f"{__file__}::test_no_compilation_after_warmup_with_a_draft_model_in_this_process")
 
 
 @pytest.mark.skipif(os.environ.get(ISOLATED) != "1",
@@ -174,15 +176,4 @@ def test_no_compilation_after_warmup_with_a_draft_model():
 def test_no_compilation_after_warmup_with_a_draft_model_in_this_process(model_dir, drafts,
                                                                          prompts):
     llm = LLM(model_dir, **BASE, speculative_config=spec_config(drafts["noisy"]))
-    stats = _record_spec_stats(llm)
-    with recorded_compilations() as compiles:
-        _run(llm, prompts, [
-            SamplingParams(temperature=0.0, max_tokens=30, ignore_eos=True),
-            SamplingParams(temperature=0.8, top_p=0.9, top_k=20, max_tokens=30, seed=1),
-            SamplingParams(temperature=1.0, min_p=0.1, max_tokens=30, logprobs=3),
-            SamplingParams(temperature=0.7, presence_penalty=0.5, max_tokens=9),
-            SamplingParams(temperature=0.0, max_tokens=5, prompt_logprobs=2),
-            SamplingParams(temperature=0.0, max_tokens=30, logit_bias={9: 1.0}),
-        ])
-    assert compiles == []
-    assert _totals(stats)[0] > 0
+    assert_no_compilation_while_speculating(llm, prompts)
