@@ -33,8 +33,9 @@ def make_param(rngs: nnx.Rngs, shape: tuple[int, ...], dtype: jnp.dtype, spec: P
         value = (INIT_STD * jax.random.normal(rngs.params(), shape, jnp.float32)).astype(dtype)
     else:
         value = (jnp.ones if init == "ones" else jnp.zeros)(shape, dtype)
-    # Placement happens in the loader (or a jitted init's out_shardings), not here.
-    return nnx.Param(value, out_sharding=spec, eager_sharding=False)
+    # Placement happens in the loader (or a jitted init's out_shardings), not here;
+    # `dummy_init` lets the loader draw dummy weights per shape (models/loader.py).
+    return nnx.Param(value, out_sharding=spec, eager_sharding=False, dummy_init=init)
 
 
 @dataclasses.dataclass(frozen=True)

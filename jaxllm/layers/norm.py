@@ -30,9 +30,9 @@ class RMSNorm(nnx.Module):
     def __init__(self, dim: int, *, eps: float, dtype: jnp.dtype, offset: bool = False):
         self.eps = float(eps)
         self.offset = offset
-        init = jnp.zeros if offset else jnp.ones
-        self.weight = nnx.Param(init((dim,), dtype), out_sharding=P(None),
-                                eager_sharding=False)
+        init = "zeros" if offset else "ones"  # the identity either way
+        self.weight = nnx.Param((jnp.zeros if offset else jnp.ones)((dim,), dtype),
+                                out_sharding=P(None), eager_sharding=False, dummy_init=init)
 
     def __call__(self, x: jax.Array) -> jax.Array:
         return rms_norm(x, self.weight[...], self.eps, self.offset)

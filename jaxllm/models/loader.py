@@ -19,6 +19,7 @@ shards, or any `*.safetensors` files in the directory; bf16/fp16/fp32 on disk.
 
 from __future__ import annotations
 
+import functools
 import glob
 import inspect
 import json
@@ -35,9 +36,15 @@ from jax.sharding import Mesh, NamedSharding
 from tqdm.auto import tqdm
 
 from jaxllm.config import ModelConfig
-from jaxllm.distributed.mesh import kv_head_replicas, param_shardings, validate_tensor_parallel
+from jaxllm.distributed.mesh import (
+    kv_head_replicas,
+    param_shardings,
+    validate_tensor_parallel,
+    variable_sharding,
+)
 from jaxllm.errors import ParameterError
 from jaxllm.layers.attention_sharded import shard_attention
+from jaxllm.layers.linear import INIT_STD
 from jaxllm.models.contract import KVCacheSpec
 from jaxllm.models.orbax_io import ORBAX_DIR, is_orbax_checkpoint, load_orbax
 from jaxllm.models.quant_load import (
@@ -125,8 +132,10 @@ def load_model(model_config: ModelConfig, mesh: Mesh, attn_backend: Any,
     graphdef, state = nnx.split(nnx.eval_shape(create))
     shardings = param_shardings(state, mesh)
     if model_config.load_format == "dummy":
-        values = jax.jit(lambda: nnx.to_pure_dict(nnx.state(create())),
-                         out_shardings=shardings)()
+        values = _dummy_weights(state, mesh, model_config.seed)
+        if values is None:  # a parameter without a declared init (quantized weights)
+            values = jax.jit(lambda: nnx.to_pure_dict(nnx.state(create())),
+                             out_shardings=shardings)()
     elif uses_orbax(model_config):
         # An fp8 KV cache's scales are not weights a conversion stores: 1.0 (vLLM's default).
         kv = KV_SCALES[0]
@@ -140,6 +149,37 @@ def load_model(model_config: ModelConfig, mesh: Mesh, attn_backend: Any,
         values = _load_safetensors(cls, hf_config, model_config.model, state, shardings, tp)
     nnx.replace_by_pure_dict(state, values)
     return nnx.merge(graphdef, state)
+
+
+@functools.cache
+def _dummy_program(init: str, shape: tuple[int, ...], dtype: Any, sharding: Any) -> Any:
+    if init == "normal":
+        return jax.jit(lambda key: (INIT_STD * jax.random.normal(key, shape, jnp.float32))
+                       .astype(dtype), out_shardings=sharding)
+    fill = {"ones": jnp.ones, "zeros": jnp.zeros}[init]
+    return jax.jit(lambda key: fill(shape, dtype), out_shardings=sharding)
+
+
+def _dummy_weights(state: nnx.State, mesh: Mesh, seed: int) -> dict | None:
+    """Random weights drawn parameter by parameter from the init each declared
+    (`make_param`'s `dummy_init`), one small program per shape and sharding: one
+    program for the whole model compiles for minutes where experts or layers are
+    many. None when a parameter declares none."""
+    def is_var(x: Any) -> bool:
+        return isinstance(x, nnx.Variable)
+
+    variables = jax.tree.leaves(state, is_leaf=is_var)
+    if any(v.get_metadata().get("dummy_init") is None for v in variables):
+        return None
+    base, index = jax.random.key(seed), iter(range(len(variables)))
+
+    def draw(v: nnx.Variable) -> jax.Array:
+        value = v.get_value()
+        program = _dummy_program(v.get_metadata()["dummy_init"], tuple(value.shape),
+                                 jnp.dtype(value.dtype), variable_sharding(v, mesh))
+        return program(jax.random.fold_in(base, next(index)))
+
+    return nnx.to_pure_dict(jax.tree.map(draw, state, is_leaf=is_var))
 
 
 def uses_orbax(model_config: ModelConfig) -> bool:
