@@ -14,7 +14,7 @@ from __future__ import annotations
 import logging
 import os
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 import jax
@@ -61,8 +61,8 @@ class PagedKVCache:
     block_size: int
     dtype: Any
     # Bytes another cache holds per block of this one (a draft model's, same block ids).
-    extra_bytes_per_block: int = 0
-    groups: KVCacheGroups | None = None  # None: one group of every layer
+    extra_bytes_per_block: int = field(default=0, kw_only=True)
+    groups: KVCacheGroups | None = field(default=None, kw_only=True)  # None: one of every layer
 
     @property
     def pages_per_block(self) -> int:

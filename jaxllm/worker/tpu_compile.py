@@ -234,7 +234,7 @@ def compile_programs(config: EngineConfig, devices: Sequence[jax.Device], target
     num_layers, num_kv_heads, head_dim = kv_cache_spec(mc.hf_config, pc.tensor_parallel_size)
     kv_dtype = jnp.dtype(kv_cache_dtype(mc))
     kv = PagedKVCache(attn, mesh, num_layers, num_kv_heads, head_dim, cc.block_size, kv_dtype,
-                      groups)
+                      groups=groups)
     reserve = activation_reserve(mc.hf_config, b.token_buckets[-1], b.request_buckets[-1],
                                  mc.vocab_size, dtype, PROMPT_LOGPROBS_ROWS, sc.max_num_seqs)
     hbm = hbm_bytes_per_device(devices[0]) if platform == "tpu" else 0
