@@ -185,7 +185,6 @@ def test_temperature_one_distribution_equals_no_speculation(tmp_path):
     from transformers import AutoModelForCausalLM
 
     from tests.models.tiny_checkpoints import make_tiny_checkpoint
-    from tests.spec_decode.chi_square import chi2_threshold, homogeneity
 
     model_dir = make_tiny_checkpoint(tmp_path, init_std=0.8, vocab_size=64)
     start = list(range(8, 24))
@@ -198,19 +197,33 @@ def test_temperature_one_distribution_equals_no_speculation(tmp_path):
               for s in range(n)]
     kw = dict(BASE, max_num_seqs=32, request_buckets=[32], token_buckets=[64],
               max_num_batched_tokens=64, max_model_len=80)
-    outs = {}
-    for name, spec in (("plain", None), ("spec", SPEC)):
-        llm = LLM(model_dir, **kw, speculative_config=spec)
+    drafts, _, accepted = assert_same_token_distribution(model_dir, kw, SPEC, prompt, params,
+                                                         vocab_size=64)
+    assert drafts > n // 2 and accepted > n // 10, (drafts, accepted)
+
+
+def assert_same_token_distribution(model_dir, kw: dict, spec: dict, prompt: list[int],
+                                   params: list[SamplingParams],
+                                   vocab_size: int) -> tuple[int, int, int]:
+    """Samples `prompt` once per params without and with `spec`, asserts a two-sample
+    chi-square test finds the second and third output tokens' distributions equal, and
+    returns the speculating run's (drafts, draft tokens, accepted tokens)."""
+    from tests.spec_decode.chi_square import chi2_threshold, homogeneity
+
+    outs, totals = {}, None
+    for name, sc in (("plain", None), ("spec", spec)):
+        llm = LLM(model_dir, **kw, speculative_config=sc)
         stats = _record_spec_stats(llm)
-        got = llm.generate([{"prompt_token_ids": prompt}] * n, params, use_tqdm=False)
+        got = llm.generate([{"prompt_token_ids": prompt}] * len(params), params,
+                           use_tqdm=False)
         outs[name] = np.array([o.outputs[0].token_ids for o in got])
-        if spec:
-            drafts, _, accepted = _totals(stats)
-            assert drafts > n // 2 and accepted > n // 10, (drafts, accepted)
+        if sc:
+            totals = _totals(stats)
     for pos in (1, 2):
-        a, b = (np.bincount(outs[k][:, pos], minlength=64) for k in ("plain", "spec"))
+        a, b = (np.bincount(outs[k][:, pos], minlength=vocab_size) for k in ("plain", "spec"))
         stat, df = homogeneity(a, b)
         assert df >= 3 and stat < chi2_threshold(df), (pos, stat, df)
+    return totals
 
 
 def test_constrained_and_penalized_requests_share_steps_with_drafting_ones(model_dir, prompts):

@@ -14,7 +14,6 @@ from __future__ import annotations
 
 import os
 
-import numpy as np
 import pytest
 
 from jaxllm import LLM, SamplingParams
@@ -26,6 +25,7 @@ from tests.engine.test_spec_decode import (
     _run,
     _totals,
     assert_no_compilation_while_speculating,
+    assert_same_token_distribution,
     run_in_own_process,
 )
 from tests.models.tiny_checkpoints import make_tiny_checkpoint
@@ -139,8 +139,6 @@ def test_temperature_one_distribution_equals_no_speculation(tmp_path):
     small model (vocabulary 64) and a slightly noisy copy of it as the draft: its
     greedy drafts are accepted about a third of the time, so both the accepted
     drafts and the residual draws after a rejection shape the counts."""
-    from tests.spec_decode.chi_square import chi2_threshold, homogeneity
-
     model_dir = make_tiny_checkpoint(tmp_path, init_std=0.5, vocab_size=64)
     draft = noisy_copy(model_dir, tmp_path / "draft", std=0.02)
     prompt = list(range(8, 24))
@@ -149,20 +147,10 @@ def test_temperature_one_distribution_equals_no_speculation(tmp_path):
               for s in range(n)]
     kw = dict(BASE, max_num_seqs=32, request_buckets=[32], token_buckets=[32, 64],
               max_num_batched_tokens=64, max_model_len=40)
-    outs = {}
-    for name, spec in (("plain", None), ("spec", spec_config(draft, k=2))):
-        llm = LLM(model_dir, **kw, speculative_config=spec)
-        stats = _record_spec_stats(llm)
-        got = llm.generate([{"prompt_token_ids": prompt}] * n, params, use_tqdm=False)
-        outs[name] = np.array([o.outputs[0].token_ids for o in got])
-        if spec:
-            num_drafts, draft_tokens, accepted = _totals(stats)
-            assert num_drafts >= n and draft_tokens // 10 < accepted < draft_tokens // 2, (
-                num_drafts, draft_tokens, accepted)
-    for pos in (1, 2):
-        a, b = (np.bincount(outs[k][:, pos], minlength=64) for k in ("plain", "spec"))
-        stat, df = homogeneity(a, b)
-        assert df >= 3 and stat < chi2_threshold(df), (pos, stat, df)
+    num_drafts, draft_tokens, accepted = assert_same_token_distribution(
+        model_dir, kw, spec_config(draft, k=2), prompt, params, vocab_size=64)
+    assert num_drafts >= n and draft_tokens // 10 < accepted < draft_tokens // 2, (
+        num_drafts, draft_tokens, accepted)
 
 
 def test_no_compilation_after_warmup_with_a_draft_model():
