@@ -130,8 +130,7 @@ class ModelRunner:
         kv, self.num_kv_blocks = engine_kv_cache(  # the scheduler's block count (EngineCore)
             config, self.mesh, self.attn_backend, b, self.vocab_size, self.dtype,
             self.kv_groups, drafter.bytes_per_block() if drafter else 0, PROMPT_LOGPROBS_ROWS)
-        self.num_layers, self.num_kv_heads, self.head_dim = kv.num_layers, kv.num_kv_heads, \
-            kv.head_dim
+        self.kv_layout = kv  # layers, kv heads, head_dim, block size of the cache
         self.kv_cache = kv.allocate(self.num_kv_blocks)
         if drafter is not None:
             drafter.allocate(self.num_kv_blocks)

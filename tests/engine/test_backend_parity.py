@@ -56,7 +56,7 @@ def test_engine_on_a_pallas_body_in_interpret_mode_matches_transformers_greedy(
 
         hf = llm.llm_engine.model_config.hf_config
         heads, kv_heads = hf.num_attention_heads, hf.num_key_value_heads
-        bs = gpu.default_block_sizes(32, 4, heads // kv_heads, runner.head_dim, 8,
+        bs = gpu.default_block_sizes(32, 4, heads // kv_heads, runner.kv_layout.head_dim, 8,
                                      96 // 8, kv_heads, 4)
         assert bs.decode is not None  # the mixed steps took the two-call path
 
@@ -102,6 +102,6 @@ def test_engine_on_the_fused_swiglu_kernel_in_interpret_mode_matches_transformer
     assert traced and {x[0] for x, _ in traced} == {256}, traced
     assert {s[1] for _, s in traced} == {inter // tp}
     hf = llm.llm_engine.model_config.hf_config
-    hidden, q_width = hf.hidden_size, hf.num_attention_heads * runner.head_dim
+    hidden, q_width = hf.hidden_size, hf.num_attention_heads * runner.kv_layout.head_dim
     want_add = {((256, q_width), (hidden, q_width)), ((256, inter), (hidden, inter))}
     assert set(traced_add) == (want_add if tp == 1 else set()), traced_add
