@@ -51,11 +51,11 @@ def _time_dispatches(runner) -> list[tuple[int, float]]:
 
 def _forward_temp_bytes(runner) -> dict[int, int]:
     """The transient bytes of each token bucket's compiled forward (from the disk cache)."""
-    out = {}
-    for (name, tokens), program in runner.programs.executables.items():
-        memory = program.compiled.memory_analysis() if name == "forward" else None
-        if memory is not None:
-            out[tokens] = int(memory.temp_size_in_bytes)
+    programs, out = runner.programs, {}
+    for tokens in runner.buckets.token_buckets:  # the cache keys by packed-input size
+        program = programs.executables.get(("forward", programs.dummy_inputs(tokens).shape[0]))
+        if program is not None:
+            out[tokens] = int(program.compiled.memory_analysis().temp_size_in_bytes)
     return out
 
 
