@@ -77,7 +77,8 @@ def fp8_weight_only_tokens() -> int:
     return value
 
 
-def _einsum_spec(x_ndim_in: int, w_ndim: int) -> str:
+def einsum_spec(x_ndim_in: int, w_ndim: int) -> str:
+    """`x [T, *in] , w [*out, *in] -> [T, *out]` for `x_ndim_in` input axes."""
     letters = string.ascii_lowercase
     ins, outs = letters[:x_ndim_in], letters[x_ndim_in:w_ndim]
     return f"T{ins},{outs}{ins}->T{outs}"
@@ -88,7 +89,7 @@ def weight_only_product(x: jax.Array, w: jax.Array, scale: jax.Array, in_dims: i
     """`x @ (W * scale).T` with the quantized `W` upcast to `x`'s dtype as the dot's
     operand (exact: every int8 and e4m3 value is a bfloat16 value) and the per-channel
     scale applied after the float32 accumulation; no activation quantization."""
-    out = jnp.einsum(_einsum_spec(in_dims, w.ndim), x, w.astype(x.dtype),
+    out = jnp.einsum(einsum_spec(in_dims, w.ndim), x, w.astype(x.dtype),
                      preferred_element_type=jnp.float32)
     return (out * scale).astype(x.dtype)
 
@@ -164,7 +165,7 @@ class Fp8Linear(_QuantizedMethod):
                      input_scale: jax.Array | None = None) -> jax.Array:
         """Both operands in e4m3, a float32 dot, then both scales."""
         xq, x_scale = self.quantized_activations(x, in_dims, input_scale)
-        out = jnp.einsum(_einsum_spec(in_dims, w.ndim), xq, w,
+        out = jnp.einsum(einsum_spec(in_dims, w.ndim), xq, w,
                          preferred_element_type=jnp.float32)
         if x_scale.ndim:
             x_scale = x_scale.reshape(x.shape[0], *([1] * (out.ndim - 1)))
