@@ -35,10 +35,13 @@ def load_trace(log_dir: str) -> list[dict]:
 
 
 def device_events(events: list[dict]) -> list[dict]:
-    """Complete events on accelerator processes ('/device:GPU:0' and the like)."""
+    """Complete events on the first accelerator process ('/device:GPU:0' and the like):
+    under tensor parallelism every device runs the same program, and a union over
+    devices would hide one device's idle time behind another's kernels."""
     procs = {e["pid"]: e["args"]["name"] for e in events
              if e.get("ph") == "M" and e.get("name") == "process_name"}
-    devices = {pid for pid, name in procs.items() if "/device:" in name}
+    names = sorted(name for name in procs.values() if "/device:" in name)
+    devices = {pid for pid, name in procs.items() if names and name == names[0]}
     return [e for e in events if e.get("ph") == "X" and e["pid"] in devices and e.get("dur")]
 
 
@@ -89,6 +92,7 @@ def main(argv: list[str] | None = None) -> dict:
     ap.add_argument("--output-len", type=int, default=64)
     ap.add_argument("--max-num-batched-tokens", type=int, default=None)
     ap.add_argument("--async-scheduling", action=argparse.BooleanOptionalAction, default=True)
+    ap.add_argument("--tensor-parallel-size", "-tp", type=int, default=1)
     ap.add_argument("--name", default="profile_step", help="JSON file name under $OUT")
     args = ap.parse_args(argv)
 
@@ -99,7 +103,7 @@ def main(argv: list[str] | None = None) -> dict:
     b, n_in = args.batch_size, args.input_len
     tokens = args.max_num_batched_tokens or n_in * b
     llm = LLM(args.model, load_format=args.load_format, dtype=args.dtype,
-              skip_tokenizer_init=True,
+              skip_tokenizer_init=True, tensor_parallel_size=args.tensor_parallel_size,
               max_model_len=-(-(n_in + args.output_len + 16) // 128) * 128,
               max_num_seqs=b, max_num_batched_tokens=tokens,
               token_buckets=sorted({min(8 * -(-b // 8), tokens), tokens}),
@@ -116,7 +120,8 @@ def main(argv: list[str] | None = None) -> dict:
     with jax.profiler.trace(log_dir, create_perfetto_trace=True):
         llm.generate(prompts, params, use_tqdm=False)
     wall = time.perf_counter() - t0
-    result = {"batch_size": b, "input_len": n_in, "output_len": args.output_len,
+    result = {"batch_size": b, "tensor_parallel_size": args.tensor_parallel_size,
+              "input_len": n_in, "output_len": args.output_len,
               "async_scheduling": args.async_scheduling, "wall_ms": wall * 1e3,
               **summarize(load_trace(log_dir))}
     write_json(args.name, result)
