@@ -5,7 +5,9 @@ W8A8 and FP8 weight-only, to pick `FP8_WEIGHT_ONLY_TOKENS` (layers/quant.py).
 
 Each product is the engine's own: bf16 `UnquantizedLinear`'s einsum, W8A8
 `Fp8Linear.w8a8_product` (the per-token activation quantization included), and
-`weight_only_product` (e4m3 weights upcast as the dot's operand), on the
+`weight_only_product` (e4m3 weights upcast as the dot's operand); up to
+REDUCE_ROWS rows also weight-only as a multiply and sum, no dot (an alternative
+formulation the engine does not run); on the
 weights' engine layouts (qkv `[8, 6, 128, 4096]`, o `[4096, 32, 128]` over
 two input axes, gate_up `[2, 14336, 4096]`, down `[4096, 14336]`). One jitted
 program runs the product over `copies` distinct weights (and inputs) back to
@@ -47,6 +49,9 @@ SMALL_SHAPES = {"qkv": ((2, 4, 16), (64,)), "o": ((64,), (4, 16)),
 ROWS = (1, 8, 32, 64, 128, 256, 1024)
 SMALL_ROWS = (1, 8, 32)
 VARIANTS = ("bf16", "w8a8", "weight_only")
+# Weight-only as a multiply and a float32 sum over the input axes instead of a dot
+# (an alternative for a few rows, where a GEMM's tiles are mostly padding).
+REDUCE, REDUCE_ROWS = "weight_only_reduce", 8
 W8A8 = Fp8Linear(weight_only_tokens=0)
 _NOT_KERNELS = {"parameter", "constant", "tuple", "get-tuple-element", "bitcast"}
 
@@ -57,6 +62,14 @@ def product(variant: str, in_dims: int):
         return lambda x, w, s: jnp.einsum(einsum_spec(in_dims, w.ndim), x, w)
     if variant == "w8a8":
         return lambda x, w, s: W8A8.w8a8_product(x, w, s, in_dims)
+    if variant == REDUCE:
+        def reduce(x, w, s):
+            outs = w.ndim - in_dims
+            xb = x.reshape(x.shape[0], *([1] * outs), *x.shape[1:])
+            axes = tuple(range(1 + outs, 1 + w.ndim))
+            out = jnp.sum(xb * w.astype(x.dtype), axis=axes, dtype=jnp.float32)
+            return (out * s).astype(x.dtype)
+        return reduce
     return lambda x, w, s: weight_only_product(x, w, s, in_dims)
 
 
@@ -118,10 +131,10 @@ def run(shapes: dict, rows: tuple, bw: float, peaks: dict, target_bytes: float) 
         bf16, fp8, scales = weights(out_shape, in_shape, most)
         ws = {"bf16": bf16, "fp8": fp8, "scale": scales}
         for m in rows:
-            for variant in VARIANTS:
+            for variant in VARIANTS + ((REDUCE,) if m <= REDUCE_ROWS else ()):
                 r = measure(variant, m, out_shape, in_shape, ws, target_bytes)
                 nbytes = 2 * k * n if variant == "bf16" else fp8_bytes
-                peak = peaks["fp8" if variant == "w8a8" else "bf16"]
+                peak = peaks["fp8" if variant == "w8a8" else "bf16"]  # reduce: not a GEMM
                 r.update(shape=name, K=k, N=n, M=m, variant=variant, weight_bytes=nbytes,
                          us=r["seconds"] * 1e6,
                          hbm_fraction=nbytes / bw / r["seconds"],
@@ -168,11 +181,13 @@ def main(argv: list[str] | None = None) -> dict:
     write_json("bench_fp8_gemm", out)
     print(f"\nHBM {bw / 1e12:.2f} TB/s, bf16 {peaks['bf16'] / 1e12:.0f} TFLOP/s, "
           f"fp8 {peaks['fp8'] / 1e12:.0f} TFLOP/s; us (fraction of the HBM roofline)")
-    print(f"{'shape':8s} {'M':>5s} " + " ".join(f"{v:>20s}" for v in VARIANTS))
+    columns = VARIANTS + (REDUCE,)
+    print(f"{'shape':8s} {'M':>5s} " + " ".join(f"{v:>20s}" for v in columns))
     for name in shapes:
         for m in rows:
             cells = {r["variant"]: r for r in results if r["shape"] == name and r["M"] == m}
             print(f"{name:8s} {m:5d} " + " ".join(
-                f"{cells[v]['us']:11.1f} ({cells[v]['hbm_fraction']:6.1%})" for v in VARIANTS))
+                f"{cells[v]['us']:11.1f} ({cells[v]['hbm_fraction']:6.1%})" if v in cells
+                else f"{'-':>20s}" for v in columns))
     print(f"weight-only no slower than W8A8 up to M = {out['suggested_weight_only_tokens']}")
     return out
