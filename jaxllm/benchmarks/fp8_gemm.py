@@ -19,7 +19,8 @@ included, at the bandwidth the same run measures) and its compute roofline
 program's compile time and its kernel count (compiled HLO instructions that
 run as kernels: fusions, custom calls) and whether any kernel writes the
 upcast weight to memory (the upcast not fused into the GEMM).
-JSON to $OUT/bench_fp8_gemm.json; a table last. `--small`: tiny shapes, a CPU check.
+JSON to $OUT/bench_fp8_gemm.json, rewritten after each shape (compiles dominate the
+run: `--shapes` / `--rows` split it); a table last. `--small`: tiny shapes, a CPU check.
 """
 
 from __future__ import annotations
@@ -173,19 +174,21 @@ def main(argv: list[str] | None = None) -> dict:
     bw = measure_hbm_bandwidth(0.01 if args.small else 2.0)
     n = 128 if args.small else 8192
     peaks = {"bf16": measure_matmul_peak(n), "fp8": measure_matmul_peak(n, "float8_e4m3fn")}
-    # Weights rotated per program: past the H100's 50 MB L2 several times over.
-    results = run(shapes, rows, bw, peaks, 1 << 20 if args.small else 256 << 20)
     out = {"workload": "fp8-gemm", "hbm_bytes_per_s": bw, "bf16_flops_per_s": peaks["bf16"],
-           "fp8_flops_per_s": peaks["fp8"], "results": results,
-           "suggested_weight_only_tokens": suggested_threshold(results, rows)}
-    write_json("bench_fp8_gemm", out)
+           "fp8_flops_per_s": peaks["fp8"], "results": []}
+    for name, shape in shapes.items():  # written after each shape: a cut run keeps its part
+        # Weights rotated per program: past the H100's 50 MB L2 several times over.
+        out["results"] += run({name: shape}, rows, bw, peaks,
+                              1 << 20 if args.small else 256 << 20)
+        out["suggested_weight_only_tokens"] = suggested_threshold(out["results"], rows)
+        write_json("bench_fp8_gemm", out)
     print(f"\nHBM {bw / 1e12:.2f} TB/s, bf16 {peaks['bf16'] / 1e12:.0f} TFLOP/s, "
           f"fp8 {peaks['fp8'] / 1e12:.0f} TFLOP/s; us (fraction of the HBM roofline)")
     columns = VARIANTS + (REDUCE,)
     print(f"{'shape':8s} {'M':>5s} " + " ".join(f"{v:>20s}" for v in columns))
     for name in shapes:
         for m in rows:
-            cells = {r["variant"]: r for r in results if r["shape"] == name and r["M"] == m}
+            cells = {r["variant"]: r for r in out["results"] if r["shape"] == name and r["M"] == m}
             print(f"{name:8s} {m:5d} " + " ".join(
                 f"{cells[v]['us']:11.1f} ({cells[v]['hbm_fraction']:6.1%})" if v in cells
                 else f"{'-':>20s}" for v in columns))
