@@ -22,6 +22,9 @@ per chip: megacore). A core's ids must form a box of that grid, and its size mus
 be one libtpu takes per process (1, 2 or 4 chips); other layouts are refused with
 a ParameterError naming the field, as are layouts over more chips than the host
 has, hosts of a multi-host slice, and a TPU_VISIBLE_CHIPS set from outside.
+The variable names and bounds follow JAX's own multi-process tests (its 4-chip
+split of an 8-chip host is written for v6e's 2x4 chips, and notes that a v5e-8
+whose chips run 4x2 may need another) and tpu-inference's per-rank chip split.
 
 Detecting a TPU VM, without importing JAX in the frontend (it must not open the
 chips), in this order:
