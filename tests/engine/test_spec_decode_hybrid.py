@@ -12,6 +12,7 @@ test_spec_draft_model.py); `model_dir` here is the Gemma 2 target.
 
 from __future__ import annotations
 
+import os
 from types import SimpleNamespace
 
 import pytest
@@ -23,7 +24,16 @@ from jaxllm.worker.draft_model import DraftModel
 from tests.engine import test_spec_decode as ngram_tests
 from tests.engine import test_spec_draft_model as draft_tests
 from tests.engine.test_sliding_window_engine import CASES
-from tests.engine.test_spec_decode import SPEC, _assert_same, _record_spec_stats, _run, _totals
+from tests.engine.test_spec_decode import (
+    ISOLATED,
+    SPEC,
+    _assert_same,
+    _record_spec_stats,
+    _run,
+    _totals,
+    assert_no_compilation_while_speculating,
+    run_in_own_process,
+)
 from tests.engine.test_spec_draft_model import _reference, spec_config
 from tests.models.tiny_checkpoints import make_tiny_checkpoint
 
@@ -126,6 +136,24 @@ def test_prefix_cache_hits_keep_greedy_output(model_dir, drafts, prompts, method
     if method == "self":
         assert accepted == draft_tokens
     assert_windows_let_go(llm, held)
+
+
+@pytest.mark.slow
+def test_no_compilation_after_warmup_with_a_hybrid_target_and_draft():
+    """In a process of its own, as the ngram test (test_spec_decode.py) says why."""
+    run_in_own_process(f"{__file__}::test_no_compilation_after_warmup_"
+                       "with_a_hybrid_target_and_draft_in_this_process")
+
+
+@pytest.mark.skipif(os.environ.get(ISOLATED) != "1",
+                    reason="runs in its own process (test_no_compilation_after_warmup_...)")
+def test_no_compilation_after_warmup_with_a_hybrid_target_and_draft_in_this_process(
+        model_dir, drafts, prompts):
+    """The draft's proposals (one table) and its mirror of the target's steps (every
+    group's tables) are compiled at start-up for every bucket."""
+    llm = LLM(model_dir, **{**ENGINE, "precompile": True},
+              speculative_config=spec_config(drafts["noisy"]))
+    assert_no_compilation_while_speculating(llm, prompts)
 
 
 def test_a_draft_model_needs_a_target_with_a_full_attention_group():
