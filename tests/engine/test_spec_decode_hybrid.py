@@ -4,7 +4,10 @@ draft, verify and roll back rejected drafts. The oracle is the same engine witho
 speculation, token for token, under chunked prefill, prefix-cache hits and
 preemption, with ngram drafts and with draft models sharing its vocabulary: the
 target itself and a noisy copy (hybrid drafts, reading the full-attention group's
-blocks for every layer) and an unrelated one-layer Llama.
+blocks for every layer) and an unrelated one-layer Llama. Before every step each
+running request, its rejected drafts rolled back, must still hold the blocks its
+next query reads in the sliding-window group; a planted bug that lets go of them
+by the optimistic count (every draft accepted) must be caught.
 
 The helpers and fixtures are the ngram and draft-model tests' (test_spec_decode.py,
 test_spec_draft_model.py); `model_dir` here is the Gemma 2 target.
@@ -17,7 +20,8 @@ from types import SimpleNamespace
 
 import pytest
 
-from jaxllm import LLM
+from jaxllm import LLM, SamplingParams
+from jaxllm.core.kv_cache_manager import KVCacheManager
 from jaxllm.errors import ParameterError
 from jaxllm.kv_groups import KVCacheGroups
 from jaxllm.worker.draft_model import DraftModel
@@ -62,12 +66,21 @@ def model_dir(tmp_path_factory):
 
 def record_held_blocks(llm: LLM) -> list[list[int]]:
     """Per scheduled step and running request, the real blocks it holds in each group
-    (filled as the engine runs)."""
+    (filled as the engine runs). Before each step it asserts that every running
+    request, its rejected drafts rolled back, still holds in each sliding-window
+    group the blocks its next query reads (keys after `num_computed_tokens - window`)."""
     sched = llm.llm_engine.engine_core.engine_core.scheduler
+    kvm = sched.kv_cache_manager
     held: list[list[int]] = []
     schedule = sched.schedule
 
     def recording():
+        for r in sched.running:
+            c = r.num_computed_tokens
+            for table, window in zip(kvm.tables, kvm.windows, strict=True):
+                blocks = table[r.request_id][max(c - (window or c) + 1, 0) // kvm.block_size:
+                                             -(-c // kvm.block_size)]
+                assert not any(b.is_null for b in blocks), (r.request_id, c, window)
         out = schedule()
         held.extend(sched.kv_cache_manager.num_held_blocks(r.request_id)
                     for r in sched.running)
@@ -136,6 +149,30 @@ def test_prefix_cache_hits_keep_greedy_output(model_dir, drafts, prompts, method
     if method == "self":
         assert accepted == draft_tokens
     assert_windows_let_go(llm, held)
+
+
+def test_dropping_blocks_as_if_every_draft_were_accepted_is_caught(model_dir, drafts, prompts,
+                                                                  monkeypatch):
+    """The planted bug: the sliding-window group lets go of blocks by the step's end
+    (every draft accepted) instead of its start. After a rollback the next query
+    reads a block already returned to the pool, and `record_held_blocks` says so
+    (the random Llama's drafts are nearly all rejected)."""
+    real = KVCacheManager._extend
+
+    def optimistic(self, request, req_blocks, num_total):
+        saved = request.num_computed_tokens
+        request.num_computed_tokens = max(saved, num_total - 1)
+        try:
+            self._drop_out_of_window(request)
+        finally:
+            request.num_computed_tokens = saved
+        return real(self, request, req_blocks, num_total)
+
+    monkeypatch.setattr(KVCacheManager, "_extend", optimistic)
+    llm = LLM(model_dir, **ENGINE, speculative_config=spec_config(drafts["other"]))
+    record_held_blocks(llm)
+    with pytest.raises(AssertionError, match=r"8\)"):  # (request id, computed, window 8)
+        _run(llm, prompts, SamplingParams(temperature=0.0, max_tokens=32, ignore_eos=True))
 
 
 @pytest.mark.slow
