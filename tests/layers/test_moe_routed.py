@@ -71,8 +71,9 @@ def test_routed_halves_sum_to_all_experts():
     """`first_expert`: each half of the experts computes only its own pairs (the
     expert-parallel psum adds them)."""
     x, weights, ids, gate_up, down = _draw(t=8, e=8, k=3, seed=3)
-    halves = [np.asarray(routed_expert_ffn(x, weights, ids, gate_up[s:s + 4], down[s:s + 4],
-                                           s, num_tokens=7)) for s in (0, 4)]
+    half = jax.jit(lambda *a: routed_expert_ffn(*a[:5], a[5], num_tokens=7))
+    halves = [np.asarray(half(x, weights, ids, gate_up[s:s + 4], down[s:s + 4], s))
+              for s in (0, 4)]
     assert all(np.abs(part).max() > 0.1 for part in halves)
     want = dense_reference(x, weights, ids, gate_up, down)
     np.testing.assert_allclose((halves[0] + halves[1])[:7], want[:7], rtol=0, atol=1e-5)
@@ -131,10 +132,12 @@ def test_layer_takes_the_routed_path_for_small_steps_with_the_grouped_paths_valu
 
 
 @pytest.mark.slow
-def test_expert_parallel_routed_path_equals_one_device():
+@pytest.mark.parametrize("method", [None, "fp8"])
+def test_expert_parallel_routed_path_equals_one_device(method):
     """At tp 2 (2 fake devices, 4 experts each) each device loops over its own routed
     experts and the psum adds the halves: one device's values, padding rows untouched."""
-    one, split = _layers(), _layers(mesh=make_mesh(2))
+    m = linear_method(method)
+    one, split = _layers(method=m), _layers(mesh=make_mesh(2), method=m)
     assert one.small_tokens == split.small_tokens == SMALL_TOKENS
     x = jnp.asarray(np.random.default_rng(6).normal(size=(8, 32)), jnp.float32)
     residual = jnp.ones_like(x)

@@ -178,7 +178,8 @@ def test_ragged_prefill_and_decode_logits_match_transformers(case, tmp_path):
 @pytest.mark.slow
 @pytest.mark.parametrize("case", ["mixtral-4-experts-top2", "qwen3-moe-dense-and-sparse-layers"])
 def test_moe_logits_by_the_megablox_kernel_match_transformers(case, tmp_path):
-    """The routed experts by the Pallas TPU grouped matmul (interpret mode), as on TPU."""
+    """The routed experts by the Pallas TPU grouped matmul (interpret mode) at every step
+    size, as on TPU."""
     from jaxllm.layers.grouped_matmul import GroupedMatmul
     from jaxllm.layers.moe import SparseMoE
 
@@ -187,7 +188,7 @@ def test_moe_logits_by_the_megablox_kernel_match_transformers(case, tmp_path):
     moes = [layer.mlp for layer in model.layers if isinstance(layer.mlp, SparseMoE)]
     assert moes and all(m.gmm.kernel == "ragged_dot" for m in moes)  # the CPU's default
     for m in moes:
-        m.gmm = GroupedMatmul("megablox", interpret=True)
+        m.gmm, m.small_tokens = GroupedMatmul("megablox", interpret=True), 0
     prompts, next_tokens = prompts_for(256, seed=5), [9, 99, 199]
     got = run_prefill_and_decode(model, prompts, next_tokens)
     for g, w in zip(got, hf_logits(model_dir, prompts, next_tokens), strict=True):
