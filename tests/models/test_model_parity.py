@@ -198,7 +198,8 @@ def test_moe_logits_by_the_megablox_kernel_match_transformers(case, tmp_path):
 @pytest.mark.parametrize("case", ["llama-gqa-untied", "mistral-sliding-window",
                                   "qwen3-qk-norm", "gemma2-softcaps-tied",
                                   "gemma3-local-global-rope",
-                                  "qwen3-moe-dense-and-sparse-layers"])
+                                  pytest.param("qwen3-moe-dense-and-sparse-layers",
+                                               marks=pytest.mark.slow)])
 def test_forward_rows_equals_the_full_forward_at_the_last_rows(case, tmp_path):
     """`forward_rows` (the last layer for each request's last token only) gives the
     full forward's hidden states there and the same cache; `finish_states` gives the
