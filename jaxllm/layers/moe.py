@@ -12,14 +12,15 @@ back to the token. Shapes are fixed (T*k rows whatever the routing), so the step
 stays one compiled program. The grouped matmul is layers/grouped_matmul.py's.
 
 Small steps (decode) take `routed_expert_ffn` instead, chosen at trace time when
-the step has at most `small_token_limit()` token rows: a `fori_loop` whose
-trip count is the number of distinct experts the step's real tokens routed to,
-each iteration reading one expert's weights (a dynamic index) and applying them
-to every row, kept where routed. Every grouped-matmul body reads far more than
-that at a decode step (GPU ragged_dot computes every expert; "tiled" gathers one
-expert per tile of its static bound). Both paths route padding tokens nowhere:
-the caller passes the step's real token count (`num_tokens`, the rows before
-it), and the padding rows come back zero.
+the step has at most `small_token_limit()` token rows (SMALL_TOKENS, or
+`JAXLLM_MOE_SMALL_TOKENS`; 0 on TPU): a `fori_loop` whose trip count is the
+number of distinct experts the step's real tokens routed to, each iteration
+reading one expert's weights (a dynamic index) and applying them to every row,
+kept where routed. The GPU's grouped-matmul bodies read far more at a decode step
+(ragged_dot computes every expert; "tiled" gathers one expert per tile of its
+static bound). Both paths route padding tokens nowhere: the caller passes the
+step's real token count (`num_tokens`, the rows before it), and the padding rows
+come back zero.
 
 Weights keep Hugging Face's `[out, in]` orientation, stacked per expert:
 
