@@ -239,6 +239,37 @@ def test_forward_rows_equals_the_full_forward_at_the_last_rows(case, tmp_path):
     assert np.isfinite(np.asarray(got)).all()  # the padding request's row too
 
 
+@pytest.mark.slow
+def test_moe_layers_hear_the_steps_real_token_count(tmp_path, monkeypatch):
+    """The decoder tells each MLP how many of its rows are real, so the experts route
+    the padding nowhere: 7 tokens of the 24-token bucket in every sparse layer of a
+    forward, and in `forward_rows`' last layer (one row per request) the 3 real
+    requests of 4."""
+    from jaxllm.layers.moe import SparseMoE
+
+    heard, call = [], SparseMoE.__call__
+
+    def spy(self, x, residual, num_tokens=None):
+        jax.debug.callback(lambda n, rows=x.shape[0]: heard.append((rows, int(n))), num_tokens)
+        return call(self, x, residual, num_tokens)
+
+    monkeypatch.setattr(SparseMoE, "__call__", spy)
+    model = load(make_tiny_checkpoint(tmp_path, **CASES["qwen3-moe-dense-and-sparse-layers"]))
+    graphdef, state = nnx.split(model)
+    ids, positions = np.zeros(TOKEN_BUCKET, np.int32), np.zeros(TOKEN_BUCKET, np.int32)
+    ids[:7] = np.arange(4, 11)
+    positions[:7] = [0, 0, 1, 2, 3, 0, 1]
+    md = _metadata([1, 4, 2], [1, 4, 2], TOKEN_BUCKET)
+    rows = jnp.maximum(md.cu_q_lens[1:] - 1, 0)
+    jax.block_until_ready(jax.jit(lambda s, *a: nnx.merge(graphdef, s)(*a))(
+        state, ids, positions, _empty_cache(model), md))
+    assert sorted(heard) == [(TOKEN_BUCKET, 7)] * 3  # layer 1 is dense
+    heard.clear()
+    jax.block_until_ready(jax.jit(lambda s, *a: nnx.merge(graphdef, s).forward_rows(*a))(
+        state, ids, positions, _empty_cache(model), md, rows))
+    assert sorted(heard) == [(REQUEST_BUCKET, 3)] + [(TOKEN_BUCKET, 7)] * 2
+
+
 def _params(model: nnx.Module) -> dict:
     return jax.tree.map(np.asarray, nnx.to_pure_dict(nnx.state(model)))
 
