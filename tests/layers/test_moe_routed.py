@@ -23,8 +23,13 @@ from jaxllm.layers.moe import (
     routed_experts,
     small_token_limit,
 )
-from jaxllm.layers.quant import linear_method, quantize_per_channel
-from tests.layers.test_moe import _draw, dense_reference, quantized_reference
+from jaxllm.layers.quant import Fp8Linear, linear_method, quantize_per_channel
+from tests.layers.test_moe import (
+    QUANTIZED_EXPERTS,
+    _draw,
+    dense_reference,
+    quantized_reference,
+)
 
 GMM = GroupedMatmul("ragged_dot")
 
@@ -80,12 +85,12 @@ def test_routed_halves_sum_to_all_experts():
     assert not (halves[0] + halves[1])[7:].any()
 
 
-@pytest.mark.parametrize("kind", ["int8", "fp8"])
-def test_quantized_routed_path_equals_the_grouped_path(kind):
-    """int8 / fp8 experts through `method.product` per expert: the grouped path's
-    values and the dense einsum's over the dequantized weights."""
+@pytest.mark.parametrize("case", list(QUANTIZED_EXPERTS))
+def test_quantized_routed_path_equals_the_grouped_path(case):
+    """int8 / fp8 (W8A8 and weight-only) experts through `method.product` per expert:
+    the grouped path's values and the dense einsum's over the dequantized weights."""
+    kind, method, rounds = QUANTIZED_EXPERTS[case]
     x, weights, ids, gate_up, down = _draw(t=8, e=8, k=2, seed=4)
-    method = linear_method(kind)
     gu_q, gu_s = quantize_per_channel(gate_up, 1, kind)
     dn_q, dn_s = quantize_per_channel(down, 1, kind)
     got = np.asarray(jax.jit(lambda *a: routed_expert_ffn(*a[:5], 0, method, *a[5:],
@@ -93,7 +98,7 @@ def test_quantized_routed_path_equals_the_grouped_path(kind):
         x, weights, ids, gu_q, dn_q, gu_s, dn_s))
     grouped = np.asarray(jax.jit(lambda *a: expert_ffn(*a[:5], GMM, 0, method, *a[5:]))(
         x, weights, ids, gu_q, dn_q, gu_s, dn_s))
-    want = quantized_reference(x, weights, ids, gate_up, down, kind)
+    want = quantized_reference(x, weights, ids, gate_up, down, kind, rounds)
     assert np.abs(want - dense_reference(x, weights, ids, gate_up, down)).max() > 1e-3
     np.testing.assert_allclose(got[:6], want[:6], rtol=0, atol=1e-4)
     np.testing.assert_allclose(got[:6], grouped[:6], rtol=0, atol=1e-5)
@@ -132,12 +137,12 @@ def test_layer_takes_the_routed_path_for_small_steps_with_the_grouped_paths_valu
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("method", [None, "fp8"])
+@pytest.mark.parametrize("method", [None, Fp8Linear(weight_only_tokens=0)],
+                         ids=["float", "fp8"])
 def test_expert_parallel_routed_path_equals_one_device(method):
     """At tp 2 (2 fake devices, 4 experts each) each device loops over its own routed
     experts and the psum adds the halves: one device's values, padding rows untouched."""
-    m = linear_method(method)
-    one, split = _layers(method=m), _layers(mesh=make_mesh(2), method=m)
+    one, split = _layers(method=method), _layers(mesh=make_mesh(2), method=method)
     assert one.small_tokens == split.small_tokens == SMALL_TOKENS
     x = jnp.asarray(np.random.default_rng(6).normal(size=(8, 32)), jnp.float32)
     residual = jnp.ones_like(x)
