@@ -123,7 +123,7 @@ def routed_expert_ffn(x: jax.Array, weights: jax.Array, ids: jax.Array, gate_up:
     routed to once and no other: a loop over `routed_experts`, each iteration one
     expert's gate/up and down products for every row (a tiny GEMM), added to the rows
     that routed there with their weights. Arguments as `expert_ffn`'s."""
-    t, k = ids.shape
+    t = ids.shape[0]
     local, inter, hidden = gate_up.shape[0], gate_up.shape[2], gate_up.shape[3]
     key = _local_keys(ids, first_expert, local, num_tokens)
     experts, count = routed_experts(ids, first_expert, local, num_tokens)
