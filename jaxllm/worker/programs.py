@@ -34,6 +34,8 @@ from flax import nnx
 from tqdm.auto import tqdm
 
 from jaxllm.config import EngineConfig, compilation_cache_dir
+from jaxllm.layers.grouped_matmul import default_grouped_matmul
+from jaxllm.layers.moe import small_token_limit
 from jaxllm.layers.quant import fp8_weight_only_tokens
 from jaxllm.lora.layers import set_lora_masks
 from jaxllm.sample.metadata import SamplingMetadata, variant_metadata
@@ -145,7 +147,9 @@ def aot_context(config: EngineConfig, attn_backend: Any, swiglu: Any,
             "lora": dataclasses.asdict(config.lora_config) if config.lora_config else None,
             # fp8 products switch to weight-only by row count (layers/quant.py).
             "fp8_weight_only_tokens": (fp8_weight_only_tokens()
-                                       if (mc.quantization or "").startswith("fp8") else None)}
+                                       if (mc.quantization or "").startswith("fp8") else None),
+            # Mixture-of-experts bodies chosen by environment knobs (layers/moe.py).
+            "moe": [default_grouped_matmul(mesh).kernel, small_token_limit(mesh)]}
 
 
 class StepPrograms:

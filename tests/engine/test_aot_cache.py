@@ -106,3 +106,33 @@ def test_the_mosaic_gpu_backend_keeps_the_caches_on(model_dir, tmp_path):
     assert runner.aot_cache.directory == str(tmp_path / "jaxllm-aot")
     assert jax.config.jax_enable_compilation_cache
     assert jax.config.jax_compilation_cache_dir == str(tmp_path)
+
+
+def test_the_context_follows_the_moe_and_fp8_knobs(model_dir, monkeypatch):
+    """Programs traced under another grouped-matmul body, small-step expert limit or fp8
+    weight-only threshold are other programs: a run with a changed knob must not load them."""
+    import types
+
+    import jax
+    import numpy as np
+
+    from jaxllm import EngineArgs
+    from jaxllm.worker.programs import aot_context
+
+    mesh = jax.sharding.Mesh(np.asarray(jax.devices()[:1]), ("model",))
+    attn = types.SimpleNamespace(name="xla", interpret=False)
+    mlp = types.SimpleNamespace(name="xla", kernel=False, interpret=False, min_tokens=0)
+
+    def context(quantization=None):
+        config = EngineArgs(model=model_dir, quantization=quantization).create_engine_config()
+        return aot_context(config, attn, mlp, mesh)
+
+    for monkeypatch_env, quantization in [
+            ({"JAXLLM_MOE_SMALL_TOKENS": "0"}, None),
+            ({"JAXLLM_MOE_KERNEL": "tiled"}, None),
+            ({"JAXLLM_FP8_WEIGHT_ONLY_TOKENS": "0"}, "fp8")]:
+        before = context(quantization)
+        with monkeypatch.context() as m:
+            for k, v in monkeypatch_env.items():
+                m.setenv(k, v)
+            assert context(quantization) != before, monkeypatch_env
