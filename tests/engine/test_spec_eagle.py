@@ -178,10 +178,22 @@ def _engine_config(model_dir: str, spec: dict):
 
 
 @pytest.mark.parametrize("method", METHODS)
-def test_a_head_is_read_with_its_capture(model_dir, heads, method):
-    head = _engine_config(model_dir, spec_config(method, heads[method])).eagle_head
-    assert head.method == method
+def test_the_cli_flag_reads_a_head_with_what_it_captures(model_dir, heads, method):
+    import argparse
+
+    from jaxllm.entrypoints.arg_utils import add_engine_args, engine_args_from
+
+    parser = argparse.ArgumentParser()
+    add_engine_args(parser)
+    ns = parser.parse_args(["--dtype", "float32", "--max-model-len", "64",
+                            "--speculative-config",
+                            json.dumps(spec_config(method, heads[method]))])
+    ns.model = model_dir
+    config = engine_args_from(ns).create_engine_config()
+    head = config.eagle_head
+    assert (config.speculative_config.method, head.method) == (method, method)
     assert head.capture == ((1, 2, 3) if method == "eagle3" else ())
+    assert config.draft_model_config is None
 
 
 @pytest.mark.parametrize("method", METHODS)
