@@ -21,9 +21,16 @@ H, HEADS, KV_HEADS, INTER = 64, 4, 2, 128
 def make_eagle_head(out_dir, method: str, *, vocab_size: int = 256, seed: int = 0,
                     aux_layers=(1, 2, 3), draft_vocab_size: int = 128, std: float = 0.15,
                     prefix: str = "", extra: dict | None = None,
-                    drop: tuple[str, ...] = ()) -> str:
+                    drop: tuple[str, ...] = (), copy_of: str | None = None) -> str:
     """A random `method` head ("eagle" | "eagle3") for a target of hidden size 64,
-    saved as vLLM reads it (EAGLE-3's layer under `midlayer.` when `prefix` is empty)."""
+    saved as vLLM reads it (EAGLE-3's layer under `midlayer.` when `prefix` is empty).
+
+    `copy_of` (the target's directory) makes a head whose attention and MLP add only
+    `std`-scaled noise to the hidden state it is handed: EAGLE's then drafts about
+    what the target predicted at that position (accepted where the target repeats a
+    token), EAGLE-3's reads the last aux layer through the target's own final norm
+    and logits head (draft vocabulary = the target's). Their drafts are often
+    accepted, so runs of accepted drafts occur."""
     import torch
     from safetensors.torch import save_file
 
@@ -64,12 +71,36 @@ def make_eagle_head(out_dir, method: str, *, vocab_size: int = 256, seed: int = 
                       0, perm, True)})
         cfg.update(draft_vocab_size=draft_vocab_size,
                    eagle_aux_hidden_state_layer_ids=list(aux_layers))
+    if copy_of is not None:
+        _make_copying(t, layer, prefix, eagle3, copy_of, vocab_size, len(aux_layers), std)
+        if eagle3:
+            cfg["draft_vocab_size"] = vocab_size
     cfg.update(extra or {})
     save_file({k: v.contiguous() for k, v in t.items() if k not in drop},
               os.path.join(out_dir, "model.safetensors"))
     with open(os.path.join(out_dir, "config.json"), "w") as f:
         json.dump(cfg, f)
     return str(out_dir)
+
+
+def _make_copying(t: dict, layer: str, prefix: str, eagle3: bool, target_dir: str,
+                  vocab_size: int, num_aux: int, std: float) -> None:
+    """`make_eagle_head`'s `copy_of` head, in place of `t`'s random tensors."""
+    import torch
+    from safetensors.torch import load_file
+
+    target = load_file(os.path.join(target_dir, "model.safetensors"))
+    t[layer + "self_attn.o_proj.weight"] *= std
+    t[layer + "mlp.down_proj.weight"] *= std
+    eye = torch.eye(H)
+    if not eagle3:  # fc keeps the hidden half of concat(embeds, hidden)
+        t[prefix + "fc.weight"] = torch.cat([torch.zeros(H, H), eye], dim=1)
+        return
+    t[prefix + "fc.weight"] = torch.cat([torch.zeros(H, (num_aux - 1) * H), eye], dim=1)
+    t[prefix + "norm.weight"] = target["model.norm.weight"].float().clone()
+    t[prefix + "lm_head.weight"] = target["lm_head.weight"].float().clone()
+    t[prefix + "d2t"] = torch.zeros(vocab_size, dtype=torch.long)
+    t[prefix + "t2d"] = torch.ones(vocab_size, dtype=torch.bool)
 
 
 def _rope(x, pos, theta: float = 10000.0):
