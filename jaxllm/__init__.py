@@ -9,6 +9,10 @@ from jaxllm.import_clock import IMPORT_TIME
 # process at 75% of it. Set before JAX starts its backend (a value already set wins).
 _os.environ.setdefault("XLA_PYTHON_CLIENT_MEM_FRACTION", "0.95")
 
+from jaxllm.xla_flags import add_gpu_xla_flags  # noqa: E402 - after the clock above
+
+add_gpu_xla_flags()  # also before the backend starts
+
 from jaxllm.config import EngineArgs  # noqa: E402 - after the clock above
 from jaxllm.outputs import CompletionOutput, PoolingRequestOutput, RequestOutput  # noqa: E402
 from jaxllm.sampling_params import PoolingParams, RequestOutputKind, SamplingParams  # noqa: E402

@@ -8,6 +8,7 @@ import os
 from dataclasses import dataclass, field
 from typing import Any
 
+from jaxllm.cache_config import CacheConfig
 from jaxllm.distributed.multihost import DistributedSpec, check_engine_host, resolve_distributed
 from jaxllm.errors import ParameterError
 from jaxllm.lora.config import LoRAConfig
@@ -93,20 +94,6 @@ def portable_config(config: EngineConfig) -> EngineConfig:
 
 
 @dataclass
-class CacheConfig:
-    block_size: int = 16
-    hbm_utilization: float = 0.9
-    enable_prefix_caching: bool = True
-    # Explicit KV capacity, in blocks of every layer (KV cache groups fit more block ids).
-    num_kv_blocks: int | None = None
-    kv_cache_bytes: int | None = None
-    # Set by the runner's sizing: block ids with the null block 0, and each KV cache
-    # group's sliding window, None for full attention (jaxllm/kv_groups.py).
-    num_blocks: int = 0
-    group_windows: tuple[int | None, ...] = (None,)
-
-
-@dataclass
 class SchedulerConfig:
     max_num_seqs: int = 128
     max_num_batched_tokens: int = 2048
@@ -179,8 +166,10 @@ class EngineArgs:
     load_format: str = "auto"
     hbm_utilization: float = 0.9
     gpu_memory_utilization: float | None = None  # vLLM's name for hbm_utilization
+    # The KV cache's capacity (cache_config.py): in blocks of every layer, or vLLM's
+    # override, the pool's block ids (with KV cache groups, a page per layer of a group).
     num_kv_blocks: int | None = None
-    num_gpu_blocks_override: int | None = None  # vLLM's name for num_kv_blocks
+    num_gpu_blocks_override: int | None = None
     kv_cache_bytes: int | None = None
     served_model_name: str | None = None
     scheduling_policy: str = "fcfs"
@@ -261,12 +250,7 @@ class EngineArgs:
         spec = SpeculativeConfig.from_dict(self.speculative_config)
         return EngineConfig(
             model_config=model_config, lora_config=lora,
-            cache_config=CacheConfig(
-                block_size=self.block_size, hbm_utilization=hbm,
-                # An encoder keeps no KV, so there is no prefix to reuse.
-                enable_prefix_caching=self.enable_prefix_caching and not model_config.is_encoder,
-                num_kv_blocks=self.num_gpu_blocks_override or self.num_kv_blocks,
-                kv_cache_bytes=self.kv_cache_bytes),
+            cache_config=CacheConfig.from_args(self, hbm, model_config.is_encoder),
             scheduler_config=SchedulerConfig(
                 max_num_seqs=self.max_num_seqs, max_num_batched_tokens=max_batched,
                 max_model_len=max_len,

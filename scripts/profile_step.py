@@ -35,10 +35,13 @@ def load_trace(log_dir: str) -> list[dict]:
 
 
 def device_events(events: list[dict]) -> list[dict]:
-    """Complete events on accelerator processes ('/device:GPU:0' and the like)."""
+    """Complete events on the first accelerator process ('/device:GPU:0' and the like):
+    under tensor parallelism every device runs the same program, and a union over
+    devices would hide one device's idle time behind another's kernels."""
     procs = {e["pid"]: e["args"]["name"] for e in events
              if e.get("ph") == "M" and e.get("name") == "process_name"}
-    devices = {pid for pid, name in procs.items() if "/device:" in name}
+    names = sorted(name for name in procs.values() if "/device:" in name)
+    devices = {pid for pid, name in procs.items() if names and name == names[0]}
     return [e for e in events if e.get("ph") == "X" and e["pid"] in devices and e.get("dur")]
 
 
@@ -58,6 +61,38 @@ def busy_and_gaps(events: list[dict]) -> tuple[float, list[float], float]:
     return busy, gaps, spans[-1][1] - spans[0][0] if spans else 0.0
 
 
+def gap_neighbours(events: list[dict], min_us: float = 100.0, top: int = 8) -> list[dict]:
+    """The idle gaps over `min_us` grouped by the kernel that ended before each and the one
+    that started after it: gaps at step boundaries (the host late with the next step)
+    read differently from gaps inside a step (a wait on a collective or a copy)."""
+    ev = sorted(events, key=lambda e: e["ts"])
+    groups: dict[tuple[str, str], list[float]] = collections.defaultdict(list)
+    last, end = ev[0], ev[0]["ts"] + ev[0]["dur"]
+    for e in ev[1:]:
+        if e["ts"] - end > min_us:
+            groups[(last["name"][:60], e["name"][:60])].append(e["ts"] - end)
+        if e["ts"] + e["dur"] >= end:
+            last, end = e, e["ts"] + e["dur"]
+    rows = sorted(groups.items(), key=lambda kv: -sum(kv[1]))[:top]
+    return [{"before": b, "after": a, "count": len(g), "total_ms": sum(g) / 1e3,
+             "median_us": float(np.median(g))} for (b, a), g in rows]
+
+
+def host_profile(fn, top: int = 25) -> list[dict]:
+    """cProfile of `fn()`: the functions with the most cumulative time (the engine's
+    step loop runs on this thread; the engine core's own process is not profiled)."""
+    import cProfile
+    import pstats
+
+    prof = cProfile.Profile()
+    prof.runcall(fn)
+    stats = pstats.Stats(prof)
+    rows = sorted(stats.stats.items(), key=lambda kv: -kv[1][3])[:top]
+    return [{"function": f"{os.path.basename(file)}:{line}:{name}", "calls": nc,
+             "tottime_ms": tt * 1e3, "cumtime_ms": ct * 1e3}
+            for (file, line, name), (_, nc, tt, ct, _) in rows]
+
+
 def summarize(events: list[dict], top: int = 15) -> dict:
     dev = device_events(events)
     if not dev:
@@ -75,6 +110,7 @@ def summarize(events: list[dict], top: int = 15) -> dict:
                         "over_100us_count": int((gaps_arr > 100).sum()),
                         "over_100us_ms": float(gaps_arr[gaps_arr > 100].sum()) / 1e3,
                         "p50_us": float(np.median(gaps_arr)), "max_us": float(gaps_arr.max())},
+        "gaps_by_neighbours": gap_neighbours(dev),
         "top_kernels": [{"name": k[:120], "total_ms": t / 1e3, "count": n, "share": t / busy}
                         for t, n, k in kernels[:top]],
     }
@@ -89,6 +125,9 @@ def main(argv: list[str] | None = None) -> dict:
     ap.add_argument("--output-len", type=int, default=64)
     ap.add_argument("--max-num-batched-tokens", type=int, default=None)
     ap.add_argument("--async-scheduling", action=argparse.BooleanOptionalAction, default=True)
+    ap.add_argument("--tensor-parallel-size", "-tp", type=int, default=1)
+    ap.add_argument("--host-profile", action="store_true",
+                    help="also cProfile one more untraced generate (in-process engine)")
     ap.add_argument("--name", default="profile_step", help="JSON file name under $OUT")
     args = ap.parse_args(argv)
 
@@ -99,7 +138,7 @@ def main(argv: list[str] | None = None) -> dict:
     b, n_in = args.batch_size, args.input_len
     tokens = args.max_num_batched_tokens or n_in * b
     llm = LLM(args.model, load_format=args.load_format, dtype=args.dtype,
-              skip_tokenizer_init=True,
+              skip_tokenizer_init=True, tensor_parallel_size=args.tensor_parallel_size,
               max_model_len=-(-(n_in + args.output_len + 16) // 128) * 128,
               max_num_seqs=b, max_num_batched_tokens=tokens,
               token_buckets=sorted({min(8 * -(-b // 8), tokens), tokens}),
@@ -116,9 +155,15 @@ def main(argv: list[str] | None = None) -> dict:
     with jax.profiler.trace(log_dir, create_perfetto_trace=True):
         llm.generate(prompts, params, use_tqdm=False)
     wall = time.perf_counter() - t0
-    result = {"batch_size": b, "input_len": n_in, "output_len": args.output_len,
+    result = {"batch_size": b, "tensor_parallel_size": args.tensor_parallel_size,
+              "input_len": n_in, "output_len": args.output_len,
               "async_scheduling": args.async_scheduling, "wall_ms": wall * 1e3,
               **summarize(load_trace(log_dir))}
+    if args.host_profile:
+        t0 = time.perf_counter()
+        result["host_profile"] = host_profile(
+            lambda: llm.generate(prompts, params, use_tqdm=False))
+        result["host_profiled_wall_ms"] = (time.perf_counter() - t0) * 1e3
     write_json(args.name, result)
     rows = [("traced wall (with profiler)", f"{wall * 1e3:.1f} ms"),
             ("device span / busy", f"{result['span_ms']:.1f} / {result['busy_ms']:.1f} ms "
@@ -128,6 +173,12 @@ def main(argv: list[str] | None = None) -> dict:
             ("kernels launched", str(result["num_kernels"]))]
     rows += [(f"  {k['name'][:60]}", f"{k['total_ms']:.2f} ms x{k['count']} ({k['share']:.1%})")
              for k in result["top_kernels"]]
+    rows += [(f"  gap {g['before'][:28]} -> {g['after'][:28]}",
+              f"{g['total_ms']:.2f} ms x{g['count']} (median {g['median_us']:.0f} µs)")
+             for g in result["gaps_by_neighbours"]]
+    rows += [(f"  host {h['function'][:56]}", f"{h['cumtime_ms']:.1f} ms cum, "
+                                              f"{h['tottime_ms']:.1f} own, x{h['calls']}")
+             for h in result.get("host_profile", [])]
     print_table(rows)
     return result
 

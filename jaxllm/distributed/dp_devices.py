@@ -2,21 +2,27 @@
 
 With `data_parallel_size = dp` the server runs dp engine cores, each a full
 replica on its own `tp` devices: core `r` owns devices `[r*tp, (r+1)*tp)`.
-On GPU the core's process sees only those (`CUDA_VISIBLE_DEVICES`, set before
-JAX starts, since JAX takes memory on every GPU it sees); on the CPU (tests,
-fake devices) every process sees all of them and takes its slice. TPU chips
-would need per-process chip bounds, which jaxllm does not set: there a data
-parallel engine is refused with an error naming the field.
+The frontend lays the cores out (`core_placements`) and each core process
+takes its place (`enter_placement`) before JAX starts. On a TPU VM the core's
+process is given only its own chips through libtpu's environment (tpu_dp.py),
+since libtpu opens every chip it is not told to leave alone; on GPU it sees
+only its own GPUs (`CUDA_VISIBLE_DEVICES`, since JAX takes memory on every GPU
+it sees); on the CPU (tests, fake devices) every process sees all of them and
+takes its slice.
 """
 
 from __future__ import annotations
 
+import logging
 import os
-from collections.abc import Sequence
-from dataclasses import dataclass
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, field
 from typing import Any
 
+from jaxllm.distributed.tpu_dp import detect_tpu_host, tpu_core_envs
 from jaxllm.errors import ParameterError
+
+logger = logging.getLogger(__name__)
 
 
 @dataclass(frozen=True)
@@ -26,6 +32,30 @@ class CorePlacement:
     rank: int
     data_parallel_size: int
     tensor_parallel_size: int
+    env: dict[str, str] = field(default_factory=dict)  # set in the core before JAX starts
+
+
+def core_placements(data_parallel_size: int, tensor_parallel_size: int,
+                    environ: Mapping[str, str] | None = None) -> list[CorePlacement]:
+    """Every core's place, laid out in the frontend (which never starts JAX itself).
+
+    On a TPU VM each place carries the libtpu environment that gives the core its
+    own chips; a layout the host cannot hold raises a ParameterError naming the field.
+    """
+    dp, tp = data_parallel_size, tensor_parallel_size
+    host = detect_tpu_host(environ) if dp > 1 else None
+    envs = tpu_core_envs(host, dp, tp, environ) if host is not None else [{}] * dp
+    return [CorePlacement(r, dp, tp, env) for r, env in enumerate(envs)]
+
+
+def enter_placement(placement: CorePlacement) -> None:
+    """Takes the core's place in its own process; call before JAX starts."""
+    os.environ.update(placement.env)
+    if placement.env:
+        logger.info("data-parallel core %d of %d: %s", placement.rank,
+                    placement.data_parallel_size,
+                    " ".join(f"{k}={os.environ.get(k)}" for k in sorted(placement.env)))
+    restrict_visible_gpus(placement)
 
 
 def restrict_visible_gpus(placement: CorePlacement) -> None:
@@ -60,16 +90,16 @@ def core_devices(tensor_parallel_size: int, data_parallel_size: int = 1,
     if dp == 1:
         return devices
     platform = devices[0].platform if devices else "none"
-    if platform == "tpu":
+    if platform == "tpu" and len(devices) != tp:
         raise ParameterError(
             "data_parallel_size",
-            f"data_parallel_size={dp} is not supported on TPU: each core would need its "
-            "own chips (TPU_VISIBLE_CHIPS and the process bounds), which jaxllm does not "
-            "set; run one server per replica with those variables set instead")
+            f"data_parallel_size={dp}: engine core {r} sees {len(devices)} TPU devices, "
+            f"not its own {tp} chips; jaxllm gives each core its chips when it detects a "
+            "TPU VM (see jaxllm/distributed/tpu_dp.py: JAXLLM_TPU_HOST names the host)")
+    if platform in ("gpu", "tpu") and len(devices) == tp:
+        return devices  # the core's process was left only its own GPUs or chips
     if len(devices) >= dp * tp:
         return devices[r * tp:(r + 1) * tp]
-    if platform == "gpu" and len(devices) == tp:
-        return devices  # CUDA_VISIBLE_DEVICES left this core only its own GPUs
     raise ParameterError(
         "data_parallel_size",
         f"data_parallel_size={dp} x tensor_parallel_size={tp} needs {dp * tp} devices, but "

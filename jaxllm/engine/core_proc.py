@@ -33,7 +33,7 @@ import zmq
 
 from jaxllm.config import EngineConfig
 from jaxllm.core.messages import EngineCoreOutput, EngineCoreOutputs, FinishReason
-from jaxllm.distributed.dp_devices import CorePlacement, restrict_visible_gpus
+from jaxllm.distributed.dp_devices import CorePlacement, enter_placement
 from jaxllm.engine.codec import (
     OUTPUTS,
     UTILITY_RESULT,
@@ -240,8 +240,8 @@ def run_engine_core(config: EngineConfig | None, addresses: dict[str, str],
     frontend's config build (transformers, and PyTorch where installed) overlaps
     the core's JAX start, and the core never imports either library.
 
-    `placement` makes it one data-parallel replica: it sees only its own GPUs
-    (narrowed before JAX starts) and takes its rank into its config.
+    `placement` makes it one data-parallel replica: it sees only its own TPU chips
+    or GPUs (its environment set before JAX starts) and takes its rank into its config.
     """
     name = "EngineCore" if placement is None else f"EngineCore_DP{placement.rank}"
     logging.basicConfig(level=log_level,
@@ -249,7 +249,7 @@ def run_engine_core(config: EngineConfig | None, addresses: dict[str, str],
     placement_error: ParameterError | None = None
     if placement is not None:
         try:
-            restrict_visible_gpus(placement)
+            enter_placement(placement)
         except ParameterError as e:  # answered through the handshake below
             placement_error = e
     if spawned_at is not None:

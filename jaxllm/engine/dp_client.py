@@ -29,7 +29,7 @@ from concurrent.futures import Future, ThreadPoolExecutor
 
 from jaxllm.config import EngineConfig
 from jaxllm.core.messages import EngineCoreOutputs, EngineCoreRequest
-from jaxllm.distributed.dp_devices import CorePlacement
+from jaxllm.distributed.dp_devices import CorePlacement, core_placements
 from jaxllm.engine.core_client import (
     AsyncMPClient,
     EngineCoreClient,
@@ -89,9 +89,9 @@ class _DPClient(EngineCoreClient):
                tensor_parallel_size: int) -> None:
         """Starts the N cores at once; if any fails, stops the others and raises."""
         dp = data_parallel_size
+        placements = core_placements(dp, tensor_parallel_size)
         with ThreadPoolExecutor(dp, thread_name_prefix="dp-launch") as pool:
-            futures = [pool.submit(make, CorePlacement(r, dp, tensor_parallel_size))
-                       for r in range(dp)]
+            futures = [pool.submit(make, p) for p in placements]
             clients, error = [], None
             for f in futures:
                 try:

@@ -17,7 +17,7 @@ from jaxllm.config import EngineArgs
 DEFAULT_MAX_REQUEST_BYTES = 32 * 1024 * 1024
 
 _SKIP = {"model", "token_buckets", "request_buckets", "gpu_memory_utilization",
-         "num_gpu_blocks_override", "speculative_config"}
+         "speculative_config"}
 _SHORT = {"tensor_parallel_size": "-tp", "data_parallel_size": "-dp"}  # vLLM's short flags
 _HELP = {"data_parallel_size": "engine cores, each a full replica on its own "
                                "tensor-parallel-size devices, behind this one server",
@@ -26,7 +26,11 @@ _HELP = {"data_parallel_size": "engine cores, each a full replica on its own "
          "distributed_num_processes": "multi-host: the number of hosts (processes); 0 has "
                                       "JAX find the job on a TPU VM slice",
          "distributed_process_id": "multi-host: this host's index; 0 serves, any other "
-                                   "follows host 0 in lockstep"}
+                                   "follows host 0 in lockstep",
+         "num_kv_blocks": "the KV cache's memory, in blocks of every layer",
+         "num_gpu_blocks_override": "vLLM's: the KV block pool's size, the null block "
+                                    "included; with sliding-window KV cache groups each "
+                                    "block is a page in each layer of one group"}
 
 
 def add_engine_args(parser: argparse.ArgumentParser) -> None:

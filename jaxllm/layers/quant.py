@@ -4,13 +4,15 @@ A quantized `Linear` (layers/linear.py) stores its weight `[*out, *in]` in the
 method's `weight_dtype` next to a float32 `weight_scale` `[*out]`, one scale per
 output channel, sharded with the output channels; the real weight is
 `weight * weight_scale[..., None]`. Both methods leave the activations' dtype
-as it comes and return it:
+as it comes and return it. Two products:
 
-  * `Int8WeightOnly` (`--quantization int8`): the int8 weight is upcast to the
-    activations' dtype inside the product (XLA fuses the convert into the dot),
-    accumulated in float32, and scaled per output channel.
-  * `Fp8Linear` (`--quantization fp8`): activations get a dynamic per-token
-    scale (`amax / 448` over the token's input features), both operands go to
+  * weight-only (`weight_only_product`): the quantized weight is upcast to the
+    activations' dtype as the dot's operand (XLA can fuse the convert into the
+    GEMM, so the weight streams from memory at one byte an element), accumulated
+    in float32, and scaled per output channel. `Int8WeightOnly`
+    (`--quantization int8`) always runs it.
+  * W8A8 (`Fp8Linear.w8a8_product`): activations get a dynamic per-token scale
+    (`amax / 448` over the token's input features), both operands go to
     float8_e4m3fn and the dot takes fp8 operands with a float32 result (XLA's
     FP8 GEMM on Hopper; upcast elsewhere), then both scales are applied. With
     `static` (an FP8 checkpoint's `activation_scheme: static`) the activations'
@@ -18,10 +20,20 @@ as it comes and return it:
     checkpoint (the largest of the fused parts', as vLLM), values past e4m3's
     range saturating.
 
+`Fp8Linear` (`--quantization fp8`) picks one of the two per product from its
+row count, which is static in each compiled program (a token bucket, or the
+request rows of a last layer): up to `weight_only_tokens` rows it runs
+weight-only, since a GEMM that few rows tall is bound by reading the weight and
+quantizing the activations only adds kernels; above, W8A8, where the FP8 GEMM's
+compute rate counts. The threshold is `FP8_WEIGHT_ONLY_TOKENS`, or the
+environment's `JAXLLM_FP8_WEIGHT_ONLY_TOKENS` (0: always W8A8), read when the
+model is built.
+
 The mixture-of-experts layer's stacked expert weights (layers/moe.py) take the
 same methods through `grouped`: one scale per expert and output channel, the
 grouped matmul (layers/grouped_matmul.py) taking the quantized operands and the
-scales applied to its float32 result, each row by its expert's.
+scales applied to its float32 result, each row by its expert's; fp8 experts choose
+between the two products by the grouped matmul's rows (token-expert pairs).
 
 The host-side quantizers (`quantize_per_channel`) are what the loader uses on
 a float checkpoint; they round the same way on every host (`quantize_traced` is
@@ -31,6 +43,7 @@ the same rounding in jnp, for dummy weights).
 from __future__ import annotations
 
 import dataclasses
+import os
 import string
 from typing import Any
 
@@ -44,12 +57,41 @@ from jaxllm.errors import ParameterError
 QUANTIZATIONS = ("fp8", "int8")
 FP8_MAX = float(ml_dtypes.finfo(ml_dtypes.float8_e4m3fn).max)  # 448
 INT8_MAX = 127.0
+# Rows up to which an fp8 product runs weight-only (see above); a device benchmark's
+# knob (scripts/bench_fp8_gemm.py measures both products per row count).
+FP8_WEIGHT_ONLY_TOKENS = 64
+WEIGHT_ONLY_ENV = "JAXLLM_FP8_WEIGHT_ONLY_TOKENS"
 
 
-def _einsum_spec(x_ndim_in: int, w_ndim: int) -> str:
+def fp8_weight_only_tokens() -> int:
+    """The fp8 weight-only threshold: `JAXLLM_FP8_WEIGHT_ONLY_TOKENS`, else the default."""
+    raw = os.environ.get(WEIGHT_ONLY_ENV)
+    if raw is None or raw == "":
+        return FP8_WEIGHT_ONLY_TOKENS
+    try:
+        value = int(raw)
+    except ValueError:
+        value = -1
+    if value < 0:
+        raise ParameterError(WEIGHT_ONLY_ENV, f"must be a whole number >= 0, got {raw!r}")
+    return value
+
+
+def einsum_spec(x_ndim_in: int, w_ndim: int) -> str:
+    """`x [T, *in] , w [*out, *in] -> [T, *out]` for `x_ndim_in` input axes."""
     letters = string.ascii_lowercase
     ins, outs = letters[:x_ndim_in], letters[x_ndim_in:w_ndim]
     return f"T{ins},{outs}{ins}->T{outs}"
+
+
+def weight_only_product(x: jax.Array, w: jax.Array, scale: jax.Array, in_dims: int,
+                        input_scale: None = None) -> jax.Array:
+    """`x @ (W * scale).T` with the quantized `W` upcast to `x`'s dtype as the dot's
+    operand (exact: every int8 and e4m3 value is a bfloat16 value) and the per-channel
+    scale applied after the float32 accumulation; no activation quantization."""
+    out = jnp.einsum(einsum_spec(in_dims, w.ndim), x, w.astype(x.dtype),
+                     preferred_element_type=jnp.float32)
+    return (out * scale).astype(x.dtype)
 
 
 class _QuantizedMethod:
@@ -87,9 +129,7 @@ class Int8WeightOnly(_QuantizedMethod):
 
     def product(self, x: jax.Array, w: jax.Array, scale: jax.Array, in_dims: int,
                 input_scale: None = None) -> jax.Array:
-        out = jnp.einsum(_einsum_spec(in_dims, w.ndim), x, w.astype(x.dtype),
-                         preferred_element_type=jnp.float32)
-        return (out * scale).astype(x.dtype)
+        return weight_only_product(x, w, scale, in_dims)
 
     def activations(self, x: jax.Array, in_dims: int = 1, input_scale: None = None
                     ) -> tuple[jax.Array, None]:
@@ -102,24 +142,46 @@ class Int8WeightOnly(_QuantizedMethod):
 
 @dataclasses.dataclass(frozen=True)
 class Fp8Linear(_QuantizedMethod):
-    """W8A8 e4m3: per-output-channel weight scales, dynamic per-token activation scales
+    """e4m3 weights with per-output-channel scales: weight-only up to
+    `weight_only_tokens` rows, else W8A8 with dynamic per-token activation scales
     (`static`: the layer's one static activation scale)."""
 
     static: bool = False
+    weight_only_tokens: int = FP8_WEIGHT_ONLY_TOKENS
     name = "fp8"
     weight_dtype = jnp.dtype(jnp.float8_e4m3fn)
 
+    def weight_only(self, rows: int) -> bool:
+        """Whether a product of `rows` rows (static in a compiled program) is weight-only."""
+        return rows <= self.weight_only_tokens
+
     def product(self, x: jax.Array, w: jax.Array, scale: jax.Array, in_dims: int,
                 input_scale: jax.Array | None = None) -> jax.Array:
-        xq, x_scale = self.activations(x, in_dims, input_scale)
-        out = jnp.einsum(_einsum_spec(in_dims, w.ndim), xq, w,
+        if self.weight_only(x.shape[0]):
+            return weight_only_product(x, w, scale, in_dims)
+        return self.w8a8_product(x, w, scale, in_dims, input_scale)
+
+    def w8a8_product(self, x: jax.Array, w: jax.Array, scale: jax.Array, in_dims: int,
+                     input_scale: jax.Array | None = None) -> jax.Array:
+        """Both operands in e4m3, a float32 dot, then both scales."""
+        xq, x_scale = self.quantized_activations(x, in_dims, input_scale)
+        out = jnp.einsum(einsum_spec(in_dims, w.ndim), xq, w,
                          preferred_element_type=jnp.float32)
         if x_scale.ndim:
             x_scale = x_scale.reshape(x.shape[0], *([1] * (out.ndim - 1)))
         return (out * x_scale * scale).astype(x.dtype)
 
     def activations(self, x: jax.Array, in_dims: int = 1,
-                    input_scale: jax.Array | None = None) -> tuple[jax.Array, jax.Array]:
+                    input_scale: jax.Array | None = None) -> tuple[jax.Array, jax.Array | None]:
+        """The grouped matmul's left operand and its scale: `(x, None)` where the rows
+        run weight-only, else `quantized_activations`."""
+        if self.weight_only(x.shape[0]):
+            return x, None
+        return self.quantized_activations(x, in_dims, input_scale)
+
+    def quantized_activations(self, x: jax.Array, in_dims: int = 1,
+                              input_scale: jax.Array | None = None
+                              ) -> tuple[jax.Array, jax.Array]:
         """`(e4m3 x / s, s)` with `s` `[T, 1...]` each token's `amax / 448` over its
         trailing `in_dims` input axes, or the static scalar `input_scale`."""
         xf = x.astype(jnp.float32)
@@ -135,21 +197,20 @@ class Fp8Linear(_QuantizedMethod):
         return quantize_per_channel(w, in_dims, "fp8")
 
 
-# "fp8_static": fp8 with static activation scales, what an FP8 checkpoint's
-# quantization_config asks for (models/quant_load.static_activations); never a flag.
-METHODS = {"int8": Int8WeightOnly(), "fp8": Fp8Linear(), "fp8_static": Fp8Linear(static=True)}
-
-
 def linear_method(quantization: str | None):
     """The `Linear` method for a `--quantization` value or "fp8_static" (None: the
-    plain product)."""
+    plain product). "fp8_static": fp8 with static activation scales, what an FP8
+    checkpoint's quantization_config asks for (quant_config.py); never a flag. The
+    fp8 methods take the weight-only threshold the environment sets now."""
     if quantization is None:
         return None
-    try:
-        return METHODS[quantization]
-    except KeyError:
-        raise ParameterError("quantization", f"must be one of {QUANTIZATIONS} or None, "
-                             f"got {quantization!r}") from None
+    if quantization == "int8":
+        return Int8WeightOnly()
+    if quantization in ("fp8", "fp8_static"):
+        return Fp8Linear(static=quantization == "fp8_static",
+                         weight_only_tokens=fp8_weight_only_tokens())
+    raise ParameterError("quantization", f"must be one of {QUANTIZATIONS} or None, "
+                         f"got {quantization!r}")
 
 
 def quantize_per_channel(w: np.ndarray, in_dims: int, kind: str

@@ -3,7 +3,12 @@ that proposes each step's drafts on the device.
 
 It keeps a paged KV cache of its own, with as many blocks as the target's, and
 reads the target's block tables: a block id names the same tokens in both
-caches, so prefix-cache hits and preemption need nothing more. Every target
+caches, so prefix-cache hits and preemption need nothing more. With KV cache
+groups (a Gemma target: jaxllm/kv_groups.py) it reads the first group's table,
+whose full attention keeps every block of the context, and holds every one of
+its own layers' pages there, windowed or not: the sliding-window groups'
+tables lose the blocks their window passed, which a draft's other layers may
+still read. Every target
 forward is mirrored by the draft's on the same packed inputs (`follow`), which
 keeps its cache in step through prefills, chunked or not, and verify steps.
 
@@ -28,6 +33,7 @@ from flax import nnx
 
 from jaxllm.config import EngineConfig
 from jaxllm.errors import ParameterError
+from jaxllm.kv_groups import KVCacheGroups
 from jaxllm.models.loader import kv_cache_spec, load_model
 from jaxllm.quant_config import kv_cache_dtype
 from jaxllm.worker.buckets import Buckets
@@ -38,16 +44,20 @@ from jaxllm.worker.step_inputs import StepInputs, pack_step_inputs, src_view, un
 
 @functools.cache
 def draft_functions(graphdef: Any, state_def: Any, num_reqs: int, width: int, k: int,
-                    block_size: int, max_len: int) -> tuple[Any, Any]:
-    """The jitted `follow` and `propose` of one draft model graph."""
+                    block_size: int, max_len: int, num_groups: int = 1) -> tuple[Any, Any]:
+    """The jitted `follow` and `propose` of one draft model graph; `follow` reads the
+    target's packed inputs (`num_groups` tables a request), `propose` its own (one)."""
 
     def merge(weights):
         return nnx.merge(graphdef, jax.tree.unflatten(state_def, weights))
 
     def follow(weights, kv_cache, packed, drafts):
         """The target's step on the draft: its KV for every scheduled token."""
-        input_ids, positions, md, src, _ = unpack_step_inputs(packed, num_reqs, width)
+        input_ids, positions, md, src, _ = unpack_step_inputs(packed, num_reqs, width,
+                                                              num_groups)
         input_ids = jnp.where(src >= 0, drafts.reshape(-1)[jnp.maximum(src, 0)], input_ids)
+        if md.grouped:  # the full-attention group's slots and tables
+            md = md.for_group(0)
         _, kv_cache = merge(weights)(input_ids, positions, kv_cache, md)
         return kv_cache
 
@@ -98,6 +108,7 @@ class DraftModel:
 
     def __init__(self, config: EngineConfig, mesh: Any, attn_backend: Any, swiglu: Any,
                  buckets: Buckets):
+        self.num_groups = buckets.num_kv_groups
         mc = config.draft_model_config
         self.buckets = buckets
         self.k = config.speculative_config.num_speculative_tokens
@@ -111,25 +122,23 @@ class DraftModel:
         self.follow_fn, self.propose_fn = draft_functions(
             graphdef, jax.tree.structure(state), buckets.max_num_seqs,
             buckets.max_blocks_per_req, self.k, config.cache_config.block_size,
-            mc.max_model_len)
+            mc.max_model_len, self.num_groups)
         self.propose_buckets = propose_buckets(buckets)
 
     @classmethod
     def load(cls, config: EngineConfig, mesh: Any, attn_backend: Any, swiglu: Any,
-             buckets: Buckets) -> DraftModel | None:
-        """The draft model where the speculative method runs one, else None."""
+             buckets: Buckets, groups: KVCacheGroups) -> DraftModel | None:
+        """The draft model where the speculative method runs one, else None. `groups`:
+        the target's KV cache groups."""
         if config.draft_model_config is None:
             return None
-        cls.check_target(buckets)
-        return cls(config, mesh, attn_backend, swiglu, buckets)
-
-    @staticmethod
-    def check_target(buckets: Buckets) -> None:
-        if buckets.num_kv_groups > 1:
-            # The draft reads the target's block tables, which are per group there.
+        if groups.windows[0] is not None:
+            # No group keeps the whole context: every table loses out-of-window blocks.
             raise ParameterError("speculative_config.method",
-                                 "a draft model for a target with sliding-window KV cache "
-                                 "groups (Gemma) is not supported; use 'ngram'")
+                                 "a draft model needs a target with a full-attention layer; "
+                                 f"this one's layers all attend in sliding windows "
+                                 f"{sorted(set(groups.windows))}; use 'ngram'")
+        return cls(config, mesh, attn_backend, swiglu, buckets)
 
     def bytes_per_block(self) -> int:
         return self.cache.bytes_per_block()
@@ -165,7 +174,7 @@ class DraftModel:
         computed = inputs.computed
         ids[:n] = ib.token_ids[rows, np.minimum(computed, ib.max_model_len - 1)]
         pos[:n] = computed
-        pages[:n] = ib.block_table[rows]
+        pages[:n] = ib.block_table[rows, :b.max_blocks_per_req]  # the full-attention group's
         kv_lens[:n] = computed + 1
         cu_end[:n] = np.arange(1, n + 1)
         cu_end[n:] = n
@@ -175,7 +184,7 @@ class DraftModel:
         # Request i's draft j is the step's token first[i] + 1 + j.
         req = np.repeat(np.arange(n), num_drafts)
         j = np.arange(req.size) - np.repeat(np.cumsum(num_drafts) - num_drafts, num_drafts)
-        src_view(inputs.packed, b.max_num_seqs, b.max_blocks_per_req)[
+        src_view(inputs.packed, b.max_num_seqs, b.max_blocks_per_req, self.num_groups)[
             inputs.first[req] + 1 + j] = req * k + j
         return drafts
 
@@ -183,10 +192,13 @@ class DraftModel:
         """Compiles `follow` for every token bucket (with drafts made by `propose`, and
         with `no_drafts`, what steps without drafts pass) and `propose` for every bucket
         a step's requests fit; returns drafts as `propose` makes them (for the verify
-        programs' precompile)."""
+        programs' precompile). `dummy_inputs(t)`: the target's packed inputs for `t`
+        tokens."""
         drafts = None
+        b = self.buckets
         for t in self.propose_buckets:
-            drafts = self.run_propose(dummy_inputs(t))
+            drafts = self.run_propose(
+                pack_step_inputs(t, b.max_num_seqs, b.max_blocks_per_req)[0])
         for t in self.buckets.token_buckets:
             for d in (drafts, no_drafts):
                 self.follow(dummy_inputs(t), d, self.dummy_hidden(t))

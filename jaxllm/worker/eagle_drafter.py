@@ -30,6 +30,8 @@ from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
 from jaxllm.config import EngineConfig
+from jaxllm.errors import ParameterError
+from jaxllm.kv_groups import KVCacheGroups
 from jaxllm.models.eagle import load_eagle_head
 from jaxllm.models.llama import llama_arch
 from jaxllm.worker.buckets import Buckets
@@ -126,6 +128,7 @@ class EagleDrafter(DraftModel):
                  buckets: Buckets, target: Any):
         spec, mc = config.eagle_head, config.model_config
         self.buckets = buckets
+        self.num_groups = 1  # the target's KV cache groups (several are refused)
         self.k = config.speculative_config.num_speculative_tokens
         self.mesh = mesh
         head = load_eagle_head(spec, mesh, attn_backend, swiglu, mc.dtype)
@@ -172,10 +175,14 @@ class EagleDrafter(DraftModel):
 
 
 def make_drafter(config: EngineConfig, mesh: Any, attn_backend: Any, swiglu: Any,
-                 buckets: Buckets, target: Any) -> DraftModel | None:
+                 buckets: Buckets, target: Any, groups: KVCacheGroups) -> DraftModel | None:
     """The device proposer of the speculative method (a draft model or an EAGLE head
-    over `target`), else None."""
+    over `target`), else None. `groups`: the target's KV cache groups."""
     if config.eagle_head is None:
-        return DraftModel.load(config, mesh, attn_backend, swiglu, buckets)
-    DraftModel.check_target(buckets)
+        return DraftModel.load(config, mesh, attn_backend, swiglu, buckets, groups)
+    if groups.num_groups > 1:
+        # The head reads one table and the target's final or aux states of every layer.
+        raise ParameterError("speculative_config.method",
+                             f"an {config.eagle_head.method} head for a target with "
+                             "sliding-window KV cache groups (Gemma) is not supported")
     return EagleDrafter(config, mesh, attn_backend, swiglu, buckets, target)

@@ -25,6 +25,7 @@ from jax.sharding import Mesh
 from jaxllm.config import CacheConfig, EngineConfig
 from jaxllm.distributed.mesh import kv_cache_sharding
 from jaxllm.distributed.multihost import agree_min
+from jaxllm.errors import ParameterError
 from jaxllm.kv_groups import KVCacheGroups, blocks_per_request
 from jaxllm.models.loader import kv_cache_spec
 from jaxllm.quant_config import kv_cache_dtype
@@ -82,6 +83,8 @@ class PagedKVCache:
                    max_chunk: int | None = None) -> int:
         """Blocks to allocate, the null block included.
 
+        `cache.num_gpu_blocks_override` is the count itself, as vLLM's (with KV cache
+        groups, ids of a page per layer of a group: `override_num_blocks`);
         `cache.num_kv_blocks` fixes the memory, in blocks of every layer (with KV
         cache groups a block id covers fewer layers: more ids fit); else
         `cache.kv_cache_bytes` is the budget; else, on an accelerator,
@@ -93,6 +96,10 @@ class PagedKVCache:
         give: a compile-only TPU device (worker/tpu_compile.py).
         """
         per_block = self.bytes_per_block()
+        windows = (None,) if self.groups is None else self.groups.windows
+        if cache.num_gpu_blocks_override:
+            return override_num_blocks(cache.num_gpu_blocks_override, windows, self.block_size,
+                                       max_model_len, max_chunk or max_model_len)
         if cache.num_kv_blocks:  # the memory of that many blocks of every layer
             return int(cache.num_kv_blocks) * self.num_layers // self.pages_per_block + 1
         budget = cache.kv_cache_bytes
@@ -106,7 +113,6 @@ class PagedKVCache:
             budget = min(int(total * cache.hbm_utilization), limit) - used
             budget -= activation_reserve()
             budget *= self.mesh.shape["model"]  # the cache is sharded over kv heads
-        windows = (None,) if self.groups is None else self.groups.windows
         per_seq = blocks_per_request(windows, max_model_len, self.block_size,
                                      max_chunk or max_model_len)
         if budget is None:
@@ -132,6 +138,24 @@ class PagedKVCache:
         sharding = kv_cache_sharding(self.mesh, self.attn_backend)
         dtype = self.dtype
         return jax.jit(lambda: jnp.zeros(shape, dtype), out_shardings=sharding)()
+
+
+def override_num_blocks(override: int, windows: tuple[int | None, ...], block_size: int,
+                        max_model_len: int, max_chunk: int) -> int:
+    """vLLM's `num_gpu_blocks_override`: the pool's block count, the null block
+    included. Like vLLM's hybrid allocator it counts block ids shared by every KV
+    cache group, each id one page in each layer of a group; it must hold one request
+    of `max_model_len` (every group's blocks, computing `max_chunk` tokens a step)."""
+    need = blocks_per_request(windows, max_model_len, block_size, max_chunk) + 1
+    if override < need:
+        raise ParameterError(
+            "num_gpu_blocks_override",
+            f"{override} blocks cannot hold one request of max_model_len={max_model_len}: "
+            f"it needs {need} ({need - 1} over {len(windows)} KV cache group(s) of "
+            f"{block_size}-token blocks, and the null block); raise it or lower max_model_len")
+    logger.info("KV cache: num_gpu_blocks_override=%d blocks of %d tokens in %d group(s)",
+                override, block_size, len(windows))
+    return override
 
 
 def model_kv_groups(model: Any) -> KVCacheGroups:

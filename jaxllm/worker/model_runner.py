@@ -126,7 +126,8 @@ class ModelRunner:
                                         mc.max_model_len, cc.block_size, config.token_buckets,
                                         config.request_buckets, self.kv_groups.num_groups)
         # A draft model loads first (its weights are used memory); its cache mirrors ours.
-        drafter = make_drafter(config, self.mesh, self.attn_backend, self.swiglu, b, model)
+        drafter = make_drafter(config, self.mesh, self.attn_backend, self.swiglu, b, model,
+                               self.kv_groups)
         kv, self.num_kv_blocks = engine_kv_cache(  # the scheduler's block count (EngineCore)
             config, self.mesh, self.attn_backend, b, self.vocab_size, self.dtype,
             self.kv_groups, drafter.bytes_per_block() if drafter else 0, PROMPT_LOGPROBS_ROWS)

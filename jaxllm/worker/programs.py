@@ -34,6 +34,7 @@ from flax import nnx
 from tqdm.auto import tqdm
 
 from jaxllm.config import EngineConfig, compilation_cache_dir
+from jaxllm.layers.quant import fp8_weight_only_tokens
 from jaxllm.lora.layers import set_lora_masks
 from jaxllm.sample.metadata import SamplingMetadata, variant_metadata
 from jaxllm.sample.sampler import SamplerOutput, compute_prompt_logprobs_chunked
@@ -153,6 +154,9 @@ def aot_context(config: EngineConfig, attn_backend: Any, swiglu: Any,
             "mlp": [swiglu.name, swiglu.kernel, swiglu.interpret, swiglu.min_tokens],
             "mesh": [list(mesh.axis_names), list(mesh.devices.shape)],
             "lora": dataclasses.asdict(config.lora_config) if config.lora_config else None,
+            # fp8 products switch to weight-only by row count (layers/quant.py).
+            "fp8_weight_only_tokens": (fp8_weight_only_tokens()
+                                       if (mc.quantization or "").startswith("fp8") else None),
             # An EAGLE head's capture changes the forward's outputs (absent: none).
             **({"capture": list(head.capture)} if (head := config.eagle_head) else {})}
 

@@ -120,9 +120,12 @@ def test_each_core_takes_its_own_slice_of_the_devices(monkeypatch):
     class Chip:
         platform = "tpu"
 
-    # Two processes cannot share a host's chips without per-process chip bounds.
-    with pytest.raises(ParameterError, match="data_parallel_size=2 is not supported on TPU"):
+    # A TPU core's process is left only its own chips (tpu_dp.py); one that sees the whole
+    # host would fight the other cores for them.
+    with pytest.raises(ParameterError, match="engine core 0 sees 2 TPU devices, not its own 1"):
         core_devices(1, 2, 0, [Chip(), Chip()])
+    own = [Chip(), Chip()]
+    assert core_devices(2, 4, 3, own) == own
     assert core_devices(1, 1, 0, [Chip()])[0].platform == "tpu"
 
     monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "4,5,6,7")

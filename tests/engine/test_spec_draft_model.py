@@ -70,22 +70,24 @@ def prompts(model_dir):
     return [rand[0] * 2, rand[1], rand[1] + rand[4], rand[2], rand[3], rand[5]]
 
 
-_REFERENCE: dict[str, tuple] = {}
+_REFERENCE: dict[tuple[str, str], tuple] = {}
 
 
-def _reference(model_dir, prompts, extra_id, extra):
+def _reference(model_dir, prompts, extra_id, extra, base=BASE):
     """No speculation's outputs for greedy requests and for requests that stop early
-    (stop tokens and max_tokens inside an accepted run, logprobs), once per setting."""
-    if extra_id not in _REFERENCE:
-        ref = LLM(model_dir, **{**BASE, **extra})
+    (stop tokens and max_tokens inside an accepted run, logprobs), once per model and
+    setting (`base` updated with `extra`, named `extra_id`)."""
+    key = (model_dir, extra_id)
+    if key not in _REFERENCE:
+        ref = LLM(model_dir, **{**base, **extra})
         greedy = SamplingParams(temperature=0.0, max_tokens=32, ignore_eos=True)
         want = _run(ref, prompts, greedy)
         mixed = [SamplingParams(temperature=0.0, max_tokens=32, ignore_eos=True,
                                 stop_token_ids=[toks[0][0][k]])
                  for toks, k in zip(want, [9, 17, 5, 30, 22, 13], strict=True)]
         mixed[3] = SamplingParams(temperature=0.0, max_tokens=11, ignore_eos=True, logprobs=2)
-        _REFERENCE[extra_id] = (greedy, want, mixed, _run(ref, prompts, mixed))
-    return _REFERENCE[extra_id]
+        _REFERENCE[key] = (greedy, want, mixed, _run(ref, prompts, mixed))
+    return _REFERENCE[key]
 
 
 @pytest.mark.parametrize("draft, extra_id, extra", [

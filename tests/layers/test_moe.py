@@ -17,7 +17,14 @@ from jaxllm.distributed.mesh import make_mesh, param_shardings
 from jaxllm.errors import ParameterError
 from jaxllm.layers.grouped_matmul import GroupedMatmul, default_grouped_matmul
 from jaxllm.layers.moe import SparseMoE, expert_ffn, route
-from jaxllm.layers.quant import FP8_MAX, dequantize, linear_method, quantize_per_channel
+from jaxllm.layers.quant import (
+    FP8_MAX,
+    WEIGHT_ONLY_ENV,
+    Fp8Linear,
+    dequantize,
+    linear_method,
+    quantize_per_channel,
+)
 from jaxllm.models.moe_weights import MoEArch
 
 KERNELS = [GroupedMatmul("ragged_dot"), GroupedMatmul("megablox", interpret=True),
@@ -160,12 +167,13 @@ def _fp8_rows(a: np.ndarray) -> np.ndarray:
     return (a / s).astype(ml_dtypes.float8_e4m3fn).astype(np.float32) * s
 
 
-def quantized_reference(x, weights, ids, gate_up, down, kind):
-    """`dense_reference` over the dequantized expert weights; for fp8 also each
-    (token, expert) pair's input and hidden rows rounded to e4m3 per row."""
+def quantized_reference(x, weights, ids, gate_up, down, kind, round_activations):
+    """`dense_reference` over the dequantized expert weights; with `round_activations`
+    (fp8 W8A8) also each (token, expert) pair's input and hidden rows rounded to e4m3
+    per row."""
     gu = dequantize(*quantize_per_channel(gate_up, 1, kind))
     dn = dequantize(*quantize_per_channel(down, 1, kind))
-    if kind == "int8":
+    if not round_activations:
         return dense_reference(x, weights, ids, gu, dn)
     h = np.einsum("th,esih->tesi", _fp8_rows(x), gu)
     act = _fp8_rows(h[:, :, 0] / (1 + np.exp(-h[:, :, 0])) * h[:, :, 1])
@@ -175,17 +183,24 @@ def quantized_reference(x, weights, ids, gate_up, down, kind):
     return np.einsum("te,teh->th", mix, every)
 
 
-@pytest.mark.parametrize("kind", ["int8", "fp8"])
+# (weight kind, method, whether it rounds activations): fp8 with a threshold at the
+# 48 token-expert rows of `_draw(t=24, k=2)` runs weight-only, at 0 W8A8.
+QUANTIZED_EXPERTS = {"int8": ("int8", linear_method("int8"), False),
+                     "fp8": ("fp8", Fp8Linear(weight_only_tokens=0), True),
+                     "fp8_weight_only": ("fp8", Fp8Linear(weight_only_tokens=48), False)}
+
+
+@pytest.mark.parametrize("case", list(QUANTIZED_EXPERTS))
 @pytest.mark.parametrize("gmm", [KERNELS[0]] + [pytest.param(g, marks=pytest.mark.slow)
                                                 for g in KERNELS[1:]],
                          ids=lambda g: g.kernel)
-def test_quantized_experts_equal_the_dense_einsum_over_dequantized_weights(gmm, kind):
+def test_quantized_experts_equal_the_dense_einsum_over_dequantized_weights(gmm, case):
     """int8 / fp8 expert weights (one scale per expert and output channel) through every
-    grouped-matmul body, against the float einsum over the dequantized weights (fp8:
-    and over the activation rows rounded to e4m3 as the method rounds them); the
+    grouped-matmul body, against the float einsum over the dequantized weights (fp8
+    W8A8: and over the activation rows rounded to e4m3 as the method rounds them); the
     experts split in two still sum to the whole."""
+    kind, method, rounds = QUANTIZED_EXPERTS[case]
     x, weights, ids, gate_up, down = _draw(t=24, e=8, k=2)
-    method = linear_method(kind)
     gu_q, gu_s = quantize_per_channel(gate_up, 1, kind)
     dn_q, dn_s = quantize_per_channel(down, 1, kind)
     assert gu_s.shape == (8, 2, 48) and dn_s.shape == (8, 32)
@@ -194,7 +209,7 @@ def test_quantized_experts_equal_the_dense_einsum_over_dequantized_weights(gmm, 
         return np.asarray(jax.jit(lambda *a: expert_ffn(*a[:5], gmm, s, method, *a[5:]))(
             x, weights, ids, gu_q[s:s + n], dn_q[s:s + n], gu_s[s:s + n], dn_s[s:s + n]))
 
-    want = quantized_reference(x, weights, ids, gate_up, down, kind)
+    want = quantized_reference(x, weights, ids, gate_up, down, kind, rounds)
     unquantized = dense_reference(x, weights, ids, gate_up, down)
     assert np.abs(want).max() > 0.5
     assert np.abs(want - unquantized).max() > 1e-3  # the rounding is visible at this scale
@@ -205,8 +220,9 @@ def test_quantized_experts_equal_the_dense_einsum_over_dequantized_weights(gmm, 
 
 @pytest.mark.slow
 @pytest.mark.parametrize("kind", ["int8", "fp8"])
-def test_quantized_expert_parallel_layer_equals_one_device(kind):
-    """Quantized experts at tp 2: weights and their scales split by expert."""
+def test_quantized_expert_parallel_layer_equals_one_device(kind, monkeypatch):
+    """Quantized experts at tp 2: weights and their scales split by expert (fp8: W8A8)."""
+    monkeypatch.setenv(WEIGHT_ONLY_ENV, "0")
     kw = dict(num_experts=8, top_k=2, intermediate_size=48, hidden_size=32,
               renormalize=True, dtype=jnp.float32, method=linear_method(kind))
     one = SparseMoE(rngs=nnx.Rngs(0), **kw)

@@ -13,7 +13,13 @@ from flax import nnx
 
 from jaxllm.config import EngineArgs
 from jaxllm.errors import ParameterError
-from jaxllm.layers.quant import FP8_MAX, dequantize, linear_method, quantize_per_channel
+from jaxllm.layers.quant import (
+    FP8_MAX,
+    WEIGHT_ONLY_ENV,
+    dequantize,
+    linear_method,
+    quantize_per_channel,
+)
 from jaxllm.models.quant_load import input_scale_path
 from tests.models.quant_reference import static_input_scale, write_fp8_checkpoint
 from tests.models.test_model_parity import prompts_for, run_prefill_and_decode
@@ -25,6 +31,12 @@ from tests.models.test_quantization import (
     load,
 )
 from tests.models.tiny_checkpoints import make_tiny_checkpoint
+
+
+@pytest.fixture(autouse=True)
+def fp8_runs_w8a8_at_every_bucket(monkeypatch):
+    """Static scales quantize activations: every product here runs W8A8."""
+    monkeypatch.setenv(WEIGHT_ONLY_ENV, "0")
 
 
 def test_static_fp8_product_rounds_activations_at_the_layer_scale():

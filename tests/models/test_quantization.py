@@ -7,7 +7,9 @@ so only the quantized arithmetic differs:
     the float32 accumulation instead of before, a reassociation of exact float32
     math: logits agree to 1e-4 (the bound the transformers parity uses) and every
     greedy token agrees.
-  * FP8 W8A8: activations are also rounded to e4m3 per token (3 mantissa bits,
+  * FP8 W8A8 (every product here: these tests pin the weight-only threshold to 0;
+    tests/models/test_fp8_weight_only.py covers fp8's weight-only products):
+    activations are also rounded to e4m3 per token (3 mantissa bits,
     relative rounding error up to 2^-4 per element), which the twin does not do:
     logits agree to 10% of their largest magnitude (errors of 2^-4 per element
     average out over the hidden size and do not compound much in two layers), and
@@ -30,7 +32,7 @@ from jaxllm import LLM, SamplingParams
 from jaxllm.distributed.mesh import make_mesh
 from jaxllm.errors import ParameterError
 from jaxllm.layers.attention import get_attention_backend
-from jaxllm.layers.quant import dequantize
+from jaxllm.layers.quant import WEIGHT_ONLY_ENV, dequantize
 from jaxllm.models.loader import load_model
 from jaxllm.models.quant_load import scale_path
 from tests.compilations import recorded_compilations
@@ -51,6 +53,12 @@ AGREEMENT_FLOOR = {"int8": 1.0, "fp8": 0.25}
 # The MoE models (experts quantized too): int8 is exact math reassociated again;
 # fp8's rounding can also flip an expert pick, so sequences part earlier.
 MOE_AGREEMENT_FLOOR = {"int8": 1.0, "fp8": 0.15}
+
+
+@pytest.fixture(autouse=True)
+def fp8_runs_w8a8_at_every_bucket(monkeypatch):
+    """fp8 models built here quantize their activations in every product."""
+    monkeypatch.setenv(WEIGHT_ONLY_ENV, "0")
 
 
 def load(model_dir: str, quantization: str | None = None, tp: int = 1) -> nnx.Module:
