@@ -36,6 +36,8 @@ def make_eagle_head(out_dir, method: str, *, vocab_size: int = 256, seed: int = 
 
     os.makedirs(out_dir, exist_ok=True)
     g = torch.Generator().manual_seed(seed)
+    if copy_of is not None:  # the target's logits head: its whole vocabulary
+        draft_vocab_size = vocab_size
 
     def rand(*shape, scale=std):
         return (scale * torch.randn(*shape, generator=g)).float()
@@ -73,8 +75,6 @@ def make_eagle_head(out_dir, method: str, *, vocab_size: int = 256, seed: int = 
                    eagle_aux_hidden_state_layer_ids=list(aux_layers))
     if copy_of is not None:
         _make_copying(t, layer, prefix, eagle3, copy_of, vocab_size, len(aux_layers), std)
-        if eagle3:
-            cfg["draft_vocab_size"] = vocab_size
     cfg.update(extra or {})
     save_file({k: v.contiguous() for k, v in t.items() if k not in drop},
               os.path.join(out_dir, "model.safetensors"))
