@@ -6,9 +6,10 @@ GELU: Gemma). Gate and up are one fused `[2, I, H]` weight, column parallel over
 `SwiGLU` object (jaxllm/layers/mlp.py: XLA or the fused GPU kernel), its down
 projection through the `MatmulAdd` (residual add in the epilogue).
 
-An MLP module takes `(x, residual)` and returns `residual + mlp(x)`, or `mlp(x)`
-alone when `residual` is None (families that norm the MLP's output before the
-add). The decoder picks one MLP per layer (`models/decoder.py`'s factory), so a
+An MLP module takes `(x, residual, num_tokens)` and returns `residual + mlp(x)`,
+or `mlp(x)` alone when `residual` is None (families that norm the MLP's output
+before the add); `num_tokens` counts the real rows, which a sparse MLP may use.
+The decoder picks one MLP per layer (`models/decoder.py`'s factory), so a
 mixture-of-experts MLP drops in beside this one.
 """
 
@@ -53,8 +54,11 @@ class GatedMLP(nnx.Module):
                                 bias=bias, bias_spec=P(None), matmul_add=swiglu.matmul_add,
                                 method=method)
 
-    def __call__(self, x: jax.Array, residual: jax.Array | None) -> jax.Array:
-        """`residual + mlp(x)` (`mlp(x)` when `residual` is None) for the normed input `x`."""
+    def __call__(self, x: jax.Array, residual: jax.Array | None,
+                 num_tokens: jax.Array | None = None) -> jax.Array:
+        """`residual + mlp(x)` (`mlp(x)` when `residual` is None) for the normed input `x`;
+        every row, `num_tokens` (the step's real rows) or not: a dense product costs the
+        same either way."""
         up = self.gate_up_proj
         if self.activation == "silu" and up.plain and up.lora is None:
             h = self.swiglu(x, up.weight[...], None if up.bias is None else up.bias[...])

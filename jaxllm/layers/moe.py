@@ -9,8 +9,18 @@ The experts run as two grouped matmuls over the T*k (token, expert) pairs
 sorted by expert (`expert_ffn`): gather each pair's token row, gate/up for each
 expert's run of rows, SiLU·mul, down, scale by the routing weight, then scatter-add
 back to the token. Shapes are fixed (T*k rows whatever the routing), so the step
-stays one compiled program; padding tokens are routed like any other and their
-rows dropped by the caller. The grouped matmul is layers/grouped_matmul.py's.
+stays one compiled program. The grouped matmul is layers/grouped_matmul.py's.
+
+Small steps (decode) take `routed_expert_ffn` instead, chosen at trace time when
+the step has at most `small_token_limit()` token rows (SMALL_TOKENS, or
+`JAXLLM_MOE_SMALL_TOKENS`; 0 on TPU): a `fori_loop` whose trip count is the
+number of distinct experts the step's real tokens routed to, each iteration
+reading one expert's weights (a dynamic index) and applying them to every row,
+kept where routed. The GPU's grouped-matmul bodies read far more at a decode step
+(ragged_dot computes every expert; "tiled" gathers one expert per tile of its
+static bound). Both paths route padding tokens nowhere: the caller passes the
+step's real token count (`num_tokens`, the rows before it), and the padding rows
+come back zero.
 
 Weights keep Hugging Face's `[out, in]` orientation, stacked per expert:
 
@@ -36,6 +46,7 @@ all-reduce per layer a row-parallel dense MLP costs.
 
 from __future__ import annotations
 
+import os
 from typing import Any
 
 import jax
@@ -53,6 +64,9 @@ _shard_map = getattr(jax, "shard_map", None)
 if _shard_map is None:  # jax < 0.7
     from jax.experimental.shard_map import shard_map as _shard_map
 
+# Steps of at most this many token rows take `routed_expert_ffn` (`small_token_limit`).
+SMALL_TOKENS = 16
+
 
 def route(logits: jax.Array, top_k: int, renormalize: bool) -> tuple[jax.Array, jax.Array]:
     """(weights `[T, k]` float32, expert ids `[T, k]` int32) for router logits `[T, E]`."""
@@ -63,13 +77,93 @@ def route(logits: jax.Array, top_k: int, renormalize: bool) -> tuple[jax.Array, 
     return weights, ids.astype(jnp.int32)
 
 
+def small_token_limit(mesh: Mesh | None = None) -> int:
+    """The most token rows a step may have to take `routed_expert_ffn`:
+    `JAXLLM_MOE_SMALL_TOKENS` if set (a device sweep's knob; 0 turns the path off), else
+    SMALL_TOKENS, and 0 on TPU, whose megablox kernel already skips experts no row
+    routes to (the platform of `mesh`'s devices, else of this process's)."""
+    chosen = os.environ.get("JAXLLM_MOE_SMALL_TOKENS")
+    if chosen:
+        if not chosen.isdigit():
+            raise ParameterError("JAXLLM_MOE_SMALL_TOKENS",
+                                 f"must be a whole number of tokens, got {chosen!r}")
+        return int(chosen)
+    device = mesh.devices.flat[0] if mesh is not None else jax.devices()[0]
+    return 0 if device.platform == "tpu" else SMALL_TOKENS
+
+
+def _local_keys(ids: jax.Array, first_expert: jax.Array | int, local: int,
+                num_tokens: jax.Array | int | None) -> jax.Array:
+    """Each (token, choice) pair's expert among this call's `local` ones, `local` for
+    pairs it skips: another device's expert, or a padding token's (rows from
+    `num_tokens` on)."""
+    expert = ids - first_expert
+    mine = (expert >= 0) & (expert < local)
+    if num_tokens is not None:
+        mine &= jnp.arange(ids.shape[0])[:, None] < num_tokens
+    return jnp.where(mine, expert, local)
+
+
+def routed_experts(ids: jax.Array, first_expert: jax.Array | int, local: int,
+                   num_tokens: jax.Array | int | None = None) -> tuple[jax.Array, jax.Array]:
+    """(the distinct local experts the real tokens routed to, ascending, then `local`
+    fill, `[min(T*k, local)]`; how many there are) for expert ids `[T, k]`."""
+    key = _local_keys(ids, first_expert, local, num_tokens)
+    experts = jnp.unique(key, size=min(key.size, local), fill_value=local)
+    return experts, jnp.sum(experts < local, dtype=jnp.int32)
+
+
+def routed_expert_ffn(x: jax.Array, weights: jax.Array, ids: jax.Array, gate_up: jax.Array,
+                      down: jax.Array, first_expert: jax.Array | int = 0, method: Any = None,
+                      gate_up_scale: jax.Array | None = None,
+                      down_scale: jax.Array | None = None,
+                      input_scales: tuple[jax.Array, jax.Array] | None = None,
+                      num_tokens: jax.Array | int | None = None) -> jax.Array:
+    """`expert_ffn`'s result for a small step, reading each expert the real tokens
+    routed to once and no other: a loop over `routed_experts`, each iteration one
+    expert's gate/up and down products for every row (a tiny GEMM), added to the rows
+    that routed there with their weights. Arguments as `expert_ffn`'s."""
+    t = ids.shape[0]
+    local, inter, hidden = gate_up.shape[0], gate_up.shape[2], gate_up.shape[3]
+    key = _local_keys(ids, first_expert, local, num_tokens)
+    experts, count = routed_experts(ids, first_expert, local, num_tokens)
+    statics = input_scales or (None, None)
+
+    def product(lhs: jax.Array, w: jax.Array, scale: jax.Array | None, i: int) -> jax.Array:
+        if method is None:
+            return jnp.einsum("tk,nk->tn", lhs, w,
+                              preferred_element_type=jnp.float32).astype(x.dtype)
+        return method.product(lhs, w, scale, 1, statics[i]).astype(x.dtype)
+
+    def body(i: jax.Array, out: jax.Array) -> jax.Array:
+        e = experts[i]
+        hit = key == e  # [T, k]; a token picks an expert at most once
+
+        def take(a: jax.Array | None, *shape: int) -> jax.Array | None:
+            """Expert `e`'s slice of `a` (its weights or scales), reshaped to `shape`."""
+            return None if a is None else jax.lax.dynamic_index_in_dim(
+                a, e, keepdims=False).reshape(shape or a.shape[1:])
+
+        h = product(x, take(gate_up, 2 * inter, hidden), take(gate_up_scale, 2 * inter), 0)
+        h = jax.nn.silu(h[:, :inter]) * h[:, inter:]
+        y = product(h, take(down), take(down_scale), 1)
+        w = jnp.sum(jnp.where(hit, weights, 0.0), axis=1)
+        # where, not a product: the rows not routed here (padding ones too) may hold anything.
+        return out + jnp.where(jnp.any(hit, axis=1)[:, None],
+                               y.astype(jnp.float32) * w[:, None], 0.0)
+
+    return jax.lax.fori_loop(0, count, body, jnp.zeros((t, hidden), jnp.float32))
+
+
 def expert_ffn(x: jax.Array, weights: jax.Array, ids: jax.Array, gate_up: jax.Array,
                down: jax.Array, gmm: GroupedMatmul, first_expert: jax.Array | int = 0,
                method: Any = None, gate_up_scale: jax.Array | None = None,
                down_scale: jax.Array | None = None,
-               input_scales: tuple[jax.Array, jax.Array] | None = None) -> jax.Array:
+               input_scales: tuple[jax.Array, jax.Array] | None = None,
+               num_tokens: jax.Array | int | None = None) -> jax.Array:
     """`sum_j weights[t, j] * expert_{ids[t, j]}(x[t])` over the experts this call holds,
-    `[T, hidden]` in float32 (partial sums over devices add up before the cast).
+    `[T, hidden]` in float32 (partial sums over devices add up before the cast); rows
+    from `num_tokens` on (padding tokens; None: none) route nowhere and come back zero.
 
     `gate_up [E_l, 2, I, H]` and `down [E_l, H, I]` are experts `first_expert ...
     first_expert + E_l - 1`; pairs routed to any other expert contribute zero (another
@@ -80,9 +174,8 @@ def expert_ffn(x: jax.Array, weights: jax.Array, ids: jax.Array, gate_up: jax.Ar
     """
     t, k = ids.shape
     local, inter, hidden = gate_up.shape[0], gate_up.shape[2], gate_up.shape[3]
-    expert = ids.reshape(-1) - first_expert
-    mine = (expert >= 0) & (expert < local)
-    key = jnp.where(mine, expert, local)
+    key = _local_keys(ids, first_expert, local, num_tokens).reshape(-1)
+    mine = key < local
     order = jnp.argsort(key, stable=True)
     sizes = jnp.zeros(local + 1, jnp.int32).at[key].add(1)[:local]
     token = order // k
@@ -119,6 +212,7 @@ class SparseMoE(nnx.Module):
             raise ParameterError("config.json:num_experts_per_tok",
                                  f"must be in [1, {e}] (the number of experts), got {top_k}")
         self.gmm = gmm or default_grouped_matmul(mesh)
+        self.small_tokens = small_token_limit(mesh)
         self.mesh = mesh if mesh is not None and mesh.shape["model"] > 1 else None
         if self.mesh is not None and e % self.mesh.shape["model"]:
             raise ParameterError("tensor_parallel_size", f"{self.mesh.shape['model']} does not "
@@ -135,9 +229,11 @@ class SparseMoE(nnx.Module):
             (make_param(rngs, (), jnp.float32, P(), "ones"),
              make_param(rngs, (), jnp.float32, P(), "ones")) if static else (None, None))
 
-    def __call__(self, x: jax.Array, residual: jax.Array | None) -> jax.Array:
+    def __call__(self, x: jax.Array, residual: jax.Array | None,
+                 num_tokens: jax.Array | None = None) -> jax.Array:
         """`residual` plus the experts' weighted output for the normed input `x` (the
-        output alone when `residual` is None), as the decoder calls every MLP."""
+        output alone when `residual` is None), as the decoder calls every MLP. Rows
+        from `num_tokens` on (the step's padding; None: none) get no expert output."""
         logits = jnp.einsum("th,eh->te", x, self.router[...],
                             preferred_element_type=jnp.float32)
         weights, ids = route(logits, self.top_k, self.renormalize)
@@ -147,21 +243,28 @@ class SparseMoE(nnx.Module):
         statics = (() if self.gate_up_proj_input_scale is None else
                    (self.gate_up_proj_input_scale[...], self.down_proj_input_scale[...]))
 
-        def ffn(x, weights, ids, statics, *experts, first=0):
-            return expert_ffn(x, weights, ids, *experts[:2], self.gmm, first, self.method,
-                              *experts[2:], input_scales=statics or None)
+        num_tokens = jnp.asarray(x.shape[0] if num_tokens is None else num_tokens, jnp.int32)
+        small = x.shape[0] <= self.small_tokens  # static: the step's bucket
 
+        def ffn(x, weights, ids, statics, num_tokens, *experts, first=0):
+            kw = dict(input_scales=statics or None, num_tokens=num_tokens)
+            if small:
+                return routed_expert_ffn(x, weights, ids, *experts[:2], first, self.method,
+                                         *experts[2:], **kw)
+            return expert_ffn(x, weights, ids, *experts[:2], self.gmm, first, self.method,
+                              *experts[2:], **kw)
+
+        args = (x, weights, ids, statics, num_tokens, *experts)
         if self.mesh is None:
-            out = ffn(x, weights, ids, statics, *experts)
+            out = ffn(*args)
         else:
-            def shard(x, weights, ids, statics, *experts):
-                first = jax.lax.axis_index("model") * experts[0].shape[0]
-                return jax.lax.psum(ffn(x, weights, ids, statics, *experts, first=first),
-                                    "model")
+            def shard(*args):
+                first = jax.lax.axis_index("model") * args[5].shape[0]
+                return jax.lax.psum(ffn(*args, first=first), "model")
 
             out = _shard_map(shard, mesh=self.mesh,
-                             in_specs=(P(), P(), P(), P()) + (P("model"),) * len(experts),
-                             out_specs=P(), check_vma=False)(x, weights, ids, statics, *experts)
+                             in_specs=(P(),) * 5 + (P("model"),) * len(experts),
+                             out_specs=P(), check_vma=False)(*args)
         out = out.astype(x.dtype)
         return out if residual is None else residual + out
 

@@ -1,13 +1,15 @@
 """The device-side adapter tables and the batched LoRA product of one `Linear`.
 
-Each LoRA-enabled `Linear` carries a `LoRA` module: `a [max_loras, P, r, *in]`
-and, per output part, `b [max_loras, *out_part, r]` (B pre-scaled; a fused
-projection has P parts: qkv's q/k/v along its group axis, gate/up along axis
-0). A slot never written is zeros. Per step the runner sets `masks`: for the
-step's rows, a one-hot `[rows, max_loras]` of each row's slot (all zeros for a
-row without an adapter), so `y += ((x @ A.T) * mask) @ B.T` over every slot at
-once: two dense products with contraction `max_loras * r`, fixed shapes, no
-gather of per-token weights. A and B shard as the base weight: B along its
+Each LoRA-enabled `Linear` carries a `LoRA` module with two tables: `a [max_loras,
+P, r, *in]` and `b [max_loras, P, r, *out]` (B pre-scaled). A fused projection
+has P parts (qkv's q/k/v along its group axis, gate/up along axis 0); part p's
+rows of `b` are zero outside its own output columns, so one product covers every
+part and no per-part slice or concatenation runs. A slot never written is zeros.
+Per step the runner sets `masks`: for the step's rows, a one-hot `[rows,
+max_loras]` of each row's slot (all zeros for a row without an adapter), so
+`y += ((x @ A.T) * mask) @ B` over every slot at once: two dense products (the
+second contracting `max_loras * P * r`, its leading axes), fixed shapes, no gather
+of per-token weights and no loop. A and B shard as the base weight: B along its
 output axes (column-parallel), A along its input axes (row-parallel).
 """
 
@@ -43,28 +45,24 @@ class LoRA(nnx.Module):
                  parts: tuple[int, ...], part_axis: int, dtype: jnp.dtype):
         n_out = len(out_shape)
         out_spec, in_spec = spec[:n_out], spec[n_out:]
-        self.in_dims, self.part_axis = len(in_shape), part_axis
+        self.in_dims, self.out_dims = len(in_shape), n_out
+        # Part p's output columns along `part_axis` (the PEFT module it stands for).
+        self.part_bounds = tuple(int(x) for x in np.cumsum((0,) + tuple(parts)))
+        self.part_axis = part_axis
         self.a = _placed(mesh, (max_loras, len(parts), rank, *in_shape), dtype,
                          P(None, None, None, *in_spec))
-        b = []
-        for size in parts:
-            out_p = list(out_shape)
-            out_p[part_axis] = size
-            b.append(_placed(mesh, (max_loras, *out_p, rank), dtype, P(None, *out_spec, None)))
-        self.b = nnx.List(b)
+        self.b = _placed(mesh, (max_loras, len(parts), rank, *out_shape), dtype,
+                         P(None, None, None, *out_spec))
         self.masks: dict[int, jax.Array] | None = nnx.data(None)  # set per step
 
     def __call__(self, x: jax.Array) -> jax.Array:
         """The adapters' term for `x [T, *in]` (each row its own slot): `[T, *out]`."""
         mask = self.masks[x.shape[0]]
         ins = string.ascii_lowercase[:self.in_dims]
+        outs = string.ascii_lowercase[self.in_dims:self.in_dims + self.out_dims]
         xa = jnp.einsum(f"T{ins},LPR{ins}->TLPR", x, self.a[...])
         xa = xa * mask.astype(xa.dtype)[:, :, None, None]
-        outs = []
-        for p, b in enumerate(self.b):
-            o = string.ascii_lowercase[:b.ndim - 2]
-            outs.append(jnp.einsum(f"TLR,L{o}R->T{o}", xa[:, :, p], b[...]))
-        return outs[0] if len(outs) == 1 else jnp.concatenate(outs, axis=1 + self.part_axis)
+        return jnp.einsum(f"TLPR,LPR{outs}->T{outs}", xa, self.b[...])
 
 
 def lora_linears(model: nnx.Module) -> list[tuple[int, str, nnx.Module]]:
@@ -106,7 +104,10 @@ def step_lora_masks(slots: jax.Array, cu_q_lens: jax.Array, num_tokens: int,
     and for its requests' last rows (`slots [num_reqs]`, -1 for none; the last layer
     may run on those rows alone). A token's slot is its request's, found from
     `cu_q_lens`; padding tokens get none."""
-    req = jnp.searchsorted(cu_q_lens[1:], jnp.arange(num_tokens, dtype=jnp.int32), side="right")
+    # Compared with every request's end in one pass: the default binary search is a
+    # loop, launched step by step.
+    req = jnp.searchsorted(cu_q_lens[1:], jnp.arange(num_tokens, dtype=jnp.int32),
+                           side="right", method="compare_all")
     padded = jnp.concatenate([slots, jnp.full((1,), -1, slots.dtype)])
     tok = padded[jnp.minimum(req, slots.shape[0])]
     ids = jnp.arange(max_loras, dtype=slots.dtype)

@@ -80,7 +80,9 @@ def sparse_moe(arch: DecoderArch, layer: int, *, dtype: jnp.dtype, rngs: nnx.Rng
 
 
 # Per-layer MLP kind (`DecoderArch.mlp_kinds`) -> its module. An MLP is called as
-# `mlp(x, residual)` -> `residual + mlp(x)` (`mlp(x)` when residual is None);
+# `mlp(x, residual, num_tokens)` -> `residual + mlp(x)` (`mlp(x)` when residual is
+# None), `num_tokens` the rows of `x` that are the step's tokens, the rest padding
+# whose output nothing reads (the experts skip them; a dense MLP computes them);
 # its checkpoint tensors are decoder_weights.MLP_WEIGHTS[kind]. `mesh`: the mesh the
 # attention is split over (layers/attention_sharded.py; None on one device).
 MLP_FACTORIES: dict[str, Callable[..., nnx.Module]] = {"dense": dense_mlp, "moe": sparse_moe}
@@ -184,9 +186,11 @@ class DecoderLayer(nnx.Module):
         x, kv_cache = self.self_attn(norm(x, 0), positions, kv_cache, md, qk_norms, residual=x,
                                      post_norm=norms[1] if self.sandwich else None,
                                      rows=rows, write=write, kv_scale=kv_scale)
+        # The real rows lead: the step's tokens, or with `rows` one per real request.
+        num_tokens = md.cu_q_lens[-1] if rows is None else md.num_seqs[0]
         if self.sandwich:
-            return x + norm(self.mlp(norm(x, 2), None), 3), kv_cache
-        return self.mlp(norm(x, 1), x), kv_cache
+            return x + norm(self.mlp(norm(x, 2), None, num_tokens), 3), kv_cache
+        return self.mlp(norm(x, 1), x, num_tokens), kv_cache
 
 
 class DecoderForCausalLM(nnx.Module):

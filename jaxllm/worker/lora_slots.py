@@ -27,9 +27,10 @@ from jaxllm.lora.request import LoRARequest
 
 def adapter_tables(linears: list[tuple[int, str, nnx.Module]], adapter: PeftAdapter,
                    name: str) -> list[np.ndarray]:
-    """The adapter's value for one slot of every table (in `table_leaves` order):
-    per projection its A `[P, r, *in]` then each part's B `[*out_part, r]`; zeros
-    where the adapter leaves a module out. Ranks below the tables' are zero-padded."""
+    """The adapter's value for one slot of every table (in `table_leaves` order): per
+    projection its A `[P, r, *in]` then its B `[P, r, *out]` (part p's rows only in
+    part p's output columns); zeros where the adapter leaves a module out. Ranks below
+    the tables' are zero-padded."""
     out = []
     served = {(layer, m) for layer, proj, _ in linears for m in LORA_PARTS[proj]}
     extra = sorted(set(adapter.weights) - served)
@@ -39,10 +40,10 @@ def adapter_tables(linears: list[tuple[int, str, nnx.Module]], adapter: PeftAdap
                          "table in this model")
     for layer, proj, linear in linears:
         lora = linear.lora
-        a = lora.a[...]
-        in_shape = a.shape[3:]
+        a, b = lora.a[...], lora.b[...]
+        in_shape, out_shape = a.shape[3:], b.shape[3:]
         a_val = np.zeros(a.shape[1:], np.float32)
-        b_vals = [np.zeros(b.shape[1:], np.float32) for b in lora.b]
+        b_val = np.zeros(b.shape[1:], np.float32)
         for p, module in enumerate(LORA_PARTS[proj]):
             ab = adapter.weights.get((layer, module))
             if ab is None:
@@ -53,22 +54,24 @@ def adapter_tables(linears: list[tuple[int, str, nnx.Module]], adapter: PeftAdap
                 raise ValueError(f"LoRA adapter {name!r}: {module} of layer {layer} has lora_A "
                                  f"{A.shape}; the model wants in={math.prod(in_shape)}")
             a_val[p, :r] = A.reshape(r, *in_shape)
-            out_p = b_vals[p].shape[:-1]
+            lo, hi = lora.part_bounds[p], lora.part_bounds[p + 1]
+            out_p = list(out_shape)
+            out_p[lora.part_axis] = hi - lo
             per_head = math.prod(out_p[1:])
             if B.shape[0] % per_head or out_p[0] % (B.shape[0] // per_head):
                 raise ValueError(f"LoRA adapter {name!r}: {module} of layer {layer} has lora_B "
                                  f"{B.shape}; the model wants out={math.prod(out_p)}")
             src = B.shape[0] // per_head
             # kv heads replicated over tensor-parallel shards (models/decoder.py)
-            full = np.repeat(B.reshape(src, *out_p[1:], r), out_p[0] // src, axis=0)
-            b_vals[p][..., :r] = full
-        out += [a_val, *b_vals]
+            full = np.repeat(B.T.reshape(r, src, *out_p[1:]), out_p[0] // src, axis=1)
+            b_val[(p, slice(0, r)) + (slice(None),) * lora.part_axis + (slice(lo, hi),)] = full
+        out += [a_val, b_val]
     return out
 
 
 def table_leaves(linears: list[tuple[int, str, nnx.Module]]) -> list[jax.Array]:
     return [arr for _, _, linear in linears
-            for arr in (linear.lora.a[...], *(b[...] for b in linear.lora.b))]
+            for arr in (linear.lora.a[...], linear.lora.b[...])]
 
 
 class LoRASlots:
@@ -144,10 +147,13 @@ class LoRASlots:
         slots = np.full(num_rows, -1, np.int32)
         if not self.req_lora:
             return slots
-        wanted = {i: lr for i, r in enumerate(req_ids) if (lr := self.req_lora.get(r))}
-        in_step = {lr.lora_int_id for lr in wanted.values()}
-        for i, lr in wanted.items():
-            slots[i] = self._slot(lr, in_step)
+        get = self.req_lora.get
+        wanted = [get(r) for r in req_ids]
+        # Each distinct adapter once (a step holds at most max_loras of them).
+        distinct = {lr.lora_int_id: lr for lr in wanted if lr is not None}
+        in_step = set(distinct)
+        slot = {key: self._slot(lr, in_step) for key, lr in distinct.items()}
+        slots[:len(req_ids)] = [-1 if lr is None else slot[lr.lora_int_id] for lr in wanted]
         return slots
 
     def _slot(self, lr: LoRARequest, in_step: set[int]) -> int:

@@ -107,12 +107,14 @@ def test_routing_matches_transformers_routers(renormalize):
 @pytest.mark.slow
 @pytest.mark.parametrize("gmm", KERNELS, ids=lambda g: g.kernel)
 def test_expert_parallel_layer_equals_one_device(gmm):
-    """At tp 2 each device holds 4 of the 8 experts (`shard_map`, psum over 'model')."""
+    """At tp 2 each device holds 4 of the 8 experts (`shard_map`, psum over 'model'); the
+    grouped matmul at every row count (tests/layers/test_moe_routed.py: small steps')."""
     kw = dict(num_experts=8, top_k=2, intermediate_size=48, hidden_size=32,
               renormalize=True, dtype=jnp.float32, gmm=gmm)
     one = SparseMoE(rngs=nnx.Rngs(0), **kw)
     mesh = make_mesh(2)
     split = SparseMoE(rngs=nnx.Rngs(0), mesh=mesh, **kw)
+    one.small_tokens = split.small_tokens = 0
     graphdef, state = nnx.split(split)
     state = jax.device_put(nnx.to_pure_dict(state), param_shardings(state, mesh))
     assert state["gate_up_proj"].addressable_shards[0].data.shape == (4, 2, 48, 32)
@@ -221,13 +223,15 @@ def test_quantized_experts_equal_the_dense_einsum_over_dequantized_weights(gmm, 
 @pytest.mark.slow
 @pytest.mark.parametrize("kind", ["int8", "fp8"])
 def test_quantized_expert_parallel_layer_equals_one_device(kind, monkeypatch):
-    """Quantized experts at tp 2: weights and their scales split by expert (fp8: W8A8)."""
+    """Quantized experts at tp 2: weights and their scales split by expert (fp8: W8A8;
+    the grouped matmul at every row count)."""
     monkeypatch.setenv(WEIGHT_ONLY_ENV, "0")
     kw = dict(num_experts=8, top_k=2, intermediate_size=48, hidden_size=32,
               renormalize=True, dtype=jnp.float32, method=linear_method(kind))
     one = SparseMoE(rngs=nnx.Rngs(0), **kw)
     mesh = make_mesh(2)
     split = SparseMoE(rngs=nnx.Rngs(0), mesh=mesh, **kw)
+    one.small_tokens = split.small_tokens = 0
     graphdef, state = nnx.split(split)
     state = jax.device_put(nnx.to_pure_dict(state), param_shardings(state, mesh))
     assert state["gate_up_proj"].dtype == linear_method(kind).weight_dtype

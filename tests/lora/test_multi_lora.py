@@ -70,11 +70,11 @@ def test_batch_mixing_three_adapters_and_the_base_model_matches_merged_transform
         _check_mixed_batch(llm, setup)
         _check_mixed_batch(llm, setup)  # again: slots already hold the adapters
     assert compiles == []
-    # Layer 0's tables: qkv's A, its q/k/v Bs, then o_proj's A and B.
-    qkv_a, q_b, _, _, o_a, o_b = (runner.state[i] for i in runner.lora.indices[:6])
-    assert q_b.sharding.spec[1] == "model"  # B over the column-parallel kv-head axis
+    # Layer 0's tables: qkv's A and B (q/k/v parts stacked), then o_proj's A and B.
+    qkv_a, qkv_b, o_a, o_b = (runner.state[i] for i in runner.lora.indices[:4])
+    assert qkv_b.sharding.spec[3] == "model"  # B over the column-parallel kv-head axis
     assert o_a.sharding.spec[3] == "model"  # A over the row-parallel head axis
-    assert q_b.addressable_shards[0].data.shape[1] == q_b.shape[1] // tp
+    assert qkv_b.addressable_shards[0].data.shape[3] == qkv_b.shape[3] // tp
     assert o_a.addressable_shards[0].data.shape[3] == o_a.shape[3] // tp
     assert set(qkv_a.sharding.spec) <= {None} and set(o_b.sharding.spec) <= {None}
 

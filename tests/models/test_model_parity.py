@@ -178,7 +178,8 @@ def test_ragged_prefill_and_decode_logits_match_transformers(case, tmp_path):
 @pytest.mark.slow
 @pytest.mark.parametrize("case", ["mixtral-4-experts-top2", "qwen3-moe-dense-and-sparse-layers"])
 def test_moe_logits_by_the_megablox_kernel_match_transformers(case, tmp_path):
-    """The routed experts by the Pallas TPU grouped matmul (interpret mode), as on TPU."""
+    """The routed experts by the Pallas TPU grouped matmul (interpret mode) at every step
+    size, as on TPU."""
     from jaxllm.layers.grouped_matmul import GroupedMatmul
     from jaxllm.layers.moe import SparseMoE
 
@@ -187,7 +188,7 @@ def test_moe_logits_by_the_megablox_kernel_match_transformers(case, tmp_path):
     moes = [layer.mlp for layer in model.layers if isinstance(layer.mlp, SparseMoE)]
     assert moes and all(m.gmm.kernel == "ragged_dot" for m in moes)  # the CPU's default
     for m in moes:
-        m.gmm = GroupedMatmul("megablox", interpret=True)
+        m.gmm, m.small_tokens = GroupedMatmul("megablox", interpret=True), 0
     prompts, next_tokens = prompts_for(256, seed=5), [9, 99, 199]
     got = run_prefill_and_decode(model, prompts, next_tokens)
     for g, w in zip(got, hf_logits(model_dir, prompts, next_tokens), strict=True):
@@ -196,7 +197,9 @@ def test_moe_logits_by_the_megablox_kernel_match_transformers(case, tmp_path):
 
 @pytest.mark.parametrize("case", ["llama-gqa-untied", "mistral-sliding-window",
                                   "qwen3-qk-norm", "gemma2-softcaps-tied",
-                                  "gemma3-local-global-rope"])
+                                  "gemma3-local-global-rope",
+                                  pytest.param("qwen3-moe-dense-and-sparse-layers",
+                                               marks=pytest.mark.slow)])
 def test_forward_rows_equals_the_full_forward_at_the_last_rows(case, tmp_path):
     """`forward_rows` (the last layer for each request's last token only) gives the
     full forward's hidden states there and the same cache; `finish_states` gives the
@@ -234,6 +237,37 @@ def test_forward_rows_equals_the_full_forward_at_the_last_rows(case, tmp_path):
                                atol=1e-5)
     assert np.abs(np.asarray(full)[last]).max() > 0.5  # not a comparison of near-zeros
     assert np.isfinite(np.asarray(got)).all()  # the padding request's row too
+
+
+@pytest.mark.slow
+def test_moe_layers_hear_the_steps_real_token_count(tmp_path, monkeypatch):
+    """The decoder tells each MLP how many of its rows are real, so the experts route
+    the padding nowhere: 7 tokens of the 24-token bucket in every sparse layer of a
+    forward, and in `forward_rows`' last layer (one row per request) the 3 real
+    requests of 4."""
+    from jaxllm.layers.moe import SparseMoE
+
+    heard, call = [], SparseMoE.__call__
+
+    def spy(self, x, residual, num_tokens=None):
+        jax.debug.callback(lambda n, rows=x.shape[0]: heard.append((rows, int(n))), num_tokens)
+        return call(self, x, residual, num_tokens)
+
+    monkeypatch.setattr(SparseMoE, "__call__", spy)
+    model = load(make_tiny_checkpoint(tmp_path, **CASES["qwen3-moe-dense-and-sparse-layers"]))
+    graphdef, state = nnx.split(model)
+    ids, positions = np.zeros(TOKEN_BUCKET, np.int32), np.zeros(TOKEN_BUCKET, np.int32)
+    ids[:7] = np.arange(4, 11)
+    positions[:7] = [0, 0, 1, 2, 3, 0, 1]
+    md = _metadata([1, 4, 2], [1, 4, 2], TOKEN_BUCKET)
+    rows = jnp.maximum(md.cu_q_lens[1:] - 1, 0)
+    jax.block_until_ready(jax.jit(lambda s, *a: nnx.merge(graphdef, s)(*a))(
+        state, ids, positions, _empty_cache(model), md))
+    assert sorted(heard) == [(TOKEN_BUCKET, 7)] * 3  # layer 1 is dense
+    heard.clear()
+    jax.block_until_ready(jax.jit(lambda s, *a: nnx.merge(graphdef, s).forward_rows(*a))(
+        state, ids, positions, _empty_cache(model), md, rows))
+    assert sorted(heard) == [(REQUEST_BUCKET, 3)] + [(TOKEN_BUCKET, 7)] * 2
 
 
 def _params(model: nnx.Module) -> dict:

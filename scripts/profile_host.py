@@ -1,0 +1,198 @@
+"""Where the host's time goes in the throughput workload: cProfile of the engine's step loop.
+
+Runs the throughput workload (jaxllm/benchmarks/throughput.py: N requests of random
+prompts, all submitted at once; optionally spread round-robin over random LoRA
+adapters) once to warm up, then once under cProfile, and prints the functions
+that took the most cumulative and own time, beside the runner's dispatch and
+wait seconds per step. Run it with and without --num-loras to see what the
+adapters add to each step's host work.
+
+    python scripts/profile_host.py --num-loras 8 --lora-rank 16
+"""
+
+from __future__ import annotations
+
+import argparse
+import cProfile
+import pstats
+import tempfile
+import time
+
+import numpy as np
+
+from jaxllm.benchmarks.common import add_model_args, print_table, write_json
+
+
+def top_functions(stats: pstats.Stats, key: str, n: int) -> list[dict]:
+    """The `n` functions with the most `key` time ('cumulative' or 'tottime')."""
+    rows = []
+    for (file, line, name), (_, calls, own, cum, _) in stats.stats.items():  # type: ignore[attr-defined]
+        rows.append({"function": f"{file}:{line}({name})", "calls": calls,
+                     "tottime_s": own, "cumtime_s": cum})
+    field = "cumtime_s" if key == "cumulative" else "tottime_s"
+    return sorted(rows, key=lambda r: r[field], reverse=True)[:n]
+
+
+def _time_dispatches(runner) -> list[tuple[int, float]]:
+    """Wraps `runner.dispatch` to record (scheduled tokens, seconds) of each step."""
+    per_step: list[tuple[int, float]] = []
+    dispatch = runner.dispatch
+
+    def timed(so, *args, **kwargs):
+        t0 = time.perf_counter()
+        try:
+            return dispatch(so, *args, **kwargs)
+        finally:
+            per_step.append((so.total_num_scheduled_tokens, time.perf_counter() - t0))
+
+    runner.dispatch = timed
+    return per_step
+
+
+def _forward_temp_bytes(runner) -> dict[int, int]:
+    """The transient bytes of each token bucket's compiled forward (from the disk cache)."""
+    programs, out = runner.programs, {}
+    for tokens in runner.buckets.token_buckets:  # the cache keys by packed-input size
+        program = programs.executables.get(("forward", programs.dummy_inputs(tokens).shape[0]))
+        if program is not None:
+            out[tokens] = int(program.compiled.memory_analysis().temp_size_in_bytes)
+    return out
+
+
+def _reserve(runner, hf, max_num_seqs: int) -> int:
+    """What the KV cache's sizing set aside for one step's transient memory."""
+    from jaxllm.worker.kv_cache import activation_reserve
+    from jaxllm.worker.programs import PROMPT_LOGPROBS_ROWS
+
+    b = runner.buckets
+    return activation_reserve(hf, b.token_buckets[-1], b.request_buckets[-1], runner.vocab_size,
+                              runner.dtype, PROMPT_LOGPROBS_ROWS, max_num_seqs)
+
+
+def _by_size(per_step: list[tuple[int, float]]) -> dict[str, dict]:
+    """Median and total dispatch ms of the steps of up to 1024 tokens and of larger ones."""
+    out = {}
+    for name, keep in (("<=1024", lambda t: t <= 1024), (">1024", lambda t: t > 1024)):
+        ms = [1e3 * s for t, s in per_step if keep(t)]
+        if ms:
+            out[name] = {"steps": len(ms), "median_ms": float(np.median(ms)),
+                         "total_ms": float(np.sum(ms))}
+    return out
+
+
+def main(argv: list[str] | None = None) -> dict:
+    ap = argparse.ArgumentParser(description=__doc__)
+    add_model_args(ap)
+    ap.add_argument("--num-prompts", type=int, default=1000)
+    ap.add_argument("--input-len", type=int, default=512)
+    ap.add_argument("--output-len", type=int, default=128)
+    ap.add_argument("--max-num-seqs", type=int, default=512)
+    ap.add_argument("--max-num-batched-tokens", type=int, default=16384)
+    ap.add_argument("--token-buckets", default="256,512,1024,6144,8192,12288,16384")
+    ap.add_argument("--request-buckets", default="64,512")
+    ap.add_argument("--num-loras", type=int, default=0,
+                    help="random adapters, requests round-robin over them (0: LoRA off)")
+    ap.add_argument("--lora-rank", type=int, default=16)
+    ap.add_argument("--top", type=int, default=30, help="functions to print")
+    args = ap.parse_args(argv)
+
+    import jax
+
+    from jaxllm import LLM, SamplingParams
+
+    llm = LLM(args.model, load_format=args.load_format, dtype=args.dtype,
+              skip_tokenizer_init=True,
+              max_model_len=-(-(args.input_len + args.output_len + 16) // 128) * 128,
+              max_num_seqs=args.max_num_seqs,
+              max_num_batched_tokens=args.max_num_batched_tokens,
+              token_buckets=[int(x) for x in args.token_buckets.split(",")],
+              request_buckets=[int(x) for x in args.request_buckets.split(",")],
+              enable_prefix_caching=False,
+              **({"enable_lora": True, "max_loras": args.num_loras,
+                  "max_lora_rank": args.lora_rank} if args.num_loras else {}))
+    runner = llm.llm_engine.engine_core.engine_core.model_runner
+    hf = llm.llm_engine.model_config.hf_config
+    rng = np.random.default_rng(0)
+    prompts = [{"prompt_token_ids": rng.integers(0, hf.vocab_size, args.input_len).tolist()}
+               for _ in range(args.num_prompts)]
+    params = SamplingParams(temperature=0.0, max_tokens=args.output_len, ignore_eos=True)
+    loras = None
+    if args.num_loras:
+        from jaxllm.benchmarks.lora_adapters import write_random_adapters
+
+        adapters = write_random_adapters(hf, args.num_loras, args.lora_rank,
+                                         tempfile.mkdtemp(prefix="profile-lora-"))
+        loras = [adapters[i % len(adapters)] for i in range(len(prompts))]
+    # The warm-up also puts every adapter in its slot.
+    warm = max(8, args.num_loras)
+    llm.generate(prompts[:warm], SamplingParams(max_tokens=4, ignore_eos=True), use_tqdm=False,
+                 lora_request=loras[:warm] if loras else None)
+
+    runner.step_log = []
+    runner.wait_seconds = runner.dispatch_seconds = 0.0
+    loads = runner.lora.loads if runner.lora else 0
+    per_step = _time_dispatches(runner)
+    compiles: list[str] = []
+    jax.monitoring.register_event_duration_secs_listener(
+        lambda event, _s, **_kw: compiles.append(event) if event.endswith(
+            "backend_compile_duration") or event.endswith("jaxpr_trace_duration") else None)
+    profile = cProfile.Profile()
+    t0 = time.perf_counter()
+    profile.enable()
+    llm.generate(prompts, params, use_tqdm=False, lora_request=loras)
+    profile.disable()
+    elapsed = time.perf_counter() - t0
+    steps = len(runner.step_log)
+    runner.step_log = None
+    del runner.dispatch  # the class's own again
+
+    stats = pstats.Stats(profile)
+    cumulative = top_functions(stats, "cumulative", args.top)
+    own = top_functions(stats, "tottime", args.top)
+    result = {
+        "workload": "profile_host", "model": args.model, "num_prompts": args.num_prompts,
+        "input_len": args.input_len, "output_len": args.output_len,
+        "num_loras": args.num_loras, "lora_rank": args.lora_rank if args.num_loras else None,
+        "elapsed_s": elapsed, "num_steps": steps,
+        "dispatch_s": runner.dispatch_seconds, "wait_s": runner.wait_seconds,
+        "dispatch_ms_per_step": 1e3 * runner.dispatch_seconds / max(steps, 1),
+        "adapter_loads_during_run": (runner.lora.loads - loads) if runner.lora else 0,
+        # Host time in dispatch by the step's size: work that depends on the step's tokens
+        # is the host waiting on the device inside the launch, not Python's.
+        "dispatch_ms_by_tokens": _by_size(per_step),
+        "compilations_during_run": len(compiles),  # traces and compiles: none expected
+        # Two steps are in flight: their transient memory must fit beside the KV cache,
+        # or a launch may wait for the step before it to free its own.
+        "forward_temp_bytes": _forward_temp_bytes(runner),
+        "activation_reserve_bytes": _reserve(runner, hf, args.max_num_seqs),
+        "device_memory": jax.devices()[0].memory_stats(),
+        "top_cumulative": cumulative, "top_own_time": own,
+    }
+    write_json("profile_host" + (f"_lora{args.num_loras}" if args.num_loras else ""), result)
+    print(f"{'cumulative s':>12} {'own s':>8} {'calls':>8}  function (top by cumulative)")
+    for r in cumulative:
+        print(f"{r['cumtime_s']:12.3f} {r['tottime_s']:8.3f} {r['calls']:8d}  {r['function']}")
+    print(f"\n{'own s':>12} {'cum s':>8} {'calls':>8}  function (top by own time)")
+    for r in own:
+        print(f"{r['tottime_s']:12.3f} {r['cumtime_s']:8.3f} {r['calls']:8d}  {r['function']}")
+    sizes = result["dispatch_ms_by_tokens"]
+    print_table([
+        ("LoRA adapters", f"{args.num_loras} of rank {args.lora_rank}" if args.num_loras
+         else "none"),
+        ("elapsed (under cProfile)", f"{elapsed:.1f} s over {steps} steps"),
+        ("dispatching steps", f"{runner.dispatch_seconds:.2f} s "
+         f"({result['dispatch_ms_per_step']:.2f} ms/step)"),
+        *((f"  steps of {k} tokens", f"{v['steps']} steps, median {v['median_ms']:.2f} ms, "
+           f"total {v['total_ms'] / 1e3:.2f} s") for k, v in sizes.items()),
+        ("waiting for sampled tokens", f"{runner.wait_seconds:.2f} s"),
+        ("adapter loads during the run", str(result["adapter_loads_during_run"])),
+        ("traces and compiles during the run", str(len(compiles))),
+        ("largest forward's transient memory",
+         f"{max(result['forward_temp_bytes'].values(), default=0) / 2**30:.2f} GiB "
+         f"(reserved: {result['activation_reserve_bytes'] / 2**30:.2f} GiB)"),
+    ])
+    return result
+
+
+if __name__ == "__main__":
+    main()
