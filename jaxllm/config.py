@@ -12,6 +12,7 @@ from jaxllm.cache_config import CacheConfig
 from jaxllm.distributed.multihost import DistributedSpec, check_engine_host, resolve_distributed
 from jaxllm.errors import ParameterError
 from jaxllm.lora.config import LoRAConfig
+from jaxllm.models.eagle_config import read_eagle_head
 from jaxllm.pooler_config import PoolerConfig, load_pooler_config
 from jaxllm.quant_config import resolve_quantization
 from jaxllm.spec_decode.config import MODEL_METHODS, SpeculativeConfig
@@ -133,8 +134,9 @@ class EngineConfig:
     # Dispatch step N+1 before step N's sampled tokens reach the host.
     async_scheduling: bool = True
     speculative_config: SpeculativeConfig | None = None
-    # The draft model of speculative decoding's model methods (draft_model), checked.
+    # The checked draft model (draft_model) or head (eagle, eagle3) of speculative decoding.
     draft_model_config: ModelConfig | None = None
+    eagle_head: Any = None  # models/eagle_config.EagleHeadSpec
     lora_config: LoRAConfig | None = None  # None: LoRA disabled
 
 
@@ -264,12 +266,12 @@ class EngineArgs:
             token_buckets=self.token_buckets, request_buckets=self.request_buckets,
             precompile=self.precompile, async_scheduling=self.async_scheduling,
             speculative_config=spec,
-            draft_model_config=self._draft_model_config(spec, model_config))
+            draft_model_config=self._draft_model_config(spec, model_config),
+            eagle_head=read_eagle_head(spec, model_config.hf_config, self.tensor_parallel_size))
 
     def _draft_model_config(self, spec: SpeculativeConfig | None,
                             target: ModelConfig) -> ModelConfig | None:
-        """The draft model's config, checked against the target's: it runs in the target's
-        dtype, over the target's context, on the target's vocabulary."""
+        """The draft model's config, checked against the target's (dtype, context, vocabulary)."""
         if spec is None or spec.method not in MODEL_METHODS:
             return None
         args = EngineArgs(model=spec.model, dtype=target.dtype, seed=self.seed,
@@ -311,7 +313,6 @@ class EngineArgs:
             hf_config = AutoConfig.from_pretrained(model)
         except Exception as e:  # transformers raises many types for bad configs
             raise ParameterError("model", f"transformers cannot read {cfg_path}: {e}") from e
-
         if self.dtype not in _DTYPES:
             raise ParameterError("dtype", f"must be one of {_DTYPES}, got {self.dtype!r}")
         dtype = self.dtype

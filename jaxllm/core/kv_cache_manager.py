@@ -39,7 +39,7 @@ class KVCacheManager:
     """
 
     def __init__(self, num_blocks: int, block_size: int, enable_caching: bool = True,
-                 windows: tuple[int | None, ...] = (None,)) -> None:
+                 windows: tuple[int | None, ...] = (None,), use_eagle: bool = False) -> None:
         if block_size < 1:
             raise ValueError(f"block_size must be at least 1, got {block_size}")
         if not windows or any(w is not None and w < 1 for w in windows):
@@ -59,6 +59,9 @@ class KVCacheManager:
         # How many leading blocks of each request are registered in the prefix cache.
         self._num_cached_blocks: dict[str, int] = {}
         self.prefix_cache_stats = PrefixCacheStats()
+        # An EAGLE head's KV at a block's last position reads the next block's first
+        # token: a hit gives up its last block, recomputed (vLLM's rule).
+        self.use_eagle = use_eagle
 
     @property
     def usage(self) -> float:
@@ -88,6 +91,8 @@ class KVCacheManager:
             if block is None:
                 break
             blocks.append(block)
+        if self.use_eagle and blocks:
+            blocks.pop()
         return blocks, len(blocks) * self.block_size
 
     def _hybrid_hit(self, hashes: list[BlockHash]) -> tuple[list[KVCacheBlock], int]:

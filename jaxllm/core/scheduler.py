@@ -62,7 +62,8 @@ class Scheduler:
 
         self.kv_cache_manager = KVCacheManager(cache.num_blocks, cache.block_size,
                                                cache.enable_prefix_caching,
-                                               tuple(cache.group_windows))
+                                               tuple(cache.group_windows),
+                                               use_eagle=config.eagle_head is not None)
         self._block_hasher = make_block_hasher(cache.block_size) \
             if cache.enable_prefix_caching else None
 

@@ -270,9 +270,30 @@ class DecoderForCausalLM(nnx.Module):
         x, _ = self._layer(-1, states, positions, kv_cache, md, write=False)
         return self.norm(x)
 
+    def forward_captured(self, input_ids: jax.Array, positions: jax.Array,
+                         kv_cache: jax.Array, md: AttentionMetadata, rows: jax.Array,
+                         layers: tuple[int, ...], on_rows: bool
+                         ) -> tuple[jax.Array, jax.Array, jax.Array, jax.Array]:
+        """`forward_rows`' outputs (`on_rows`; else `__call__`'s, the states final) and
+        what an EAGLE head reads of every row: the final hidden states (`layers` empty;
+        never `on_rows`) or the residual streams entering `layers`, concatenated in
+        ascending layer order `[T, len(layers) * hidden]`."""
+        aux: list[jax.Array] = []
+        x, kv_cache = self._trunk(input_ids, positions, kv_cache, md, layers, aux)
+        if len(self.layers) - 1 in layers:
+            aux.append(x)
+        if on_rows:
+            last, kv_cache = self._layer(-1, x, positions, kv_cache, md, rows=rows)
+            return self.norm(last), kv_cache, x, jnp.concatenate(aux, axis=-1)
+        y, kv_cache = self._layer(-1, x, positions, kv_cache, md)
+        y = self.norm(y)
+        return y[rows], kv_cache, y, jnp.concatenate(aux, axis=-1) if layers else y
+
     def _trunk(self, input_ids: jax.Array, positions: jax.Array, kv_cache: jax.Array,
-               md: AttentionMetadata) -> tuple[jax.Array, jax.Array]:
-        """Embedding and every layer but the last."""
+               md: AttentionMetadata, capture: tuple[int, ...] = (),
+               aux: list | None = None) -> tuple[jax.Array, jax.Array]:
+        """Embedding and every layer but the last (the input of each layer in `capture`
+        appended to `aux`)."""
         # Grouped metadata: pages for each slot of a group (jaxllm/kv_groups.py).
         runs = self.layers[0].self_attn.pages_per_block if md.grouped else len(self.layers)
         if kv_cache.shape[0] % runs:
@@ -282,6 +303,8 @@ class DecoderForCausalLM(nnx.Module):
         if self.arch.embed_scale:  # in the model dtype, as Hugging Face rounds it
             x = x * jnp.asarray(self.arch.hidden_size ** 0.5, x.dtype)
         for i in range(len(self.layers) - 1):
+            if i in capture:
+                aux.append(x)
             x, kv_cache = self._layer(i, x, positions, kv_cache, md)
         return x, kv_cache
 

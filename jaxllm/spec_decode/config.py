@@ -11,8 +11,10 @@ from typing import Any
 
 from jaxllm.errors import ParameterError
 
-SPEC_METHODS = ("ngram", "draft_model")  # what this engine drafts with (vLLM's `method` names)
+# What this engine drafts with (vLLM's `method` names).
+SPEC_METHODS = ("ngram", "draft_model", "eagle", "eagle3")
 MODEL_METHODS = ("draft_model",)  # the methods that run a model of their own (`model`)
+HEAD_METHODS = ("eagle", "eagle3")  # a head over the target's hidden states (`model`)
 
 
 @dataclass
@@ -48,7 +50,8 @@ class SpeculativeConfig:
             raise ParameterError("speculative_config.method",
                                  f"{method!r} is not supported; supported: {list(SPEC_METHODS)}")
         model = raw.get("model")
-        if method in MODEL_METHODS and not (isinstance(model, str) and os.path.isdir(model)):
+        needs_dir = method in MODEL_METHODS + HEAD_METHODS
+        if needs_dir and not (isinstance(model, str) and os.path.isdir(model)):
             raise ParameterError("speculative_config.model",
                                  f"method {method!r} needs a checkpoint directory, got {model!r}")
         k = raw.get("num_speculative_tokens")

@@ -97,6 +97,12 @@ def draft_functions(graphdef: Any, state_def: Any, num_reqs: int, width: int, k:
     return (jax.jit(follow, donate_argnums=(1,)), jax.jit(propose, donate_argnums=(1,)))
 
 
+def propose_buckets(buckets: Buckets) -> list[int]:
+    """Proposals run one token per request: the token buckets that hold a step's requests."""
+    top = buckets.pad_tokens(min(buckets.max_num_seqs, buckets.token_buckets[-1]))
+    return [t for t in buckets.token_buckets if t <= top]
+
+
 class DraftModel:
     """The draft model's weights, KV cache and programs beside one runner."""
 
@@ -117,10 +123,7 @@ class DraftModel:
             graphdef, jax.tree.structure(state), buckets.max_num_seqs,
             buckets.max_blocks_per_req, self.k, config.cache_config.block_size,
             mc.max_model_len, self.num_groups)
-        s = buckets.max_num_seqs
-        # Proposals run one token per request: the token buckets that hold a step's requests.
-        top = buckets.pad_tokens(min(s, buckets.token_buckets[-1]))
-        self.propose_buckets = [t for t in buckets.token_buckets if t <= top]
+        self.propose_buckets = propose_buckets(buckets)
 
     @classmethod
     def load(cls, config: EngineConfig, mesh: Any, attn_backend: Any, swiglu: Any,
@@ -144,14 +147,26 @@ class DraftModel:
         """The draft's cache, as many blocks as the target's (the same block ids)."""
         self.kv_cache = self.cache.allocate(num_blocks)
 
-    def follow(self, packed: np.ndarray, drafts: jax.Array) -> None:
+    def follow(self, packed: np.ndarray, drafts: jax.Array, hidden: Any = None) -> None:
+        """The draft's mirror of a target forward (`hidden`: what the forward captured
+        for an EAGLE head; none here)."""
         self.kv_cache = self.follow_fn(self.state, self.kv_cache, packed, drafts)
+
+    def run_propose(self, packed: np.ndarray) -> jax.Array:
+        """`propose`'s device program on its packed inputs; returns the drafts."""
+        self.kv_cache, drafts = self.propose_fn(self.state, self.kv_cache, packed)
+        return drafts
+
+    def dummy_hidden(self, num_tokens: int) -> Any:
+        """What `follow` takes as `hidden` from a forward of `num_tokens` (precompile)."""
+        return None
 
     def propose(self, ib: InputBatch, rows: np.ndarray, inputs: StepInputs,
                 num_drafts: np.ndarray) -> jax.Array:
         """The drafts `[max_num_seqs, k]` of the step's requests (row i, request i; the
         first `num_drafts[i]` are used), and `src` in `inputs.packed` pointing the
-        verify forward's draft tokens at them."""
+        verify forward's draft tokens at them. The proposer starts from each request's
+        next token (the one at its computed count) at that position."""
         b, n, k = self.buckets, rows.size, self.k
         t = b.pad_tokens(n)
         (packed, ids, pos, _, _, pages, kv_lens, cu_end, num_seqs,
@@ -165,7 +180,7 @@ class DraftModel:
         cu_end[n:] = n
         num_seqs[:] = n
         counts[:n] = num_drafts
-        self.kv_cache, drafts = self.propose_fn(self.state, self.kv_cache, packed)
+        drafts = self.run_propose(packed)
         # Request i's draft j is the step's token first[i] + 1 + j.
         req = np.repeat(np.arange(n), num_drafts)
         j = np.arange(req.size) - np.repeat(np.cumsum(num_drafts) - num_drafts, num_drafts)
@@ -182,10 +197,9 @@ class DraftModel:
         drafts = None
         b = self.buckets
         for t in self.propose_buckets:
-            self.kv_cache, drafts = self.propose_fn(
-                self.state, self.kv_cache,
+            drafts = self.run_propose(
                 pack_step_inputs(t, b.max_num_seqs, b.max_blocks_per_req)[0])
         for t in self.buckets.token_buckets:
             for d in (drafts, no_drafts):
-                self.follow(dummy_inputs(t), d)
+                self.follow(dummy_inputs(t), d, self.dummy_hidden(t))
         return drafts

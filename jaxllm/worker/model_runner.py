@@ -41,7 +41,7 @@ from jaxllm.sample.logprobs import LogprobsLists
 from jaxllm.sample.sampler import SamplerOutput
 from jaxllm.worker.aot_cache import ExecutableCache
 from jaxllm.worker.buckets import Buckets
-from jaxllm.worker.draft_model import DraftModel
+from jaxllm.worker.eagle_drafter import make_drafter
 from jaxllm.worker.input_batch import InputBatch
 from jaxllm.worker.kv_cache import engine_kv_cache, model_kv_groups
 from jaxllm.worker.lora_slots import LoRASlots, lora_args
@@ -126,8 +126,8 @@ class ModelRunner:
                                         mc.max_model_len, cc.block_size, config.token_buckets,
                                         config.request_buckets, self.kv_groups.num_groups)
         # A draft model loads first (its weights are used memory); its cache mirrors ours.
-        drafter = DraftModel.load(config, self.mesh, self.attn_backend, self.swiglu, b,
-                                  self.kv_groups)
+        drafter = make_drafter(config, self.mesh, self.attn_backend, self.swiglu, b, model,
+                               self.kv_groups)
         kv, self.num_kv_blocks = engine_kv_cache(  # the scheduler's block count (EngineCore)
             config, self.mesh, self.attn_backend, b, self.vocab_size, self.dtype,
             self.kv_groups, drafter.bytes_per_block() if drafter else 0, PROMPT_LOGPROBS_ROWS)
@@ -156,13 +156,14 @@ class ModelRunner:
                                      aot_context(config, self.attn_backend, self.swiglu,
                                                  self.mesh),
                                      list(self.mesh.devices.flat))
+        capture = config.eagle_head and config.eagle_head.capture  # what a head reads
         self.programs = StepPrograms(graphdef, jax.tree.structure(state),
-                                     model.logits_head[...], model.head_logits, b, aot)
+                                     model.logits_head[...], model.head_logits, b, aot, capture)
         self.lora = LoRASlots.create(model, self.state, config.lora_config, self.programs)
         # What a verify program is built from (spec_verify.py; benchmarks make their own).
         self.graph = (graphdef, jax.tree.structure(state), model.head_logits)
         spec = config.speculative_config
-        self.spec = None if spec is None else SpecVerifier(spec, *self.graph, b, drafter)
+        self.spec = spec and SpecVerifier(spec, *self.graph, b, drafter, capture)
 
     @property
     def aot_cache(self) -> ExecutableCache | None:
@@ -232,10 +233,11 @@ class ModelRunner:
             states = last_hidden = out_index = None
         else:
             prev_tokens = self._last_sampled if inputs.reads_prev else self._no_prev
-            self.kv_cache, states, last_hidden, out_index = self.programs.run_forward(
-                self.state, self.kv_cache, inputs.packed, prev_tokens, *lora)
+            self.kv_cache, states, last_hidden, out_index, *captured = \
+                self.programs.run_forward(self.state, self.kv_cache, inputs.packed,
+                                          prev_tokens, *lora)
             if self.spec is not None:
-                self.spec.follow(inputs.packed)
+                self.spec.follow(inputs.packed, None, *captured)
         prompt_lp = None
         # (A verify step scores no prompt: the scheduler drafts in no step that does.)
         if verify is None and ib.wants_prompt_logprobs[:ib.num_reqs].any():  # rare

@@ -74,7 +74,8 @@ def last_layer_on_rows(num_tokens: int, num_reqs: int) -> bool:
 
 @functools.cache
 def step_functions(graphdef: Any, state_def: Any, head_logits: Any, num_reqs: int,
-                   width: int, num_groups: int = 1) -> tuple[Any, Any, Any, Any]:
+                   width: int, num_groups: int = 1,
+                   capture: tuple[int, ...] | None = None) -> tuple[Any, Any, Any, Any]:
     """The jitted forward / sample / logits / prompt-logprobs for one model graph.
 
     Cached per graph (and step-input layout) so that engines built on the same
@@ -84,8 +85,14 @@ def step_functions(graphdef: Any, state_def: Any, head_logits: Any, num_reqs: in
     every call costs the host far more than passing a list. The logits and
     sampling steps take the head matrix alone (`head_logits(head, hidden)`,
     the model's): every array argument costs a dispatch. The prompt-logprobs
-    step (rare) takes all the weights: it may run the last layer again.
+    step (rare) takes all the weights: it may run the last layer again. With
+    `capture` (an EAGLE head's, `DecoderForCausalLM.forward_captured`) the forward
+    also returns what the head reads of every row.
     """
+
+    def on_rows(num_tokens: int) -> bool:
+        # An EAGLE head reading final hidden states needs the last layer on every row.
+        return capture != () and last_layer_on_rows(num_tokens, num_reqs)
 
     def merge(weights):
         return nnx.merge(graphdef, jax.tree.unflatten(state_def, weights))
@@ -102,6 +109,10 @@ def step_functions(graphdef: Any, state_def: Any, head_logits: Any, num_reqs: in
         model = merge(weights)
         if lora_slots is not None:  # each request's adapter slot (-1: none)
             set_lora_masks(model, lora_slots, md.cu_q_lens, input_ids.shape[0])
+        if capture is not None:
+            last_hidden, kv_cache, states, target = model.forward_captured(
+                input_ids, positions, kv_cache, md, rows, capture, on_rows(input_ids.shape[0]))
+            return kv_cache, states, last_hidden, out_index, target
         if last_layer_on_rows(input_ids.shape[0], num_reqs):
             last_hidden, kv_cache, states = model.forward_rows(input_ids, positions, kv_cache,
                                                                md, rows)
@@ -121,7 +132,7 @@ def step_functions(graphdef: Any, state_def: Any, head_logits: Any, num_reqs: in
         """Scores of `targets` at every row of a step, from the forward's `states` and cache."""
         model = merge(weights)
         hidden = states
-        if last_layer_on_rows(states.shape[0], num_reqs):  # its last layer, for every row
+        if on_rows(states.shape[0]):  # its last layer, for every row
             _, positions, md, _, _ = unpack_step_inputs(packed, num_reqs, width, num_groups)
             if lora_slots is not None:
                 set_lora_masks(model, lora_slots, md.cu_q_lens, states.shape[0])
@@ -149,7 +160,9 @@ def aot_context(config: EngineConfig, attn_backend: Any, swiglu: Any,
             "fp8_weight_only_tokens": (fp8_weight_only_tokens()
                                        if (mc.quantization or "").startswith("fp8") else None),
             # Mixture-of-experts bodies chosen by environment knobs (layers/moe.py).
-            "moe": [default_grouped_matmul(mesh).kernel, small_token_limit(mesh)]}
+            "moe": [default_grouped_matmul(mesh).kernel, small_token_limit(mesh)],
+            # An EAGLE head's capture changes the forward's outputs (absent: none).
+            **({"capture": list(head.capture)} if (head := config.eagle_head) else {})}
 
 
 class StepPrograms:
@@ -162,12 +175,12 @@ class StepPrograms:
 
     def __init__(self, graphdef: Any, state_def: Any, head: jax.Array,
                  head_logits: Callable[..., jax.Array], buckets: Buckets,
-                 aot_cache: ExecutableCache | None):
+                 aot_cache: ExecutableCache | None, capture: tuple[int, ...] | None = None):
         self.buckets = buckets
         self.head = head  # the logits head, one of the weights (by reference)
         self.forward, self.sample_fn, self.logits, self.prompt_logprobs = step_functions(
             graphdef, state_def, head_logits, buckets.max_num_seqs, buckets.max_blocks_per_req,
-            buckets.num_kv_groups)
+            buckets.num_kv_groups, capture)
         self.aot_cache = aot_cache
         self.executables: dict[tuple[str, int], Any] = {}
         # The forward's and prompt-logprobs' extra argument with LoRA on: each
@@ -222,7 +235,7 @@ class StepPrograms:
             if kind == "forward":
                 args = (state, kv_cache, self.dummy_inputs(arg), no_prev, *self.lora_args)
                 self._load_or_compile("forward", self.forward, args, donate_argnums=(1,))
-                kv_cache, states[arg], last_hidden, out_index = self.run_forward(*args)
+                kv_cache, states[arg], last_hidden, out_index, *_ = self.run_forward(*args)
             elif kind == "sample":
                 # The one-program sampler for each mode, then the staged one's parts.
                 logits = self.logits(self.head, last_hidden, rows=arg)

@@ -18,8 +18,9 @@ position 0 of every request with the usual sampler: every draft of that step
 is rejected, and the target distribution is kept; the output tables then take
 that one token per request (sample/output_state.py). After each step the ngram
 proposer drafts the next step's tokens from every request's context on the host;
-a draft model (draft_model.py) drafts on the device at the verify step's
-dispatch instead, and after each step only says how many drafts come.
+a draft model (draft_model.py) or an EAGLE head (eagle_drafter.py) drafts on the
+device at the verify step's dispatch instead, and after each step only says how
+many drafts come.
 """
 
 from __future__ import annotations
@@ -60,8 +61,10 @@ class VerifyOutput:
 
 @functools.cache
 def verify_functions(graphdef: Any, state_def: Any, head_logits: Any, num_reqs: int,
-                     width: int, k1: int, num_groups: int = 1) -> tuple[Any, Any, Any]:
-    """The jitted verify forward, verify sampler and position-0 gather of one model graph."""
+                     width: int, k1: int, num_groups: int = 1,
+                     capture: tuple[int, ...] | None = None) -> tuple[Any, Any, Any]:
+    """The jitted verify forward, verify sampler and position-0 gather of one model graph
+    (`capture`: the forward also returns what an EAGLE head reads of every row)."""
 
     def forward(weights, kv_cache, packed, rows, drafts, lora_slots=None):
         input_ids, positions, md, src, _ = unpack_step_inputs(packed, num_reqs, width,
@@ -71,6 +74,10 @@ def verify_functions(graphdef: Any, state_def: Any, head_logits: Any, num_reqs: 
         model = nnx.merge(graphdef, jax.tree.unflatten(state_def, weights))
         if lora_slots is not None:  # the target with each request's adapter (-1: none)
             set_lora_masks(model, lora_slots, md.cu_q_lens, input_ids.shape[0])
+        if capture is not None:
+            _, kv_cache, states, target = model.forward_captured(
+                input_ids, positions, kv_cache, md, rows[:num_reqs], capture, False)
+            return kv_cache, states[rows], target
         states, kv_cache = model(input_ids, positions, kv_cache, md)
         return kv_cache, states[rows]
 
@@ -96,7 +103,8 @@ class SpecVerifier:
     """The verify programs of one runner, and its draft proposer."""
 
     def __init__(self, config: SpeculativeConfig, graphdef: Any, state_def: Any,
-                 head_logits: Any, buckets: Buckets, drafter: DraftModel | None = None):
+                 head_logits: Any, buckets: Buckets, drafter: DraftModel | None = None,
+                 capture: tuple[int, ...] | None = None):
         self.config = config
         self.drafter = drafter
         # The verify forward's device drafts where none are made on the device.
@@ -107,7 +115,7 @@ class SpecVerifier:
         self.buckets = buckets
         self.forward, self.sample_fn, self.first_rows = verify_functions(
             graphdef, state_def, head_logits, buckets.max_num_seqs, buckets.max_blocks_per_req,
-            self.k1, buckets.num_kv_groups)
+            self.k1, buckets.num_kv_groups, capture)
 
     # ---- host side ---------------------------------------------------------
 
@@ -154,17 +162,19 @@ class SpecVerifier:
         if self.drafter is not None:
             ids = device_drafts = self.drafter.propose(runner.input_batch, rows, inputs,
                                                        num_drafts)
-        runner.kv_cache, hidden = self.forward(
+        runner.kv_cache, hidden, *captured = self.forward(
             runner.state, runner.kv_cache, inputs.packed,
             self.verify_rows(inputs.first, num_scheduled, num_drafts), device_drafts,
             *lora_args(runner.lora))
-        self.follow(inputs.packed, device_drafts)
+        self.follow(inputs.packed, device_drafts, *captured)
         return ids, counts, hidden
 
-    def follow(self, packed: np.ndarray, drafts: jax.Array | None = None) -> None:
-        """A draft model's mirror of the target's step (nothing for ngram)."""
+    def follow(self, packed: np.ndarray, drafts: jax.Array | None = None,
+               captured: jax.Array | None = None) -> None:
+        """A draft model's (or EAGLE head's, reading `captured`) mirror of the target's
+        step (nothing for ngram)."""
         if self.drafter is not None:
-            self.drafter.follow(packed, self.no_drafts if drafts is None else drafts)
+            self.drafter.follow(packed, self.no_drafts if drafts is None else drafts, captured)
 
     # `runner` is the ModelRunner and `h` its StepHandle (model_runner.py imports this
     # module, so they are not named here).
@@ -238,8 +248,8 @@ class SpecVerifier:
         drafts = self.no_drafts if self.drafter is None else self.drafter.precompile(packed_of,
                                                                             self.no_drafts)
         for t in b.token_buckets:
-            kv_cache, hidden = self.forward(state, kv_cache, packed_of(t), rows, drafts,
-                                            *lora)
+            kv_cache, hidden, *_ = self.forward(state, kv_cache, packed_of(t), rows, drafts,
+                                                *lora)
         for r in b.request_buckets:
             ids, counts = np.zeros((r, self.k), np.int32), np.zeros(r, np.int32)
             if self.drafter is not None:

@@ -42,6 +42,16 @@ def test_repeated_prompt_hits_its_longest_cached_prefix():
     assert num_hit == 4
 
 
+def test_with_an_eagle_head_a_hit_gives_up_its_last_block():
+    """The head's KV at a block's last position reads the next block's first token, so
+    the last hit block is recomputed (as vLLM does with EAGLE)."""
+    mgr = KVCacheManager(20, BS, use_eagle=True)
+    run_prompt(mgr, make_request("a", range(10)))
+    hits, num_hit = mgr.get_computed_blocks(make_request("b", [*range(10), 99, 98]))
+    assert num_hit == 4 and [b.block_id for b in hits] == mgr.get_block_ids("a")[:1]
+    assert mgr.get_computed_blocks(make_request("c", [0, 1, 2, 3, 5, 5, 5, 5, 5])) == ([], 0)
+
+
 def test_hit_never_covers_the_whole_prompt_so_the_last_token_is_computed():
     mgr = KVCacheManager(20, BS)
     run_prompt(mgr, make_request("a", range(8)))
