@@ -19,11 +19,13 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 from flax import nnx
-from jax.sharding import Mesh, NamedSharding
+from jax.sharding import Mesh
 from jax.sharding import PartitionSpec as P
 
+from jaxllm.distributed.mesh import variable_sharding
 from jaxllm.errors import ParameterError
 from jaxllm.layers.attention import AttentionMetadata
+from jaxllm.layers.attention_sharded import shard_attention
 from jaxllm.layers.gated_mlp import GatedMLP
 from jaxllm.layers.linear import Linear, make_param
 from jaxllm.layers.norm import rms_norm
@@ -41,8 +43,11 @@ NORMS = {"eagle": ("layers.0.post_attention_layernorm",),
 
 class EagleHead(nnx.Module):
     def __init__(self, spec: EagleHeadSpec, *, dtype: jnp.dtype, rngs: nnx.Rngs,
-                 attn_backend: Any, swiglu: Any):
-        arch = llama_arch(spec.hf_config)
+                 attn_backend: Any, swiglu: Any, tensor_parallel_size: int = 1):
+        # Split like the target's layers: q / kv heads and the MLP's intermediate over
+        # 'model' (kv heads copied where fewer than devices), `fc` replicated (small,
+        # and its output is the replicated residual stream), vocab-parallel tables.
+        arch = llama_arch(spec.hf_config, tensor_parallel_size)
         h = arch.hidden_size
         self.eagle3 = spec.eagle3
         self.eps = arch.rms_norm_eps
@@ -59,9 +64,9 @@ class EagleHead(nnx.Module):
         self.mlp = GatedMLP(h, arch.intermediate_size, activation="silu", bias=arch.mlp_bias,
                             dtype=dtype, rngs=rngs, swiglu=swiglu)
         self.norms = make_param(rngs, (len(NORMS[spec.method]), h), dtype, P(None, None), "ones")
-        self.embed_tokens = (make_param(rngs, (arch.vocab_size, h), dtype, P(None, None))
+        self.embed_tokens = (make_param(rngs, (arch.vocab_size, h), dtype, P("model", None))
                              if spec.own_embed else None)
-        self.lm_head = (make_param(rngs, (spec.draft_vocab_size, h), dtype, P(None, None))
+        self.lm_head = (make_param(rngs, (spec.draft_vocab_size, h), dtype, P("model", None))
                         if spec.eagle3 else None)
         self.d2t = (nnx.Param(jnp.zeros(spec.draft_vocab_size, jnp.int32))
                     if spec.eagle3 else None)
@@ -98,15 +103,16 @@ class EagleHead(nnx.Module):
         return d + self.d2t[...][d]
 
 
-def _host_values(spec: EagleHeadSpec) -> dict[tuple, np.ndarray]:
-    """Every parameter's value, by its path in the head's state, from the checkpoint."""
+def _host_values(spec: EagleHeadSpec, tensor_parallel_size: int) -> dict[tuple, np.ndarray]:
+    """Every parameter's value, by its path in the head's state, from the checkpoint
+    (kv heads copied for `tensor_parallel_size` as the target's)."""
     ckpt = SafetensorsCheckpoint(spec.model_dir)
 
     def read(name: str) -> np.ndarray:
         return np.asarray(ckpt.read(spec.names[name]))
 
     values = {}
-    for src in hf_weight_map(llama_arch(spec.hf_config)):
+    for src in hf_weight_map(llama_arch(spec.hf_config, tensor_parallel_size)):
         if src.path[:2] == ("layers", 0) and src.path[2] in ("self_attn", "mlp"):
             values[src.path[2:]] = src.combine([read(canonical(t)) for t in src.tensors])
     values[("fc", "weight")] = read("fc.weight")
@@ -124,17 +130,19 @@ def _host_values(spec: EagleHeadSpec) -> dict[tuple, np.ndarray]:
 
 def load_eagle_head(spec: EagleHeadSpec, mesh: Mesh, attn_backend: Any, swiglu: Any,
                     dtype: Any) -> EagleHead:
-    """The head of `spec` in `dtype`, its weights replicated over `mesh`."""
+    """The head of `spec` in `dtype`, each weight placed on `mesh` as it declares; over
+    several devices its attention runs per shard (`shard_attention`), as the target's."""
+    tp = mesh.shape["model"]
     head = EagleHead(spec, dtype=jnp.dtype(dtype), rngs=nnx.Rngs(0),
-                     attn_backend=attn_backend, swiglu=swiglu)
+                     attn_backend=shard_attention(attn_backend, mesh), swiglu=swiglu,
+                     tensor_parallel_size=tp)
     variables = dict(nnx.to_flat_state(nnx.state(head)))
-    replicated = NamedSharding(mesh, P())
-    for path, host in _host_values(spec).items():
+    for path, host in _host_values(spec, tp).items():
         var = variables[path]
         want = var.get_value()
         if tuple(host.shape) != tuple(want.shape):
             raise ParameterError(FIELD, f"head tensor(s) for {'.'.join(map(str, path))} have "
                                  f"shape {tuple(host.shape)}, but its config implies "
                                  f"{tuple(want.shape)}")
-        var.set_value(jax.device_put(host.astype(want.dtype), replicated))
+        var.set_value(jax.device_put(host.astype(want.dtype), variable_sharding(var, mesh)))
     return head

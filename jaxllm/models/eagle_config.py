@@ -21,6 +21,7 @@ from dataclasses import dataclass
 from types import SimpleNamespace
 from typing import Any
 
+from jaxllm.distributed.mesh import validate_tensor_parallel
 from jaxllm.errors import ParameterError
 
 EAGLE_METHODS = ("eagle", "eagle3")
@@ -113,8 +114,6 @@ def _read(method: str, model_dir: str, target_hf_config: Any,
     if not any(a in ARCHITECTURES[method] for a in archs):
         raise _bad(f"head architectures {archs} are not an {method} head; expected one of "
                    f"{list(ARCHITECTURES[method])}")
-    if tensor_parallel_size > 1:
-        raise _bad(f"an {method} head with tensor_parallel_size > 1 is not supported")
     if raw.get("add_para_norm"):
         raise _bad("HASS heads (add_para_norm) are not supported")
     try:
@@ -132,6 +131,10 @@ def _read(method: str, model_dir: str, target_hf_config: Any,
                    f"{target_hf_config.vocab_size}")
     if getattr(cfg, "hidden_act", "silu") != "silu":
         raise _bad(f"hidden_act {cfg.hidden_act!r} is not supported; supported: 'silu'")
+    try:  # the head's attention splits over the devices as the target's does
+        validate_tensor_parallel(cfg, tensor_parallel_size)
+    except ParameterError as e:
+        raise _bad(f"the head's heads do not split over the devices: {e.message}") from e
     found = _checkpoint_shapes(model_dir)
     names = {canonical(n): n for n in found}
     shapes = {canonical(n): s for n, s in found.items()}

@@ -34,6 +34,7 @@ from jaxllm.errors import ParameterError
 from jaxllm.kv_groups import KVCacheGroups
 from jaxllm.models.eagle import load_eagle_head
 from jaxllm.models.llama import llama_arch
+from jaxllm.models.loader import kv_cache_spec
 from jaxllm.worker.buckets import Buckets
 from jaxllm.worker.draft_model import DraftModel, propose_buckets
 from jaxllm.worker.kv_cache import PagedKVCache
@@ -42,9 +43,16 @@ from jaxllm.worker.step_inputs import unpack_step_inputs
 
 @functools.cache
 def eagle_functions(graphdef: Any, state_def: Any, head_logits: Any, num_reqs: int,
-                    width: int, k: int, block_size: int, max_len: int) -> tuple[Any, Any]:
+                    width: int, k: int, block_size: int, max_len: int,
+                    replicated: NamedSharding) -> tuple[Any, Any]:
     """The jitted `follow` and `propose` of one head graph. The weights are the head's
-    leaves, then the embedding and the target's logits head it reads."""
+    leaves, then the embedding and the target's logits head it reads. The target's
+    captured states, the hidden-state cache and what is read of it are `[tokens, H]`
+    rows every device holds whole (`replicated`), as the residual stream is: pinned,
+    so that no program gathers or reshards them."""
+
+    def pin(x):
+        return jax.lax.with_sharding_constraint(x, replicated)
 
     def merge(weights):
         head = nnx.merge(graphdef, jax.tree.unflatten(state_def, weights[:-2]))
@@ -58,7 +66,7 @@ def eagle_functions(graphdef: Any, state_def: Any, head_logits: Any, num_reqs: i
         input_ids, positions, md, src, _ = unpack_step_inputs(packed, num_reqs, width)
         input_ids = jnp.where(src >= 0, drafts.reshape(-1)[jnp.maximum(src, 0)], input_ids)
         head, embed, _ = merge(weights)
-        hidden = head.combine(captured).astype(hidden_cache.dtype)
+        hidden = pin(head.combine(pin(captured)).astype(hidden_cache.dtype))
         t, n = input_ids.shape[0], md.num_seqs[0]
         first = jnp.minimum(md.cu_q_lens[:-1], t - 1)
         live = jnp.arange(num_reqs) < n
@@ -70,12 +78,12 @@ def eagle_functions(graphdef: Any, state_def: Any, head_logits: Any, num_reqs: i
             md, slot_mapping=slot.astype(jnp.int32),
             kv_lens=jnp.where(live, jnp.maximum(c, 1), 0).astype(jnp.int32),
             cu_q_lens=jnp.minimum(jnp.arange(num_reqs + 1), n).astype(jnp.int32))
-        _, _, kv_cache = head(jnp.take(embed, input_ids[first], axis=0), hidden_cache[slot],
-                              prev, kv_cache, fix_md)
+        _, _, kv_cache = head(jnp.take(embed, input_ids[first], axis=0),
+                              pin(hidden_cache[slot]), prev, kv_cache, fix_md)
         # Every row with its successor's token (a request's last row: rewritten later).
         nxt = input_ids[jnp.minimum(jnp.arange(t) + 1, t - 1)]
         _, _, kv_cache = head(jnp.take(embed, nxt, axis=0), hidden, positions, kv_cache, md)
-        return kv_cache, hidden_cache.at[md.slot_mapping].set(hidden)
+        return kv_cache, pin(hidden_cache.at[md.slot_mapping].set(hidden))
 
     def propose(weights, kv_cache, hidden_cache, packed):
         """`[num_reqs, k]` greedy drafts from each request's token c at position c - 1
@@ -108,10 +116,10 @@ def eagle_functions(graphdef: Any, state_def: Any, head_logits: Any, num_reqs: i
             out, logit_hidden, kv_cache = head(jnp.take(embed, tokens, axis=0), hidden, pos,
                                                kv_cache, step_md)
             nxt = head.greedy(logit_hidden, lm, head_logits)
-            return kv_cache, nxt, out.astype(hidden.dtype), drafts.at[:, s].set(nxt)
+            return kv_cache, nxt, pin(out.astype(hidden.dtype)), drafts.at[:, s].set(nxt)
 
         _, first_slot = at(0)
-        hidden = hidden_cache[jnp.where(positions >= 1, first_slot, 0)]
+        hidden = pin(hidden_cache[jnp.where(positions >= 1, first_slot, 0)])
         kv_cache, _, _, drafts = jax.lax.fori_loop(
             0, k, step, (kv_cache, input_ids, hidden, jnp.zeros((t, k), jnp.int32)))
         drafts = drafts[:num_reqs] if t >= num_reqs else jnp.pad(
@@ -140,13 +148,16 @@ class EagleDrafter(DraftModel):
         self.hidden_size = arch.hidden_size
         self.captured_width = spec.fc_in if spec.eagle3 else arch.hidden_size
         self.block_size = config.cache_config.block_size
-        self.cache = PagedKVCache(attn_backend, mesh, 1, arch.num_kv_heads, arch.head_dim,
+        # Split on kv heads as the target's cache (copies where fewer than devices).
+        kv_heads = kv_cache_spec(spec.hf_config, mesh.shape["model"]).num_kv_heads
+        self.cache = PagedKVCache(attn_backend, mesh, 1, kv_heads, arch.head_dim,
                                   self.block_size, self.dtype)
         self.kv_cache: jax.Array | None = None
         self.hidden_cache: jax.Array | None = None
         self.follow_fn, self.propose_fn = eagle_functions(
             graphdef, jax.tree.structure(state), target.head_logits, buckets.max_num_seqs,
-            buckets.max_blocks_per_req, self.k, self.block_size, mc.max_model_len)
+            buckets.max_blocks_per_req, self.k, self.block_size, mc.max_model_len,
+            NamedSharding(mesh, P()))
         self.propose_buckets = propose_buckets(buckets)
 
     def bytes_per_block(self) -> int:
