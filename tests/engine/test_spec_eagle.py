@@ -9,7 +9,9 @@ and prefix-cache hits (a wrong alignment of tokens and hidden states, a wrong
 concatenation order or a stale hidden state changes them); greedy output must equal
 no speculation's under chunked prefill, prefix caching and preemption; at
 temperature 1 the verified tokens' distributions must equal it; nothing compiles
-after warm-up; and a bad head is refused naming `speculative_config.model`.
+after warm-up; and a bad head is refused naming `speculative_config.model`. At
+tensor_parallel_size 2 (fake CPU devices) the head splits like the target and its
+drafts and greedy output must be the one-device engine's.
 """
 
 from __future__ import annotations
@@ -183,10 +185,58 @@ def test_no_compilation_after_warmup_with_eagle_heads():
 @pytest.mark.skipif(os.environ.get(ISOLATED) != "1",
                     reason="runs in its own process (test_no_compilation_after_warmup_...)")
 @pytest.mark.parametrize("method", METHODS)
+@pytest.mark.parametrize("tp", [1, 2])
 def test_no_compilation_after_warmup_with_eagle_heads_in_this_process(model_dir, heads,
-                                                                      prompts, method):
-    llm = LLM(model_dir, **BASE, speculative_config=spec_config(method, heads[method]))
+                                                                      prompts, method, tp):
+    llm = LLM(model_dir, **BASE, tensor_parallel_size=tp,
+              speculative_config=spec_config(method, heads[method]))
     assert_no_compilation_while_speculating(llm, prompts)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("method", METHODS)
+@pytest.mark.parametrize("backend", ["reference", "pallas_tpu"])
+def test_at_tp2_drafts_and_greedy_output_equal_one_devices(model_dir, heads, prompts, method,
+                                                          backend):
+    """The head split over 2 devices (its kv heads, MLP and tables, its KV cache on kv
+    heads) proposes the one-device engine's drafts, step for step, and keeps greedy
+    output equal to no speculation's. The target's captured states and the head's
+    hidden-state cache sit whole on every device. Pallas bodies run interpreted."""
+    greedy, want, _, _ = _reference(model_dir, prompts, "plain", {})
+    head = heads[f"{method}-copy"]
+    recorded = {}
+    for tp in (1, 2):
+        llm = LLM(model_dir, **BASE, tensor_parallel_size=tp, attention_backend=backend,
+                  attention_interpret=backend != "reference",
+                  speculative_config=spec_config(method, head))
+        recorded[tp] = record_proposals(llm)
+        stats = _record_spec_stats(llm)
+        _assert_same(_run(llm, prompts, greedy), want)
+        assert 0 < _totals(stats)[2] < _totals(stats)[1]  # accepted and rejected drafts
+    runner = llm.llm_engine.engine_core.engine_core.model_runner
+    drafter = runner.spec.drafter
+    assert runner.mesh.shape["model"] == 2
+    assert drafter.kv_cache.addressable_shards[0].data.nbytes * 2 == drafter.kv_cache.nbytes
+    assert drafter.hidden_cache.sharding.is_fully_replicated
+    programs = runner.programs
+    runner.kv_cache, *_, captured = programs.run_forward(runner.state, runner.kv_cache,
+                                                         programs.dummy_inputs(16),
+                                                         runner._no_prev)
+    assert captured.sharding.is_fully_replicated
+    assert len(recorded[2]) == len(recorded[1]) > 20
+    for (ctx2, drafts2), (ctx1, drafts1) in zip(recorded[2], recorded[1], strict=True):
+        assert (ctx2, drafts2.tolist()) == (ctx1, drafts1.tolist())
+    assert reference_drafts_match(head, model_dir, recorded[2][::4]) >= 15
+
+
+def test_a_head_whose_heads_do_not_split_over_the_devices_is_refused(model_dir, tmp_path):
+    """The target's 4 q heads split over 4 devices; a head of 2 cannot."""
+    head = make_eagle_head(tmp_path / "head", "eagle",
+                           extra={"num_attention_heads": 2, "num_key_value_heads": 2})
+    with pytest.raises(ParameterError, match="num_attention_heads=2") as err:
+        EngineArgs(model=model_dir, dtype="float32", max_model_len=64, tensor_parallel_size=4,
+                   speculative_config=spec_config("eagle", head)).create_engine_config()
+    assert err.value.field == "speculative_config.model"
 
 
 def _engine_config(model_dir: str, spec: dict):
