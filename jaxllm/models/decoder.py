@@ -46,7 +46,7 @@ from typing import Any
 import jax
 import jax.numpy as jnp
 from flax import nnx
-from jax.sharding import Mesh
+from jax.sharding import Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
 from jaxllm.kv_groups import KVCacheGroups
@@ -282,12 +282,20 @@ class DecoderForCausalLM(nnx.Module):
         x, kv_cache = self._trunk(input_ids, positions, kv_cache, md, layers, aux)
         if len(self.layers) - 1 in layers:
             aux.append(x)
+        # What the head reads sits whole on every device, as the residual stream does
+        # (pinned: the head's programs take it as placed here, with no reshard).
+        mesh = getattr(self.layers[0].self_attn.attn_backend, "mesh", None)
+
+        def whole(v: jax.Array) -> jax.Array:
+            return v if mesh is None else jax.lax.with_sharding_constraint(
+                v, NamedSharding(mesh, P()))
+
         if on_rows:
             last, kv_cache = self._layer(-1, x, positions, kv_cache, md, rows=rows)
-            return self.norm(last), kv_cache, x, jnp.concatenate(aux, axis=-1)
+            return self.norm(last), kv_cache, x, whole(jnp.concatenate(aux, axis=-1))
         y, kv_cache = self._layer(-1, x, positions, kv_cache, md)
         y = self.norm(y)
-        return y[rows], kv_cache, y, jnp.concatenate(aux, axis=-1) if layers else y
+        return y[rows], kv_cache, y, whole(jnp.concatenate(aux, axis=-1) if layers else y)
 
     def _trunk(self, input_ids: jax.Array, positions: jax.Array, kv_cache: jax.Array,
                md: AttentionMetadata, capture: tuple[int, ...] = (),

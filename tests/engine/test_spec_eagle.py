@@ -25,7 +25,13 @@ from jaxllm import LLM, SamplingParams
 from jaxllm.config import EngineArgs
 from jaxllm.errors import ParameterError
 from jaxllm.spec_decode.config import SpeculativeConfig
-from tests.engine.eagle_heads import make_eagle_head, record_proposals, reference_drafts_match
+from jaxllm.worker.step_inputs import pack_step_inputs
+from tests.engine.eagle_heads import (
+    H,
+    make_eagle_head,
+    record_proposals,
+    reference_drafts_match,
+)
 from tests.engine.test_spec_decode import (
     BASE,
     ISOLATED,
@@ -194,20 +200,21 @@ def test_no_compilation_after_warmup_with_eagle_heads_in_this_process(model_dir,
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("method", METHODS)
-@pytest.mark.parametrize("backend", ["reference", "pallas_tpu"])
+@pytest.mark.parametrize("backend, method", [
+    ("reference", "eagle"), ("reference", "eagle3"), ("pallas_tpu", "eagle3")])
 def test_at_tp2_drafts_and_greedy_output_equal_one_devices(model_dir, heads, prompts, method,
                                                           backend):
     """The head split over 2 devices (its kv heads, MLP and tables, its KV cache on kv
-    heads) proposes the one-device engine's drafts, step for step, and keeps greedy
-    output equal to no speculation's. The target's captured states and the head's
-    hidden-state cache sit whole on every device. Pallas bodies run interpreted."""
+    heads) proposes the one-device engine's drafts (on the reference body), step for
+    step, and keeps greedy output equal to no speculation's. The target's captured
+    states and the head's hidden-state cache sit whole on every device. The Pallas
+    body runs interpreted (one method: it is slow on CPU)."""
     greedy, want, _, _ = _reference(model_dir, prompts, "plain", {})
     head = heads[f"{method}-copy"]
     recorded = {}
-    for tp in (1, 2):
-        llm = LLM(model_dir, **BASE, tensor_parallel_size=tp, attention_backend=backend,
-                  attention_interpret=backend != "reference",
+    for tp, body in ((1, "reference"), (2, backend)):
+        llm = LLM(model_dir, **BASE, tensor_parallel_size=tp, attention_backend=body,
+                  attention_interpret=body != "reference",
                   speculative_config=spec_config(method, head))
         recorded[tp] = record_proposals(llm)
         stats = _record_spec_stats(llm)
@@ -227,6 +234,34 @@ def test_at_tp2_drafts_and_greedy_output_equal_one_devices(model_dir, heads, pro
     for (ctx2, drafts2), (ctx1, drafts1) in zip(recorded[2], recorded[1], strict=True):
         assert (ctx2, drafts2.tolist()) == (ctx1, drafts1.tolist())
     assert reference_drafts_match(head, model_dir, recorded[2][::4]) >= 15
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("method", METHODS)
+def test_head_programs_at_tp2_all_reduce_rows_and_gather_no_state_or_cache(model_dir, heads,
+                                                                           method):
+    """The head's `follow` and `propose` at tp 2: the only collectives are all-reduces
+    of `[tokens, H]` rows (the vocab-parallel embedding lookups; in `propose` also the
+    row-parallel output and down projections) and, for the greedy drafts, each
+    device's best logit and id per request (`[R, 2]`). Nothing gathers the captured
+    or cached hidden states, the KV cache, the weights or the `[R, vocab]` logits."""
+    from tests.sample.test_sampler_tp_collectives import _collectives
+
+    llm = LLM(model_dir, **{**BASE, "precompile": False}, tensor_parallel_size=2,
+              speculative_config=spec_config(method, heads[method]))
+    runner = llm.llm_engine.engine_core.engine_core.model_runner
+    drafter, b = runner.spec.drafter, runner.buckets
+    h, r = H, b.max_num_seqs
+    follow = drafter.follow_fn.lower(
+        drafter.state, drafter.kv_cache, drafter.hidden_cache, runner.programs.dummy_inputs(16),
+        runner.spec.no_drafts, drafter.dummy_hidden(16)).compile().as_text()
+    assert {(kind, tuple(dims)) for kind, dims in _collectives(follow)} == {
+        ("all-reduce", (16, h)), ("all-reduce", (r, h))}
+    propose = drafter.propose_fn.lower(
+        drafter.state, drafter.kv_cache, drafter.hidden_cache,
+        pack_step_inputs(r, r, b.max_blocks_per_req)[0]).compile().as_text()
+    assert sorted((kind, tuple(dims)) for kind, dims in _collectives(propose)) == [
+        *[("all-gather", (r, 2))] * 2, *[("all-reduce", (r, h))] * 3]
 
 
 def test_a_head_whose_heads_do_not_split_over_the_devices_is_refused(model_dir, tmp_path):
