@@ -15,12 +15,12 @@ from __future__ import annotations
 import argparse
 import cProfile
 import pstats
-import tempfile
 import time
 
 import numpy as np
 
 from jaxllm.benchmarks.common import add_model_args, print_table, write_json
+from jaxllm.benchmarks.throughput import warmed_workload
 
 
 def top_functions(stats: pstats.Stats, key: str, n: int) -> list[dict]:
@@ -98,7 +98,7 @@ def main(argv: list[str] | None = None) -> dict:
 
     import jax
 
-    from jaxllm import LLM, SamplingParams
+    from jaxllm import LLM
 
     llm = LLM(args.model, load_format=args.load_format, dtype=args.dtype,
               skip_tokenizer_init=True,
@@ -112,21 +112,7 @@ def main(argv: list[str] | None = None) -> dict:
                   "max_lora_rank": args.lora_rank} if args.num_loras else {}))
     runner = llm.llm_engine.engine_core.engine_core.model_runner
     hf = llm.llm_engine.model_config.hf_config
-    rng = np.random.default_rng(0)
-    prompts = [{"prompt_token_ids": rng.integers(0, hf.vocab_size, args.input_len).tolist()}
-               for _ in range(args.num_prompts)]
-    params = SamplingParams(temperature=0.0, max_tokens=args.output_len, ignore_eos=True)
-    loras = None
-    if args.num_loras:
-        from jaxllm.benchmarks.lora_adapters import write_random_adapters
-
-        adapters = write_random_adapters(hf, args.num_loras, args.lora_rank,
-                                         tempfile.mkdtemp(prefix="profile-lora-"))
-        loras = [adapters[i % len(adapters)] for i in range(len(prompts))]
-    # The warm-up also puts every adapter in its slot.
-    warm = max(8, args.num_loras)
-    llm.generate(prompts[:warm], SamplingParams(max_tokens=4, ignore_eos=True), use_tqdm=False,
-                 lora_request=loras[:warm] if loras else None)
+    prompts, params, loras = warmed_workload(llm, args)
 
     runner.step_log = []
     runner.wait_seconds = runner.dispatch_seconds = 0.0

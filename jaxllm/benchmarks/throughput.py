@@ -24,6 +24,7 @@ import subprocess
 import sys
 import tempfile
 import time
+from typing import Any
 
 import numpy as np
 
@@ -101,7 +102,7 @@ def main(argv: list[str] | None = None) -> dict:
 
     import jax
 
-    from jaxllm import LLM, SamplingParams
+    from jaxllm import LLM
 
     bw = measure_hbm_bandwidth(args.probe_gib)
     peak = measure_matmul_peak(args.probe_matmul_n)
@@ -126,22 +127,7 @@ def main(argv: list[str] | None = None) -> dict:
     startup = time.perf_counter() - t0
     runner = llm.llm_engine.engine_core.engine_core.model_runner
     hf = llm.llm_engine.model_config.hf_config
-    rng = np.random.default_rng(0)
-    prompts = [{"prompt_token_ids": rng.integers(0, hf.vocab_size, args.input_len).tolist()}
-               for _ in range(args.num_prompts)]
-    prompts = replicas.replica_share(prompts, args.replica)
-    params = SamplingParams(temperature=0.0, max_tokens=args.output_len, ignore_eos=True)
-    loras = None
-    if args.num_loras:
-        from jaxllm.benchmarks.lora_adapters import write_random_adapters
-
-        adapters = write_random_adapters(hf, args.num_loras, args.lora_rank,
-                                         tempfile.mkdtemp(prefix="bench-lora-"))
-        loras = [adapters[i % len(adapters)] for i in range(len(prompts))]
-    # The warm-up also puts every adapter in its slot.
-    warm = max(8, args.num_loras)
-    llm.generate(prompts[:warm], SamplingParams(max_tokens=4, ignore_eos=True), use_tqdm=False,
-                 lora_request=loras[:warm] if loras else None)
+    prompts, params, loras = warmed_workload(llm, args, args.replica)
 
     replicas.barrier(args.replica)
     runner.step_log = []
@@ -185,6 +171,32 @@ def main(argv: list[str] | None = None) -> dict:
     if replicas.report(args.replica, result):
         return result
     return report(result, peers, args)
+
+
+def warmed_workload(llm: Any, args: argparse.Namespace, replica: str | None = None
+                    ) -> tuple[list[dict], Any, list | None]:
+    """The workload's random prompts (this replica's share), its greedy sampling params and
+    its adapters, round-robin (or None), after a short warm-up that also puts every
+    adapter in its slot."""
+    from jaxllm import SamplingParams
+
+    hf = llm.llm_engine.model_config.hf_config
+    rng = np.random.default_rng(0)
+    prompts = [{"prompt_token_ids": rng.integers(0, hf.vocab_size, args.input_len).tolist()}
+               for _ in range(args.num_prompts)]
+    prompts = replicas.replica_share(prompts, replica)
+    params = SamplingParams(temperature=0.0, max_tokens=args.output_len, ignore_eos=True)
+    loras = None
+    if args.num_loras:
+        from jaxllm.benchmarks.lora_adapters import write_random_adapters
+
+        adapters = write_random_adapters(hf, args.num_loras, args.lora_rank,
+                                         tempfile.mkdtemp(prefix="bench-lora-"))
+        loras = [adapters[i % len(adapters)] for i in range(len(prompts))]
+    warm = max(8, args.num_loras)
+    llm.generate(prompts[:warm], SamplingParams(max_tokens=4, ignore_eos=True), use_tqdm=False,
+                 lora_request=loras[:warm] if loras else None)
+    return prompts, params, loras
 
 
 def merge_replicas(outs: list[dict], dp: int, tp: int) -> dict:
