@@ -38,7 +38,7 @@ from tests.engine.test_spec_decode import (
     assert_no_compilation_while_speculating,
     run_in_own_process,
 )
-from tests.engine.test_spec_draft_model import _reference, spec_config
+from tests.engine.test_spec_draft_model import _reference, rerun_with_prefix_hits, spec_config
 from tests.models.tiny_checkpoints import make_tiny_checkpoint
 
 # Prompts that repeat themselves (ngram drafts find matches), two sharing a prefix.
@@ -136,15 +136,7 @@ def test_prefix_cache_hits_keep_greedy_output(model_dir, drafts, prompts, method
     spec = SPEC if method == "ngram" else spec_config(drafts[method])
     llm = LLM(model_dir, **ENGINE, speculative_config=spec)
     held = record_held_blocks(llm)
-    first = _run(llm, prompts, greedy)
-    kvm = llm.llm_engine.engine_core.engine_core.scheduler.kv_cache_manager
-    hits = kvm.prefix_cache_stats.hits
-    stats = _record_spec_stats(llm)
-    again = _run(llm, prompts, greedy)
-    assert kvm.prefix_cache_stats.hits > hits
-    _assert_same(first, want)
-    _assert_same(again, want)
-    _, draft_tokens, accepted = _totals(stats)
+    draft_tokens, accepted = rerun_with_prefix_hits(llm, prompts, greedy, want)
     assert accepted > 0
     if method == "self":
         assert accepted == draft_tokens

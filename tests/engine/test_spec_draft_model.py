@@ -73,21 +73,36 @@ def prompts(model_dir):
 _REFERENCE: dict[tuple[str, str], tuple] = {}
 
 
-def _reference(model_dir, prompts, extra_id, extra, base=BASE):
+def _reference(model_dir, prompts, extra_id, extra, base=BASE, max_tokens=32,
+               stops=(9, 17, 5, 30, 22, 13)):
     """No speculation's outputs for greedy requests and for requests that stop early
-    (stop tokens and max_tokens inside an accepted run, logprobs), once per model and
-    setting (`base` updated with `extra`, named `extra_id`)."""
-    key = (model_dir, extra_id)
+    (stop tokens at output positions `stops` inside an accepted run, max_tokens,
+    logprobs), once per model and setting (`base` updated with `extra`, named
+    `extra_id`)."""
+    key = (model_dir, extra_id, max_tokens)
     if key not in _REFERENCE:
         ref = LLM(model_dir, **{**base, **extra})
-        greedy = SamplingParams(temperature=0.0, max_tokens=32, ignore_eos=True)
+        greedy = SamplingParams(temperature=0.0, max_tokens=max_tokens, ignore_eos=True)
         want = _run(ref, prompts, greedy)
-        mixed = [SamplingParams(temperature=0.0, max_tokens=32, ignore_eos=True,
+        mixed = [SamplingParams(temperature=0.0, max_tokens=max_tokens, ignore_eos=True,
                                 stop_token_ids=[toks[0][0][k]])
-                 for toks, k in zip(want, [9, 17, 5, 30, 22, 13], strict=True)]
+                 for toks, k in zip(want, stops, strict=True)]
         mixed[3] = SamplingParams(temperature=0.0, max_tokens=11, ignore_eos=True, logprobs=2)
         _REFERENCE[key] = (greedy, want, mixed, _run(ref, prompts, mixed))
     return _REFERENCE[key]
+
+
+def rerun_with_prefix_hits(llm, prompts, greedy, want) -> tuple[int, int]:
+    """The prompts twice, the second time hitting the prefix cache, each run equal to
+    `want`; the second run's (draft tokens, accepted tokens)."""
+    _assert_same(_run(llm, prompts, greedy), want)
+    kvm = llm.llm_engine.engine_core.engine_core.scheduler.kv_cache_manager
+    hits = kvm.prefix_cache_stats.hits
+    stats = _record_spec_stats(llm)
+    _assert_same(_run(llm, prompts, greedy), want)
+    assert kvm.prefix_cache_stats.hits > hits
+    _, draft_tokens, accepted = _totals(stats)
+    return draft_tokens, accepted
 
 
 @pytest.mark.parametrize("draft, extra_id, extra", [
@@ -123,15 +138,7 @@ def test_prefix_cache_hits_keep_greedy_output_and_the_drafts_kv(model_dir, draft
     target drafting for itself accepts every draft only if that KV is right)."""
     greedy, want, _, _ = _reference(model_dir, prompts, "plain", {})
     llm = LLM(model_dir, **BASE, speculative_config=spec_config(drafts["self"]))
-    first = _run(llm, prompts, greedy)
-    kvm = llm.llm_engine.engine_core.engine_core.scheduler.kv_cache_manager
-    hits = kvm.prefix_cache_stats.hits
-    stats = _record_spec_stats(llm)
-    again = _run(llm, prompts, greedy)
-    assert kvm.prefix_cache_stats.hits > hits
-    _assert_same(first, want)
-    _assert_same(again, want)
-    _, draft_tokens, accepted = _totals(stats)
+    draft_tokens, accepted = rerun_with_prefix_hits(llm, prompts, greedy, want)
     assert accepted == draft_tokens > 0
 
 

@@ -43,6 +43,7 @@ from tests.engine.test_spec_decode import (
     assert_same_token_distribution,
     run_in_own_process,
 )
+from tests.engine.test_spec_draft_model import _reference as draft_reference
 from tests.models.tiny_checkpoints import make_tiny_checkpoint
 
 METHODS = ("eagle", "eagle3")
@@ -79,22 +80,11 @@ def spec_config(method: str, head: str, k: int = 3) -> dict:
     return {"method": method, "model": head, "num_speculative_tokens": k}
 
 
-_REFERENCE: dict[str, tuple] = {}
-
-
 def _reference(model_dir, prompts, extra_id, extra):
-    """No speculation's greedy outputs, and those of requests that stop early (stop
-    tokens, max_tokens, logprobs), once per setting."""
-    if extra_id not in _REFERENCE:
-        ref = LLM(model_dir, **{**BASE, **extra})
-        greedy = SamplingParams(temperature=0.0, max_tokens=24, ignore_eos=True)
-        want = _run(ref, prompts, greedy)
-        mixed = [SamplingParams(temperature=0.0, max_tokens=24, ignore_eos=True,
-                                stop_token_ids=[toks[0][0][k]])
-                 for toks, k in zip(want, [9, 17, 5, 20, 22, 13], strict=True)]
-        mixed[3] = SamplingParams(temperature=0.0, max_tokens=11, ignore_eos=True, logprobs=2)
-        _REFERENCE[extra_id] = (greedy, want, mixed, _run(ref, prompts, mixed))
-    return _REFERENCE[extra_id]
+    """No speculation's greedy and early-stopping outputs on this module's engine settings
+    (test_spec_draft_model's reference, shorter: the tiny target's context is smaller)."""
+    return draft_reference(model_dir, prompts, extra_id, extra, base=BASE, max_tokens=24,
+                           stops=(9, 17, 5, 20, 22, 13))
 
 
 @pytest.mark.slow
