@@ -66,6 +66,8 @@ if _shard_map is None:  # jax < 0.7
 
 # Steps of at most this many token rows take `routed_expert_ffn` (`small_token_limit`).
 SMALL_TOKENS = 16
+# The bodies of a small step's unquantized experts (`small_step_kernel`).
+SMALL_KERNELS = ("loop", "pallas")
 
 
 def route(logits: jax.Array, top_k: int, renormalize: bool) -> tuple[jax.Array, jax.Array]:
@@ -88,8 +90,25 @@ def small_token_limit(mesh: Mesh | None = None) -> int:
             raise ParameterError("JAXLLM_MOE_SMALL_TOKENS",
                                  f"must be a whole number of tokens, got {chosen!r}")
         return int(chosen)
-    device = mesh.devices.flat[0] if mesh is not None else jax.devices()[0]
-    return 0 if device.platform == "tpu" else SMALL_TOKENS
+    return 0 if _platform(mesh) == "tpu" else SMALL_TOKENS
+
+
+def small_step_kernel(mesh: Mesh | None = None) -> str:
+    """How a small step runs unquantized experts: "pallas" (pallas_kernels/moe_small,
+    the GPU default; Pallas interpret mode elsewhere, for tests) or "loop"
+    (`routed_expert_ffn`, the default elsewhere); `JAXLLM_MOE_SMALL_KERNEL` if set."""
+    chosen = os.environ.get("JAXLLM_MOE_SMALL_KERNEL")
+    if chosen:
+        if chosen not in SMALL_KERNELS:
+            raise ParameterError("JAXLLM_MOE_SMALL_KERNEL",
+                                 f"must be one of {', '.join(SMALL_KERNELS)}, got {chosen!r}")
+        return chosen
+    return "pallas" if _platform(mesh) == "gpu" else "loop"
+
+
+def _platform(mesh: Mesh | None) -> str:
+    """The platform of `mesh`'s devices, else of this process's."""
+    return (mesh.devices.flat[0] if mesh is not None else jax.devices()[0]).platform
 
 
 def _local_keys(ids: jax.Array, first_expert: jax.Array | int, local: int,
@@ -155,6 +174,33 @@ def routed_expert_ffn(x: jax.Array, weights: jax.Array, ids: jax.Array, gate_up:
     return jax.lax.fori_loop(0, count, body, jnp.zeros((t, hidden), jnp.float32))
 
 
+def routed_slots(weights: jax.Array, ids: jax.Array, first_expert: jax.Array | int,
+                 local: int, num_tokens: jax.Array | int | None = None
+                 ) -> tuple[jax.Array, jax.Array, jax.Array, jax.Array]:
+    """`routed_experts`' (experts `[U]`, count), and per slot u each row's routing weight
+    for expert u, `[U, T]` float32, and whether the row routed there, `[U, T]` bool
+    (padding rows, other devices' pairs and fill slots: nowhere)."""
+    key = _local_keys(ids, first_expert, local, num_tokens)
+    experts, count = routed_experts(ids, first_expert, local, num_tokens)
+    hit = (key[None] == experts[:, None, None]) & (experts < local)[:, None, None]
+    return (experts, count, jnp.sum(jnp.where(hit, weights[None], 0.0), axis=2),
+            jnp.any(hit, axis=2))
+
+
+def routed_expert_kernel(x: jax.Array, weights: jax.Array, ids: jax.Array,
+                         gate_up: jax.Array, down: jax.Array,
+                         first_expert: jax.Array | int = 0,
+                         num_tokens: jax.Array | int | None = None,
+                         interpret: bool = False) -> jax.Array:
+    """`routed_expert_ffn`'s result for unquantized experts from the fused Pallas GPU
+    kernels (pallas_kernels/moe_small): each routed expert's weights read in place, no
+    loop on the host side. `interpret` runs them in Pallas interpret mode (any host)."""
+    from pallas_kernels.moe_small import gpu
+
+    slots = routed_slots(weights, ids, first_expert, gate_up.shape[0], num_tokens)
+    return gpu.moe_small(x, gate_up, down, *slots, interpret=interpret)
+
+
 def expert_ffn(x: jax.Array, weights: jax.Array, ids: jax.Array, gate_up: jax.Array,
                down: jax.Array, gmm: GroupedMatmul, first_expert: jax.Array | int = 0,
                method: Any = None, gate_up_scale: jax.Array | None = None,
@@ -213,6 +259,8 @@ class SparseMoE(nnx.Module):
                                  f"must be in [1, {e}] (the number of experts), got {top_k}")
         self.gmm = gmm or default_grouped_matmul(mesh)
         self.small_tokens = small_token_limit(mesh)
+        self.small_kernel = small_step_kernel(mesh)
+        self.kernel_interpret = _platform(mesh) != "gpu"
         self.mesh = mesh if mesh is not None and mesh.shape["model"] > 1 else None
         if self.mesh is not None and e % self.mesh.shape["model"]:
             raise ParameterError("tensor_parallel_size", f"{self.mesh.shape['model']} does not "
@@ -248,6 +296,9 @@ class SparseMoE(nnx.Module):
 
         def ffn(x, weights, ids, statics, num_tokens, *experts, first=0):
             kw = dict(input_scales=statics or None, num_tokens=num_tokens)
+            if small and self._fused(experts[0]):
+                return routed_expert_kernel(x, weights, ids, *experts[:2], first, num_tokens,
+                                            self.kernel_interpret)
             if small:
                 return routed_expert_ffn(x, weights, ids, *experts[:2], first, self.method,
                                          *experts[2:], **kw)
@@ -267,6 +318,15 @@ class SparseMoE(nnx.Module):
                              out_specs=P(), check_vma=False)(*args)
         out = out.astype(x.dtype)
         return out if residual is None else residual + out
+
+    def _fused(self, gate_up: jax.Array) -> bool:
+        """Whether a small step takes the fused kernel: chosen, unquantized experts, and
+        sizes its tiles take."""
+        from pallas_kernels.moe_small import gpu
+
+        local, _, inter, hidden = gate_up.shape
+        return (self.small_kernel == "pallas" and self.method is None
+                and gpu.supported(local, hidden, inter))
 
 
 def _experts(rngs: nnx.Rngs, shape: tuple[int, ...], dtype: jnp.dtype, method: Any

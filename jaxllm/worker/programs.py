@@ -35,7 +35,7 @@ from tqdm.auto import tqdm
 
 from jaxllm.config import EngineConfig, compilation_cache_dir
 from jaxllm.layers.grouped_matmul import default_grouped_matmul
-from jaxllm.layers.moe import small_token_limit
+from jaxllm.layers.moe import small_step_kernel, small_token_limit
 from jaxllm.layers.quant import fp8_weight_only_tokens
 from jaxllm.lora.layers import set_lora_masks
 from jaxllm.sample.metadata import SamplingMetadata, variant_metadata
@@ -160,7 +160,8 @@ def aot_context(config: EngineConfig, attn_backend: Any, swiglu: Any,
             "fp8_weight_only_tokens": (fp8_weight_only_tokens()
                                        if (mc.quantization or "").startswith("fp8") else None),
             # Mixture-of-experts bodies chosen by environment knobs (layers/moe.py).
-            "moe": [default_grouped_matmul(mesh).kernel, small_token_limit(mesh)],
+            "moe": [default_grouped_matmul(mesh).kernel, small_token_limit(mesh),
+                    small_step_kernel(mesh)],
             # An EAGLE head's capture changes the forward's outputs (absent: none).
             **({"capture": list(head.capture)} if (head := config.eagle_head) else {})}
 

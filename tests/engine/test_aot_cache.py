@@ -129,6 +129,7 @@ def test_the_context_follows_the_moe_and_fp8_knobs(model_dir, monkeypatch):
 
     for monkeypatch_env, quantization in [
             ({"JAXLLM_MOE_SMALL_TOKENS": "0"}, None),
+            ({"JAXLLM_MOE_SMALL_KERNEL": "pallas"}, None),
             ({"JAXLLM_MOE_KERNEL": "tiled"}, None),
             ({"JAXLLM_FP8_WEIGHT_ONLY_TOKENS": "0"}, "fp8")]:
         before = context(quantization)

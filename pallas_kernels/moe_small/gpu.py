@@ -1,0 +1,181 @@
+"""The routed experts of a small (decode) step as two Pallas GPU kernels (Triton lowering),
+reading each routed expert's weights in place, once.
+
+Inputs are the step's routing reduced to slots: `experts [U]`, the distinct local experts
+the real tokens routed to (the first `count` of them valid), and per slot the routing
+weight of every row, `slot_weights [U, T]`, with `slot_mask [U, T]` saying which rows
+routed there (padding rows and rows of other experts: none). `reference.py` is the jnp
+oracle of the same contract.
+
+1. gate/up, grid (slot u, block of `block_n` columns of I). A program whose slot is past
+   `count` returns at once. Otherwise it walks H in `block_k` chunks, each a
+   `[rows, block_k]` tile of the tokens (every row: at most a few, padded to a 16-row
+   tensor-core tile) and `[block_n, block_k]` tiles of expert `experts[u]`'s gate and up
+   weights, indexed straight in the stacked `[E, 2, I, H]` array (no gathered copy), and
+   writes `h[u, :, block] = silu(gate) * up` in the model dtype.
+2. down, grid (block of `block_h` columns of H): one loop of `count * I / block_k`
+   steps, each the product of slot u's `[rows, block_k]` chunk of h and a
+   `[block_h, block_k]` tile of its expert's down weight, scaled by the rows' routing
+   weights and kept only where the row routed there (`where`: a padding row may hold
+   anything, NaN included), summed in float32. Small column blocks give the GPU many
+   programs though the step has few rows.
+
+Every routed expert's weights are read once per step; the slots past `count` cost a
+program launch and nothing else.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+
+import jax
+import jax.numpy as jnp
+from jax import lax
+from jax.experimental import pallas as pl
+from jax.experimental.pallas import triton as plt
+
+MIN_TILE = 16  # the smallest tensor-core dot dimension Triton takes
+
+
+def _compiler_params(num_warps: int, num_stages: int):
+    cls = getattr(plt, "CompilerParams", None) or getattr(pl, "TritonCompilerParams", None)
+    if cls is not None:
+        return cls(num_warps=num_warps, num_stages=num_stages)
+    return dict(triton=dict(num_warps=num_warps, num_stages=num_stages))
+
+
+@dataclasses.dataclass(frozen=True)
+class BlockSizes:
+    """Tunables; every block a power of two of at least 16 dividing its dimension."""
+
+    block_n: int  # gate/up output columns (of I) per program
+    block_k: int  # gate/up reduction chunk (of H)
+    block_h: int  # down output columns (of H) per program
+    block_k_down: int  # down reduction chunk (of I)
+    num_warps: int = 4
+    num_stages: int = 3
+
+
+def _pow2_divisor(n: int, cap: int) -> int:
+    """The largest power of two dividing `n`, at most `cap`."""
+    return min(n & -n, cap)
+
+
+def supported(num_experts: int, hidden: int, inter: int) -> bool:
+    """Whether the kernels take these experts: H and I multiples of 16 (Triton tiles are
+    powers of two, and a block must divide its dimension), and the stacked weights'
+    element offsets within int32 (the lowering's pointer arithmetic)."""
+    return (hidden % MIN_TILE == 0 and inter % MIN_TILE == 0
+            and num_experts * 2 * inter * hidden < 2**31)
+
+
+def default_block_sizes(hidden: int, inter: int) -> BlockSizes:
+    """Narrow output blocks (32 columns of I, 16 of H) so even one token over a few experts
+    gives the GPU a few hundred programs; the widest chunks up to 256 that divide H and I
+    for long loads."""
+    if hidden % MIN_TILE or inter % MIN_TILE:
+        raise ValueError(f"hidden={hidden} and intermediate={inter} must be multiples of "
+                         f"{MIN_TILE} for the Triton kernels")
+    return BlockSizes(block_n=_pow2_divisor(inter, 32), block_k=_pow2_divisor(hidden, 256),
+                      block_h=MIN_TILE, block_k_down=_pow2_divisor(inter, 256))
+
+
+def _dot_t(a: jax.Array, b: jax.Array) -> jax.Array:
+    """`a @ b.T` in float32 (float32 operands at full precision, not TF32)."""
+    precision = lax.Precision.HIGHEST if a.dtype == jnp.float32 else None
+    return lax.dot_general(a, b, (((1,), (1,)), ((), ())), precision=precision,
+                           preferred_element_type=jnp.float32)
+
+
+def _gate_up_kernel(experts_ref, count_ref, x_ref, gate_up_ref, h_ref, *, block_n: int,
+                    block_k: int, hidden: int):
+    u, j = pl.program_id(0), pl.program_id(1)
+    rows = x_ref.shape[0]
+
+    @pl.when(u < count_ref[0])
+    def _compute():
+        e = experts_ref[u]
+        cols = pl.ds(pl.multiple_of(j * block_n, block_n), block_n)
+
+        def chunk(c, carry):
+            gate, up = carry
+            ks = pl.ds(pl.multiple_of(c * block_k, block_k), block_k)
+            xs = x_ref[:, ks]
+            gate += _dot_t(xs, gate_up_ref[e, 0, cols, ks])
+            up += _dot_t(xs, gate_up_ref[e, 1, cols, ks])
+            return gate, up
+
+        zero = jnp.zeros((rows, block_n), jnp.float32)
+        gate, up = lax.fori_loop(0, hidden // block_k, chunk, (zero, zero))
+        # Rounded to the model dtype first, as the unfused products are.
+        dtype = h_ref.dtype
+        gate, up = gate.astype(dtype).astype(jnp.float32), up.astype(dtype).astype(jnp.float32)
+        h_ref[u, :, cols] = (gate / (1.0 + jnp.exp(-gate)) * up).astype(dtype)
+
+
+def _down_kernel(experts_ref, count_ref, w_ref, mask_ref, h_ref, down_ref, o_ref, *,
+                 block_h: int, block_k: int, inter: int):
+    j = pl.program_id(0)
+    rows = h_ref.shape[1]
+    cols = pl.ds(pl.multiple_of(j * block_h, block_h), block_h)
+    chunks = inter // block_k
+
+    def step(i, acc):
+        # lax's, not jnp's, integer ops: jnp's floor-mod fix-ups do not lower to Triton.
+        u, c = lax.div(i, chunks), lax.rem(i, chunks)
+        ks = pl.ds(pl.multiple_of(c * block_k, block_k), block_k)
+        y = _dot_t(h_ref[u, :, ks], down_ref[experts_ref[u], cols, ks])
+        keep = mask_ref[u, :] != 0
+        return acc + jnp.where(keep[:, None], y * w_ref[u, :][:, None], 0.0)
+
+    acc = lax.fori_loop(0, count_ref[0] * chunks, step,
+                        jnp.zeros((rows, block_h), jnp.float32))
+    o_ref[:, cols] = acc
+
+
+def moe_small(x: jax.Array, gate_up: jax.Array, down: jax.Array, experts: jax.Array,
+              count: jax.Array, slot_weights: jax.Array, slot_mask: jax.Array, *,
+              block_sizes: BlockSizes | None = None, interpret: bool = False) -> jax.Array:
+    """`sum_u slot_mask[u, t] * slot_weights[u, t] * expert_{experts[u]}(x[t])` over the
+    slots `u < count`, `[T, H]` float32.
+
+    `x [T, H]`; `gate_up [E, 2, I, H]`, `down [E, H, I]` (Hugging Face's `[out, in]`,
+    the model dtype); `experts [U]` int32 expert ids (entries from `count` on are never
+    read); `count` int32 scalar; `slot_weights [U, T]` float32; `slot_mask [U, T]` bool.
+    """
+    t, hidden = x.shape
+    inter = gate_up.shape[2]
+    slots = experts.shape[0]
+    if gate_up.shape[1:] != (2, inter, hidden) or down.shape[1:] != (hidden, inter):
+        raise ValueError(f"gate_up {gate_up.shape} / down {down.shape} do not match x {x.shape}")
+    if slot_weights.shape != (slots, t) or slot_mask.shape != (slots, t):
+        raise ValueError(f"slot_weights {slot_weights.shape} / slot_mask {slot_mask.shape} "
+                         f"must be [{slots}, {t}]")
+    bs = block_sizes or default_block_sizes(hidden, inter)
+    # Rows padded to a power of two of at least one tensor-core tile; the extra rows are
+    # zeros routed nowhere.
+    rows = max(MIN_TILE, pl.next_power_of_2(t))
+    pad = ((0, 0), (0, rows - t))
+    xp = jnp.pad(x.astype(gate_up.dtype), ((0, rows - t), (0, 0)))
+    w = jnp.pad(slot_weights.astype(jnp.float32), pad)
+    mask = jnp.pad(slot_mask.astype(jnp.int32), pad)
+    experts = experts.astype(jnp.int32)
+    count = jnp.asarray(count, jnp.int32).reshape(1)
+    params = _compiler_params(bs.num_warps, bs.num_stages)
+
+    h = pl.pallas_call(
+        functools.partial(_gate_up_kernel, block_n=bs.block_n, block_k=bs.block_k,
+                          hidden=hidden),
+        out_shape=jax.ShapeDtypeStruct((slots, rows, inter), gate_up.dtype),
+        grid=(slots, inter // bs.block_n),
+        compiler_params=params, interpret=interpret, name="moe_small_gate_up",
+    )(experts, count, xp, gate_up)
+    out = pl.pallas_call(
+        functools.partial(_down_kernel, block_h=bs.block_h, block_k=bs.block_k_down,
+                          inter=inter),
+        out_shape=jax.ShapeDtypeStruct((rows, hidden), jnp.float32),
+        grid=(hidden // bs.block_h,),
+        compiler_params=params, interpret=interpret, name="moe_small_down",
+    )(experts, count, w, mask, h, down)
+    return out[:t]
