@@ -66,3 +66,12 @@ def test_greedy_tokens_top5_logprobs_and_prompt_logprobs_match_transformers(case
             assert set(top5) == set(ref_lp)
             for tok, lp in ref_lp.items():
                 assert abs(top5[tok] - lp) < 1e-4
+
+
+@pytest.mark.parametrize("case", ["mixtral", "qwen3-moe-dense-layer-1"])
+def test_moe_decode_steps_through_the_fused_expert_kernel_match_transformers(
+        case, tmp_path, monkeypatch):
+    """The same parity with every small step's experts in pallas_kernels/moe_small (its
+    Pallas interpret mode on the CPU) instead of the loop."""
+    monkeypatch.setenv("JAXLLM_MOE_SMALL_KERNEL", "pallas")
+    test_greedy_tokens_top5_logprobs_and_prompt_logprobs_match_transformers(case, tmp_path)

@@ -18,8 +18,7 @@ from tests.layers.test_moe import _draw
 
 # Row counts of decode steps (one token, a few, a full 16-row tile), top 1 / 2 / 8 of 8
 # experts, and 4 experts under 16 rows (most experts shared by several rows).
-CASES = [(1, 8, 1, 1), (1, 8, 8, 1), (3, 8, 2, 2), (3, 8, 8, 3), (16, 8, 2, 13),
-         (16, 4, 2, 16), (16, 8, 8, 9)]
+CASES = [(1, 8, 1, 1), (1, 8, 8, 1), (3, 8, 2, 2), (16, 4, 2, 16), (16, 8, 8, 13)]
 
 
 def _step(t, e, k, n, h=32, i=48, dtype=np.float32):

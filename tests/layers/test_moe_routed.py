@@ -7,6 +7,7 @@ row count at trace time."""
 from __future__ import annotations
 
 import jax
+import jax.extend.core
 import jax.numpy as jnp
 import numpy as np
 import pytest
@@ -21,6 +22,7 @@ from jaxllm.layers.moe import (
     expert_ffn,
     routed_expert_ffn,
     routed_experts,
+    small_step_kernel,
     small_token_limit,
 )
 from jaxllm.layers.quant import Fp8Linear, linear_method, quantize_per_channel
@@ -162,3 +164,68 @@ def test_small_token_limit_reads_its_environment_variable(monkeypatch):
     monkeypatch.setenv("JAXLLM_MOE_SMALL_TOKENS", "sixteen")
     with pytest.raises(ParameterError, match="JAXLLM_MOE_SMALL_TOKENS: must be a whole"):
         small_token_limit()
+
+
+def _outside_kernels(jaxpr) -> list[str]:
+    """The primitives a program runs, nested programs included, kernels' bodies not."""
+    names = []
+    for eqn in jaxpr.eqns:
+        names.append(eqn.primitive.name)
+        if eqn.primitive.name != "pallas_call":
+            for sub in jax.extend.core.jaxprs_in_params(eqn.params):
+                names += _outside_kernels(sub)
+    return names
+
+
+def test_small_step_kernel_reads_its_environment_variable(monkeypatch):
+    monkeypatch.delenv("JAXLLM_MOE_SMALL_KERNEL", raising=False)
+    assert small_step_kernel() == "loop"  # on the CPU
+    monkeypatch.setenv("JAXLLM_MOE_SMALL_KERNEL", "pallas")
+    assert small_step_kernel() == "pallas" and _layers().small_kernel == "pallas"
+    monkeypatch.setenv("JAXLLM_MOE_SMALL_KERNEL", "fused")
+    with pytest.raises(ParameterError, match="JAXLLM_MOE_SMALL_KERNEL: must be one of loop"):
+        small_step_kernel()
+
+
+@pytest.mark.parametrize("method", [None, "int8"])
+def test_layer_takes_the_fused_kernel_for_small_float_steps_only(method, monkeypatch):
+    """With the kernel chosen, a small step of float experts runs two pallas_calls and no
+    loop (interpret mode on the CPU) with the loop's values; quantized experts keep the
+    loop."""
+    m = linear_method(method)
+    monkeypatch.setenv("JAXLLM_MOE_SMALL_KERNEL", "loop")
+    looped = _layers(method=m)
+    monkeypatch.setenv("JAXLLM_MOE_SMALL_KERNEL", "pallas")
+    fused = _layers(method=m)
+    x = jnp.asarray(np.random.default_rng(5).normal(size=(8, 32)), jnp.float32)
+    residual = jnp.ones_like(x)
+    want, _ = _call(looped, x, residual, jnp.int32(5))
+    got, jaxpr = _call(fused, x, residual, jnp.int32(5))
+    ops = _outside_kernels(jaxpr.jaxpr)
+    if method is None:
+        assert ops.count("pallas_call") == 2 and "while" not in ops
+    else:
+        assert "pallas_call" not in ops and "while" in ops
+    assert np.abs(np.asarray(want)[:5] - 1).max() > 1e-3
+    np.testing.assert_allclose(np.asarray(got), np.asarray(want), rtol=0, atol=1e-5)
+    np.testing.assert_array_equal(np.asarray(got)[5:], 1.0)
+
+
+@pytest.mark.slow
+def test_expert_parallel_fused_kernel_equals_one_device_loop(monkeypatch):
+    """At tp 2 (2 fake devices, 4 experts each) each device's kernel reads only its own
+    experts and the psum adds the halves: one device's loop values."""
+    monkeypatch.setenv("JAXLLM_MOE_SMALL_KERNEL", "loop")
+    one = _layers()
+    monkeypatch.setenv("JAXLLM_MOE_SMALL_KERNEL", "pallas")
+    split = _layers(mesh=make_mesh(2))
+    x = jnp.asarray(np.random.default_rng(8).normal(size=(8, 32)), jnp.float32)
+    residual = jnp.ones_like(x)
+    want, _ = _call(one, x, residual, jnp.int32(6))
+    got, jaxpr = _call(split, x, residual, jnp.int32(6))
+    ops = _outside_kernels(jaxpr.jaxpr)
+    assert ops.count("pallas_call") == 2 and "while" not in ops
+    assert got.sharding.is_fully_replicated
+    assert np.abs(np.asarray(want)[:6] - 1).max() > 1e-3
+    np.testing.assert_allclose(np.asarray(got), np.asarray(want), rtol=0, atol=1e-5)
+    np.testing.assert_array_equal(np.asarray(got)[6:], 1.0)
