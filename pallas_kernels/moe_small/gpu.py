@@ -13,12 +13,14 @@ oracle of the same contract.
    tensor-core tile) and `[block_n, block_k]` tiles of expert `experts[u]`'s gate and up
    weights, indexed straight in the stacked `[E, 2, I, H]` array (no gathered copy), and
    writes `h[u, :, block] = silu(gate) * up` in the model dtype.
-2. down, grid (block of `block_h` columns of H): one loop of `count * I / block_k`
-   steps, each the product of slot u's `[rows, block_k]` chunk of h and a
-   `[block_h, block_k]` tile of its expert's down weight, scaled by the rows' routing
-   weights and kept only where the row routed there (`where`: a padding row may hold
-   anything, NaN included), summed in float32. Small column blocks give the GPU many
-   programs though the step has few rows.
+2. down, grid (block of `block_h` columns of H, split s of `down_splits`): one loop
+   over a contiguous share of the `count` slots (`I / block_k` steps each), each step
+   the product of slot u's `[rows, block_k]` chunk of h and a `[block_h, block_k]` tile
+   of its expert's down weight, scaled by the rows' routing weights and kept only where
+   the row routed there (`where`: a padding row may hold anything, NaN included),
+   summed in float32 into the split's partial output; the partials add up outside
+   (no atomics). Small column blocks and the splits give the GPU many programs, and
+   many loads in flight, though the step has few rows.
 
 Every routed expert's weights are read once per step; the slots past `count` cost a
 program launch and nothing else.
@@ -53,6 +55,9 @@ class BlockSizes:
     block_k: int  # gate/up reduction chunk (of H)
     block_h: int  # down output columns (of H) per program
     block_k_down: int  # down reduction chunk (of I)
+    # Down programs per column block, each over its share of the slots, their partial
+    # sums added after: more loads in flight than one program walking every slot.
+    down_splits: int = 4
     num_warps: int = 4
     num_stages: int = 3
 
@@ -115,11 +120,16 @@ def _gate_up_kernel(experts_ref, count_ref, x_ref, gate_up_ref, h_ref, *, block_
 
 
 def _down_kernel(experts_ref, count_ref, w_ref, mask_ref, h_ref, down_ref, o_ref, *,
-                 block_h: int, block_k: int, inter: int):
-    j = pl.program_id(0)
+                 block_h: int, block_k: int, inter: int, splits: int):
+    j, s = pl.program_id(0), pl.program_id(1)
     rows = h_ref.shape[1]
     cols = pl.ds(pl.multiple_of(j * block_h, block_h), block_h)
     chunks = inter // block_k
+    # This program's share of the routed slots: a contiguous run of cdiv(count, splits).
+    count = count_ref[0]
+    per = lax.div(count + splits - 1, splits)
+    first = jnp.minimum(s * per, count)
+    last = jnp.minimum(first + per, count)
 
     def step(i, acc):
         # lax's, not jnp's, integer ops: jnp's floor-mod fix-ups do not lower to Triton.
@@ -129,9 +139,9 @@ def _down_kernel(experts_ref, count_ref, w_ref, mask_ref, h_ref, down_ref, o_ref
         keep = mask_ref[u, :] != 0
         return acc + jnp.where(keep[:, None], y * w_ref[u, :][:, None], 0.0)
 
-    acc = lax.fori_loop(0, count_ref[0] * chunks, step,
+    acc = lax.fori_loop(first * chunks, last * chunks, step,
                         jnp.zeros((rows, block_h), jnp.float32))
-    o_ref[:, cols] = acc
+    o_ref[s, :, cols] = acc
 
 
 def moe_small(x: jax.Array, gate_up: jax.Array, down: jax.Array, experts: jax.Array,
@@ -153,6 +163,12 @@ def moe_small(x: jax.Array, gate_up: jax.Array, down: jax.Array, experts: jax.Ar
         raise ValueError(f"slot_weights {slot_weights.shape} / slot_mask {slot_mask.shape} "
                          f"must be [{slots}, {t}]")
     bs = block_sizes or default_block_sizes(hidden, inter)
+    for name, block, dim in (("block_n", bs.block_n, inter), ("block_k", bs.block_k, hidden),
+                             ("block_h", bs.block_h, hidden),
+                             ("block_k_down", bs.block_k_down, inter)):
+        if block < MIN_TILE or block & (block - 1) or dim % block:
+            raise ValueError(f"{name}={block} must be a power of two of at least {MIN_TILE} "
+                             f"dividing {dim}")
     # Rows padded to a power of two of at least one tensor-core tile; the extra rows are
     # zeros routed nowhere.
     rows = max(MIN_TILE, pl.next_power_of_2(t))
@@ -173,9 +189,9 @@ def moe_small(x: jax.Array, gate_up: jax.Array, down: jax.Array, experts: jax.Ar
     )(experts, count, xp, gate_up)
     out = pl.pallas_call(
         functools.partial(_down_kernel, block_h=bs.block_h, block_k=bs.block_k_down,
-                          inter=inter),
-        out_shape=jax.ShapeDtypeStruct((rows, hidden), jnp.float32),
-        grid=(hidden // bs.block_h,),
+                          inter=inter, splits=bs.down_splits),
+        out_shape=jax.ShapeDtypeStruct((bs.down_splits, rows, hidden), jnp.float32),
+        grid=(hidden // bs.block_h, bs.down_splits),
         compiler_params=params, interpret=interpret, name="moe_small_down",
     )(experts, count, w, mask, h, down)
-    return out[:t]
+    return jnp.sum(out[:, :t], axis=0)

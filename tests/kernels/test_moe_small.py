@@ -5,6 +5,7 @@ for CUDA accepting them."""
 
 from __future__ import annotations
 
+import dataclasses
 import re
 
 import jax
@@ -84,12 +85,14 @@ def test_each_device_computes_only_its_own_experts_pairs():
 
 def test_several_chunks_per_product_equal_the_reference():
     """Block sizes below H and I (4 gate/up chunks, 3 down chunks, several column blocks)
-    give `reference.py`'s values, fill slots past `count` included."""
+    and the slots shared unevenly by 4 down programs per block give `reference.py`'s
+    values, fill slots past `count` included."""
     t, n = 5, 4
     x, weights, ids, gate_up, down = _step(t, 8, 2, n, h=64, i=48)
     slots = routed_slots(weights, ids, 0, 8, n)
     assert int(slots[1]) < slots[0].shape[0]  # some fill slots
-    bs = gpu.BlockSizes(block_n=16, block_k=16, block_h=16, block_k_down=16)
+    bs = gpu.BlockSizes(block_n=16, block_k=16, block_h=16, block_k_down=16, down_splits=4)
+    assert int(slots[1]) % 4  # uneven shares, one split empty
     got = np.asarray(jax.jit(lambda *a: gpu.moe_small(*a, block_sizes=bs, interpret=True))(
         x, gate_up, down, *slots))
     want = np.asarray(reference.moe_small(x, gate_up, down, *slots))
@@ -107,6 +110,10 @@ def test_sizes_off_the_tile_grid_are_refused():
     assert not gpu.supported(512, 4096, 1 << 20)
     with pytest.raises(ValueError, match="multiples of 16"):
         gpu.default_block_sizes(32, 40)
+    x, weights, ids, gate_up, down = _step(1, 8, 2, 1)
+    bs = dataclasses.replace(gpu.default_block_sizes(32, 48), block_n=32)
+    with pytest.raises(ValueError, match="block_n=32 must be a power of two .* dividing 48"):
+        gpu.moe_small(x, gate_up, down, *routed_slots(weights, ids, 0, 8), block_sizes=bs)
 
 
 @pytest.mark.parametrize("t,dtype", [(1, jnp.bfloat16), (16, jnp.bfloat16), (4, jnp.float32)])
