@@ -22,6 +22,16 @@ static bound). Both paths route padding tokens nowhere: the caller passes the
 step's real token count (`num_tokens`, the rows before it), and the padding rows
 come back zero.
 
+On the GPU a small step of unquantized experts runs `routed_expert_kernel`
+instead (`small_step_kernel`: `JAXLLM_MOE_SMALL_KERNEL=loop|pallas`, pallas on GPU,
+loop elsewhere): the loop's iterations each pay a launch and a copy of the
+dynamically indexed expert, while pallas_kernels/moe_small's two kernels (gate/up
+per (routed slot, column block), down per column block over the slots) read every
+routed expert's weights in place, once, with no host-side loop. `routed_slots`
+turns the routing into their inputs. Quantized experts, and sizes off its 16-wide
+tiles, keep the loop; the loop stays the oracle on the CPU, where "pallas" runs the
+kernels in Pallas interpret mode (tests).
+
 Weights keep Hugging Face's `[out, in]` orientation, stacked per expert:
 
   weight             shape             spec                          role
@@ -37,7 +47,7 @@ weights are int8 / float8_e4m3fn with one float32 scale per expert and output
 channel, and the router stays float (as vLLM keeps it).
 
 Expert parallelism: over several 'model' devices each holds E / tp whole experts.
-The pallas_call cannot be partitioned by XLA, and ragged_dot over sharded groups
+The pallas_calls cannot be partitioned by XLA, and ragged_dot over sharded groups
 is not either, so the experts run under `shard_map`: tokens and routing
 replicated, each device computing the pairs routed to its own experts (the rest
 masked out) and a psum over 'model' adding the partial outputs, the same one
