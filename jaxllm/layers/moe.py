@@ -306,7 +306,7 @@ class SparseMoE(nnx.Module):
 
         def ffn(x, weights, ids, statics, num_tokens, *experts, first=0):
             kw = dict(input_scales=statics or None, num_tokens=num_tokens)
-            if small and self._fused(experts[0]):
+            if small and self._fused(x, experts[0]):
                 return routed_expert_kernel(x, weights, ids, *experts[:2], first, num_tokens,
                                             self.kernel_interpret)
             if small:
@@ -329,14 +329,14 @@ class SparseMoE(nnx.Module):
         out = out.astype(x.dtype)
         return out if residual is None else residual + out
 
-    def _fused(self, gate_up: jax.Array) -> bool:
+    def _fused(self, x: jax.Array, gate_up: jax.Array) -> bool:
         """Whether a small step takes the fused kernel: chosen, unquantized experts, and
         sizes its tiles take."""
         from pallas_kernels.moe_small import gpu
 
         local, _, inter, hidden = gate_up.shape
         return (self.small_kernel == "pallas" and self.method is None
-                and gpu.supported(local, hidden, inter))
+                and gpu.supported(local, hidden, inter, x.shape[0]))
 
 
 def _experts(rngs: nnx.Rngs, shape: tuple[int, ...], dtype: jnp.dtype, method: Any

@@ -38,6 +38,7 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plt
 
 MIN_TILE = 16  # the smallest tensor-core dot dimension Triton takes
+MAX_ROWS = 64  # a program holds every row's tile: more would spill (prefill-sized steps)
 
 
 def _compiler_params(num_warps: int, num_stages: int):
@@ -67,12 +68,13 @@ def _pow2_divisor(n: int, cap: int) -> int:
     return min(n & -n, cap)
 
 
-def supported(num_experts: int, hidden: int, inter: int) -> bool:
-    """Whether the kernels take these experts: H and I multiples of 16 (Triton tiles are
-    powers of two, and a block must divide its dimension), and the stacked weights'
-    element offsets within int32 (the lowering's pointer arithmetic)."""
+def supported(num_experts: int, hidden: int, inter: int, tokens: int = 1) -> bool:
+    """Whether the kernels take these experts and a step of `tokens` rows: H and I
+    multiples of 16 (Triton tiles are powers of two, and a block must divide its
+    dimension), the stacked weights' element offsets within int32 (the lowering's
+    pointer arithmetic), and at most MAX_ROWS rows."""
     return (hidden % MIN_TILE == 0 and inter % MIN_TILE == 0
-            and num_experts * 2 * inter * hidden < 2**31)
+            and num_experts * 2 * inter * hidden < 2**31 and tokens <= MAX_ROWS)
 
 
 def default_block_sizes(hidden: int, inter: int) -> BlockSizes:

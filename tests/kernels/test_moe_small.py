@@ -103,9 +103,10 @@ def test_several_chunks_per_product_equal_the_reference():
 
 
 def test_sizes_off_the_tile_grid_are_refused():
-    """H or I not a multiple of 16 (the layer keeps the loop for those), or weights past
-    int32 element offsets."""
-    assert gpu.supported(128, 2048, 768)
+    """H or I not a multiple of 16 (the layer keeps the loop for those), weights past
+    int32 element offsets, or more rows than a program's tile holds."""
+    assert gpu.supported(128, 2048, 768) and gpu.supported(128, 2048, 768, gpu.MAX_ROWS)
+    assert not gpu.supported(128, 2048, 768, gpu.MAX_ROWS + 1)
     assert not gpu.supported(8, 32, 40) and not gpu.supported(8, 40, 32)
     assert not gpu.supported(512, 4096, 1 << 20)
     with pytest.raises(ValueError, match="multiples of 16"):
