@@ -28,7 +28,7 @@ from jaxllm.benchmarks.common import measure_hbm_bandwidth, median_time
 from jaxllm.layers.moe import route, routed_expert_ffn, routed_expert_kernel, routed_slots
 from pallas_kernels.moe_small import gpu
 
-SWEEP = [dict(block_n=16), dict(block_n=64), dict(block_h=32), dict(down_splits=1),
+SWEEP = [dict(block_n=32), dict(block_n=64), dict(block_h=32), dict(down_splits=1),
          dict(down_splits=2), dict(down_splits=8), dict(num_warps=2), dict(num_warps=8),
          dict(num_stages=2), dict(num_stages=4), dict(block_k=128, block_k_down=128)]
 

@@ -78,13 +78,14 @@ def supported(num_experts: int, hidden: int, inter: int, tokens: int = 1) -> boo
 
 
 def default_block_sizes(hidden: int, inter: int) -> BlockSizes:
-    """Narrow output blocks (32 columns of I, 16 of H) so even one token over a few experts
-    gives the GPU a few hundred programs; the widest chunks up to 256 that divide H and I
-    for long loads."""
+    """The narrowest output blocks (16 columns) so that even one token over 8 experts gives
+    the GPU a few hundred programs, each small enough in shared memory (3 stages of
+    16-row tiles) for several to share an SM: one wave, not a full one and a tail; the
+    widest chunks up to 256 that divide H and I, for long loads."""
     if hidden % MIN_TILE or inter % MIN_TILE:
         raise ValueError(f"hidden={hidden} and intermediate={inter} must be multiples of "
                          f"{MIN_TILE} for the Triton kernels")
-    return BlockSizes(block_n=_pow2_divisor(inter, 32), block_k=_pow2_divisor(hidden, 256),
+    return BlockSizes(block_n=MIN_TILE, block_k=_pow2_divisor(hidden, 256),
                       block_h=MIN_TILE, block_k_down=_pow2_divisor(inter, 256))
 
 
