@@ -332,11 +332,12 @@ class SparseMoE(nnx.Module):
     def _fused(self, x: jax.Array, gate_up: jax.Array) -> bool:
         """Whether a small step takes the fused kernel: chosen, unquantized experts, and
         sizes its tiles take."""
+        if self.small_kernel != "pallas" or self.method is not None:
+            return False
         from pallas_kernels.moe_small import gpu
 
         local, _, inter, hidden = gate_up.shape
-        return (self.small_kernel == "pallas" and self.method is None
-                and gpu.supported(local, hidden, inter, x.shape[0]))
+        return gpu.supported(local, hidden, inter, x.shape[0])
 
 
 def _experts(rngs: nnx.Rngs, shape: tuple[int, ...], dtype: jnp.dtype, method: Any
