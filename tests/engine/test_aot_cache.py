@@ -109,7 +109,7 @@ def test_the_mosaic_gpu_backend_keeps_the_caches_on(model_dir, tmp_path):
 
 
 def test_the_context_follows_the_moe_and_fp8_knobs(model_dir, monkeypatch):
-    """Programs traced under another grouped-matmul body, small-step expert limit or fp8
+    """Programs traced under another grouped-matmul body, small-step expert limit or body, or fp8
     weight-only threshold are other programs: a run with a changed knob must not load them."""
     import types
 
