@@ -130,3 +130,18 @@ def test_kernels_lower_to_triton_for_cuda(t, dtype):
     text = jax.jit(gpu.moe_small).trace(*shapes).lower(lowering_platforms=("cuda",)).as_text()
     assert len(re.findall(r"custom_call @__gpu\$xla\.gpu\.triton", text)) == 2
     assert "stablehlo.while" not in text
+
+
+def test_the_layers_fused_path_lowers_for_cuda_without_a_loop():
+    """`routed_expert_kernel` as the layer calls it (routing to slots, both kernels, the
+    split sum) at the Qwen3-30B-A3B shape, 16 rows: no while loop in the program."""
+    t, k, e, h, i = 16, 8, 128, 2048, 768
+    shapes = (jax.ShapeDtypeStruct((t, h), jnp.bfloat16),
+              jax.ShapeDtypeStruct((t, k), jnp.float32), jax.ShapeDtypeStruct((t, k), jnp.int32),
+              jax.ShapeDtypeStruct((e, 2, i, h), jnp.bfloat16),
+              jax.ShapeDtypeStruct((e, h, i), jnp.bfloat16),
+              jax.ShapeDtypeStruct((), jnp.int32), jax.ShapeDtypeStruct((), jnp.int32))
+    text = jax.jit(routed_expert_kernel).trace(*shapes).lower(
+        lowering_platforms=("cuda",)).as_text()
+    assert len(re.findall(r"custom_call @__gpu\$xla\.gpu\.triton", text)) == 2
+    assert "stablehlo.while" not in text
