@@ -136,8 +136,8 @@ def _kernel(group_ref, first_ref, end_ref, lhs_ref, rhs_ref, out_ref, *, b: Bloc
                       mask=x_mask, other=_zero(lhs_ref.dtype))
             w_idx = (rhs_rows, jnp.broadcast_to(kk[None, :], (b.bn, b.bk)))
             if k_tail:
-                w = _load(rhs_ref, w_idx, mask=jnp.broadcast_to((kk < k)[None, :],
-                                                                (b.bn, b.bk)), other=_zero(rhs_ref.dtype))
+                w_mask = jnp.broadcast_to((kk < k)[None, :], (b.bn, b.bk))
+                w = _load(rhs_ref, w_idx, mask=w_mask, other=_zero(rhs_ref.dtype))
             else:
                 w = _load(rhs_ref, w_idx)
             return acc + lax.dot_general(x.astype(operand), w.astype(operand),
