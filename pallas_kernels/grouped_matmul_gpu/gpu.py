@@ -145,7 +145,9 @@ def _kernel(group_ref, first_ref, end_ref, lhs_ref, rhs_ref, out_ref, *, b: Bloc
                                          preferred_element_type=jnp.float32)
 
         acc = lax.fori_loop(0, pl.cdiv(k, b.bk), step, jnp.zeros((b.tm, b.bn), jnp.float32))
-        out_mask = row_ok[:, None] & (cols < n)[None, :]
+        out_mask = jnp.broadcast_to(row_ok[:, None], (b.tm, b.bn))
+        if n % b.bn:
+            out_mask &= (cols < n)[None, :]
         _store(out_ref, (jnp.broadcast_to(rows[:, None], (b.tm, b.bn)),
                          jnp.broadcast_to(cols[None, :], (b.tm, b.bn))),
                acc.astype(out_ref.dtype), mask=out_mask)

@@ -20,7 +20,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from jaxllm.layers.grouped_matmul import GroupedMatmul
+from jaxllm.layers.grouped_matmul import GroupedMatmul, default_grouped_matmul
 from pallas_kernels.grouped_matmul_gpu import gpu, reference
 
 RAGGED_DOT = GroupedMatmul("ragged_dot")
@@ -138,3 +138,8 @@ def test_pallas_gpu_body_lowers_to_a_triton_call_for_cuda():
             s((128,), jnp.int32))
         text = traced.lower(lowering_platforms=("cuda",)).as_text()
         assert "xla.gpu.triton" in text and "grouped_matmul_gpu" in text
+
+
+def test_moe_kernel_knob_selects_the_pallas_gpu_body(monkeypatch):
+    monkeypatch.setenv("JAXLLM_MOE_KERNEL", "pallas_gpu")
+    assert default_grouped_matmul().kernel == "pallas_gpu"
