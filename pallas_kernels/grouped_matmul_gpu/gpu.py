@@ -50,14 +50,22 @@ class BlockSizes:
     num_warps: int = 4
     num_stages: int = 3
 
+    def __post_init__(self):
+        for name in ("tm", "bn", "bk"):
+            v = getattr(self, name)
+            if v < 16 or v & (v - 1):
+                raise ValueError(f"{name}: must be a power of two >= 16, got {v}")
+
 
 def default_block_sizes(m: int, n: int, k: int, groups: int, itemsize: int = 2,
                         max_rows: int = 128) -> BlockSizes:
     """Static choice from the shapes. `tm` about the mean group (M / G) so a tile wastes
-    few rows, 16..`max_rows`; 128 x 64 weight blocks, the usual Triton bf16 GEMM tile
-    for H100; 8 warps for the 128-row tile. float32 tiles hold twice the bytes, so they
-    get half the contraction chunk and a shallower pipeline (227 KiB shared memory)."""
-    tm = int(min(max_rows, max(16, 2 ** math.ceil(math.log2(max(1.0, m / groups))))))
+    few rows, 16..`max_rows` (rounded down to a power of two); 128 x 64 weight blocks,
+    the usual Triton bf16 GEMM tile for H100; 8 warps for the 128-row tile. float32
+    tiles hold twice the bytes, so they get half the contraction chunk and a shallower
+    pipeline (227 KiB shared memory)."""
+    cap = 2 ** int(math.log2(max(16, max_rows)))
+    tm = int(min(cap, max(16, 2 ** math.ceil(math.log2(max(1.0, m / groups))))))
     bn = int(min(128, max(16, 2 ** math.ceil(math.log2(n)))))
     bk = int(min(64 if itemsize <= 2 else 32, max(16, 2 ** math.ceil(math.log2(k)))))
     return BlockSizes(tm, bn, bk, num_warps=8 if tm >= 128 else 4,

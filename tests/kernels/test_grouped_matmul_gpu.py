@@ -143,3 +143,10 @@ def test_pallas_gpu_body_lowers_to_a_triton_call_for_cuda():
 def test_moe_kernel_knob_selects_the_pallas_gpu_body(monkeypatch):
     monkeypatch.setenv("JAXLLM_MOE_KERNEL", "pallas_gpu")
     assert default_grouped_matmul().kernel == "pallas_gpu"
+
+
+@pytest.mark.parametrize("field,sizes", [("tm", (8, 64, 64)), ("bn", (16, 96, 64)),
+                                         ("bk", (16, 64, 0))])
+def test_block_sizes_off_the_tensor_core_tile_are_an_error_naming_the_field(field, sizes):
+    with pytest.raises(ValueError, match=f"{field}: must be a power of two >= 16"):
+        gpu.BlockSizes(*sizes)
