@@ -19,7 +19,7 @@ Reported per body: microseconds, TFLOP/s of the routed FLOPs (2 M N K) and their
 fraction of the bf16 matmul peak, and the fraction of the HBM roofline (each routed
 expert's weight read once, the rows read and the output written), both ceilings
 measured in the same run (jaxllm/benchmarks/common.py). `--sweep`: the Pallas body
-also over a grid of block sizes (SWEEP, about 30 compiles per shape and M: narrow it
+also over a grid of block sizes (SWEEP, about 20 compiles per shape and M: narrow it
 with --tokens / --shapes), the best printed per (shape, M). JSON to
 $OUT/bench_grouped_matmul.json; a table last. `--small`: tiny shapes in Pallas
 interpret mode (a CPU check of the script).
@@ -54,7 +54,9 @@ BODIES = ("pallas_gpu", "ragged_dot", "tiled")
 RAGGED_DOT_MAX_ROWS = 4096
 TILED_MAX_BYTES = 16 << 30
 TOLERANCE = 1e-2
-SWEEP = dict(tm=(16, 32, 64, 128), bn=(64, 128), bk=(64, 128), warps=(4, 8), stages=(3, 4))
+# (bn, bk, warps, stages) beside each row tile within a factor two of the default's.
+SWEEP = ((64, 64, 4, 4), (128, 64, 4, 3), (128, 128, 4, 3), (128, 64, 8, 4),
+         (256, 64, 8, 3), (256, 64, 8, 4), (256, 128, 8, 2))
 
 
 def routing(tokens: int, experts: int, top_k: int, seed: int = 0) -> np.ndarray:
@@ -115,11 +117,10 @@ def sweep(lhs, rhs, sizes_j, interpret: bool) -> list[dict]:
     n = rhs.shape[1]
     out = []
     default = gpu.default_block_sizes(m, n, k, rhs.shape[0])
-    for tm, bn, bk, warps, stages in itertools.product(*SWEEP.values()):
-        # Row tiles within a factor two of the default's (the mean group's size);
-        # blocks within the shapes and the pipeline's buffers within shared memory.
-        if (not default.tm // 2 <= tm <= default.tm * 2 or bn > max(16, n)
-                or bk > max(16, k) or stages * (tm + bn) * bk * 2 > 200 << 10):
+    rows = [t for t in (default.tm // 2, default.tm, default.tm * 2) if 16 <= t <= 128]
+    for tm, (bn, bk, warps, stages) in itertools.product(rows, SWEEP):
+        # Blocks within the shapes and the pipeline's buffers within shared memory.
+        if bn > max(16, n) or bk > max(16, k) or stages * (tm + bn) * bk * 2 > 200 << 10:
             continue
         b = gpu.BlockSizes(tm, bn, bk, num_warps=warps, num_stages=stages)
         try:

@@ -44,8 +44,11 @@ CASES = {
     "m1-g4-row-in-the-third-group": Case((0, 0, 1, 0), 1),
     # 16-row tiles: a group of six tiles and a partial one.
     "m100-g1-many-tiles": Case((100,), 100, max_rows=16),
-    # Contraction and columns past whole blocks (bk 64, bn 128): masked tails.
+    # Contraction and columns past whole blocks (16-row tiles: bk 128 in bf16, 64 in
+    # float32; bn 128): masked tails.
     "m100-g8-k-and-n-tails": Case((20, 0, 13, 31, 1, 0, 17, 10), 100, k=200, n=150),
+    # Full 128-row tiles (bn 256): a partial second column block.
+    "m300-g2-128-row-tiles": Case((150, 140), 300, k=64, n=300),
 }
 
 
@@ -103,15 +106,26 @@ def test_quantized_operands_are_upcast_exactly_in_the_kernel(lhs_dtype, rhs_dtyp
     np.testing.assert_allclose(got[:rows], want[:rows], rtol=0, atol=1e-6 * scale)
 
 
+_TILES = jax.jit(gpu.tile_metadata, static_argnums=(1, 2))
+
+
+@st.composite
+def _groups(draw):
+    """(group sizes, M, tm): G in {1, 4, 9}, M in {1, 50} (few shapes: each compiles),
+    sizes cut from M at random points so their sum is at most M."""
+    groups, m = draw(st.sampled_from([1, 4, 9])), draw(st.sampled_from([1, 50]))
+    cuts = sorted(draw(st.lists(st.integers(0, m), min_size=groups, max_size=groups)))
+    return np.diff([0, *cuts]).astype(np.int32), m, draw(st.sampled_from([16, 32]))
+
+
 @settings(max_examples=60, deadline=None)
-@given(sizes=st.lists(st.integers(0, 40), min_size=1, max_size=9),
-       spare=st.integers(0, 20), tm=st.sampled_from([16, 32, 128]))
-def test_tiles_cover_each_grouped_row_once_within_the_static_bound(sizes, spare, tm):
+@given(case=_groups())
+def test_tiles_cover_each_grouped_row_once_within_the_static_bound(case):
     """Every row inside the groups lies in exactly one tile of its own group, no tile
     holds more than `tm` rows or rows of another group, and the real tiles fit the
     static slot count `cdiv(M, tm) + min(G, M)`."""
-    m = max(1, sum(sizes) + spare)
-    group, first, end = map(np.asarray, gpu.tile_metadata(jnp.asarray(sizes, jnp.int32), m, tm))
+    sizes, m, tm = case
+    group, first, end = map(np.asarray, _TILES(jnp.asarray(sizes), m, tm))
     assert group.shape == (gpu.num_tiles(m, len(sizes), tm),)
     ends = np.cumsum(sizes)
     owner = np.searchsorted(ends, np.arange(m), side="right")
@@ -128,13 +142,15 @@ def test_tiles_cover_each_grouped_row_once_within_the_static_bound(sizes, spare,
 
 def test_pallas_gpu_body_lowers_to_a_triton_call_for_cuda():
     """Lowered for CUDA from this host (the Triton IR is built here; the device compiles
-    it): the Qwen3-30B-A3B gate_up shapes in bfloat16, and fp8 operands."""
+    it): the Qwen3-30B-A3B gate_up shapes in bfloat16 at 32- and 128-row tiles, and
+    fp8 operands."""
     s = jax.ShapeDtypeStruct
     body = GroupedMatmul("pallas_gpu")
-    for lhs_dtype, rhs_dtype in [(jnp.bfloat16, jnp.bfloat16),
-                                 (jnp.float8_e4m3fn, jnp.float8_e4m3fn)]:
+    for m, lhs_dtype, rhs_dtype in [(4096, jnp.bfloat16, jnp.bfloat16),
+                                    (65536, jnp.bfloat16, jnp.bfloat16),
+                                    (4096, jnp.float8_e4m3fn, jnp.float8_e4m3fn)]:
         traced = jax.jit(lambda *a: body(*a, out_dtype=jnp.float32)).trace(
-            s((4096, 2048), lhs_dtype), s((128, 1536, 2048), rhs_dtype),
+            s((m, 2048), lhs_dtype), s((128, 1536, 2048), rhs_dtype),
             s((128,), jnp.int32))
         text = traced.lower(lowering_platforms=("cuda",)).as_text()
         assert "xla.gpu.triton" in text and "grouped_matmul_gpu" in text
