@@ -31,6 +31,7 @@ import argparse
 import itertools
 import math
 import time
+import traceback
 
 import jax
 import jax.numpy as jnp
@@ -110,29 +111,30 @@ def figures(seconds: float, m: int, n: int, k: int, sizes: np.ndarray, bw: float
             "roofline_us": max(flops / peak, nbytes / bw) * 1e6}
 
 
-def sweep(lhs, rhs, sizes_j, interpret: bool) -> list[dict]:
+def sweep(lhs, rhs, sizes_j, interpret: bool, want: jax.Array, rows: int) -> list[dict]:
     """The Pallas body over SWEEP's block sizes (configs whose tiles would not fit the
-    shapes or shared memory skipped); the fastest first."""
+    shapes or shared memory skipped), each checked against `want` on the first `rows`
+    rows; the fastest first."""
     m, k = lhs.shape
     n = rhs.shape[1]
     out = []
     default = gpu.default_block_sizes(m, n, k, rhs.shape[0])
-    rows = [t for t in (default.tm // 2, default.tm, default.tm * 2) if 16 <= t <= 128]
-    for tm, (bn, bk, warps, stages) in itertools.product(rows, SWEEP):
+    tiles = [t for t in (default.tm // 2, default.tm, default.tm * 2) if 16 <= t <= 128]
+    for tm, (bn, bk, warps, stages) in itertools.product(tiles, SWEEP):
         # Blocks within the shapes and the pipeline's buffers within shared memory.
         if bn > max(16, n) or bk > max(16, k) or stages * (tm + bn) * bk * 2 > 200 << 10:
             continue
         b = gpu.BlockSizes(tm, bn, bk, num_warps=warps, num_stages=stages)
+        config = {"tm": tm, "bn": bn, "bk": bk, "warps": warps, "stages": stages}
         try:
-            s, _, _ = timed(lambda x, w, g, b=b: gpu.grouped_matmul(
+            s, _, got = timed(lambda x, w, g, b=b: gpu.grouped_matmul(
                 x, w, g, block_sizes=b, interpret=interpret), lhs, rhs, sizes_j)
         except Exception as e:  # a config Triton rejects: reported, not fatal
-            out.append({"tm": tm, "bn": bn, "bk": bk, "warps": warps, "stages": stages,
-                        "error": f"{type(e).__name__}: {str(e)[:200]}"})
+            out.append({**config, "error": f"{type(e).__name__}: {str(e)[:200]}"})
             continue
-        out.append({"tm": tm, "bn": bn, "bk": bk, "warps": warps, "stages": stages,
-                    "us": s * 1e6})
-    return sorted(out, key=lambda r: r.get("us", math.inf))
+        rel = agreement(got, want, rows)
+        out.append({**config, "us": s * 1e6, "max_rel_diff": rel, "agrees": rel <= TOLERANCE})
+    return sorted(out, key=lambda r: r.get("us", math.inf) if r.get("agrees") else math.inf)
 
 
 def run(args) -> dict:
@@ -164,7 +166,12 @@ def run(args) -> dict:
                     out["results"].append({**row, "skipped": reason})
                     continue
                 gmm = GroupedMatmul(body, interpret=small and body == "pallas_gpu")
-                s, compile_s, outs[body] = timed(gmm, lhs, rhs, sizes_j)
+                try:
+                    s, compile_s, outs[body] = timed(gmm, lhs, rhs, sizes_j)
+                except Exception as e:  # a body that fails to compile: the others still run
+                    traceback.print_exc()
+                    out["results"].append({**row, "error": f"{type(e).__name__}: {e}"[:2000]})
+                    continue
                 row.update(compile_s=compile_s, **figures(s, m, n, k, sizes, bw, peak))
                 out["results"].append(row)
             peer_of = {b: next((p for p in ("ragged_dot", "tiled") if p in outs and p != b),
@@ -184,7 +191,12 @@ def run(args) -> dict:
                       f"{row['tflops']:.1f} TFLOP/s ({row['peak_fraction']:.1%} of peak, "
                       f"{row['hbm_fraction']:.1%} of HBM), vs {peer}: {rel:.2e}", flush=True)
             if args.sweep:
-                configs = sweep(lhs, rhs, sizes_j, small)
+                want = next((outs[b] for b in ("ragged_dot", "tiled", "pallas_gpu")
+                             if b in outs), None)
+                if want is None:
+                    want = _f32_reference(lhs, rhs, sizes, rows=min(m, 512))
+                configs = sweep(lhs, rhs, sizes_j, small, want, min(want.shape[0],
+                                                                   int(sizes.sum())))
                 out["sweeps"].append({"shape": shape, "M": m, "configs": configs})
                 if configs and "us" in configs[0]:
                     print(f"{shape} M={m} best blocks: {configs[0]}", flush=True)
@@ -221,7 +233,7 @@ def main(argv: list[str] | None = None) -> dict:
     for shape, m in keys:
         cells = {r["body"]: r for r in out["results"] if (r["shape"], r["M"]) == (shape, m)}
         print(f"{shape:8s} {m:6d} " + " ".join(_cell(cells.get(b)) for b in BODIES))
-    bad = [r for r in out["results"] if r.get("agrees") is False]
-    print("all bodies agree" if not bad else f"DISAGREE: {bad}")
+    bad = [r for r in out["results"] if r.get("agrees") is False or "error" in r]
+    print("all bodies agree" if not bad else f"DISAGREE OR FAILED: {bad}")
     return out
 
