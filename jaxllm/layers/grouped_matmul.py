@@ -1,8 +1,11 @@
 """The grouped matmul of the mixture-of-experts layer: rows sorted by expert, each run of
 rows multiplied by its expert's weight, in one fixed-shape call.
 
-Three bodies, one contract (`GroupedMatmul`):
+Four bodies, one contract (`GroupedMatmul`):
   * "ragged_dot": `jax.lax.ragged_dot_general`, XLA's own op (GPU and CPU);
+  * "pallas_gpu": a Pallas GPU (Triton) kernel, pallas_kernels/grouped_matmul_gpu/:
+    each group's rows cut into tiles, each program multiplying one tile by a block of
+    its group's weight read in place (on GPU, or in interpret mode);
   * "megablox": the Pallas TPU grouped-matmul kernel JAX ships
     (`jax.experimental.pallas.ops.tpu.megablox.gmm`), on TPU or in interpret mode;
   * "tiled": plain XLA for backends whose ragged_dot lowering computes every group
@@ -14,7 +17,8 @@ Three bodies, one contract (`GroupedMatmul`):
 
 Quantized experts (layers/quant.py) pass int8 / float8_e4m3fn operands and ask for
 a float32 result to scale: ragged_dot and "tiled" take them as they are (XLA's
-mixed or FP8 dot); megablox reads bfloat16 / float32 only, so it gets them upcast,
+mixed or FP8 dot), "pallas_gpu" reads them as they are and upcasts each tile in the
+kernel; megablox reads bfloat16 / float32 only, so it gets them upcast,
 which is exact (int8 and e4m3 values are all bfloat16 values).
 
 `default_grouped_matmul` picks megablox on TPU and ragged_dot elsewhere;
@@ -33,7 +37,7 @@ from jax.sharding import Mesh
 
 from jaxllm.errors import ParameterError
 
-GROUPED_MATMULS = ("ragged_dot", "megablox", "tiled")
+GROUPED_MATMULS = ("ragged_dot", "megablox", "tiled", "pallas_gpu")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -43,10 +47,11 @@ class GroupedMatmul:
     to at most M. Rows past the sum are unspecified (the kernel leaves them unwritten);
     callers mask them.
 
-    `kernel`: one of GROUPED_MATMULS (see above); `interpret` runs megablox in Pallas
-    interpret mode on any host. `tiling`: megablox's largest (rows, contraction,
-    output columns) tile, cut down to the problem where it is smaller (rows in
-    multiples of 16, bfloat16's sublane tile); "tiled" takes its rows from the first.
+    `kernel`: one of GROUPED_MATMULS (see above); `interpret` runs the Pallas bodies
+    (megablox, pallas_gpu) in Pallas interpret mode on any host. `tiling`: megablox's
+    largest (rows, contraction, output columns) tile, cut down to the problem where it
+    is smaller (rows in multiples of 16, bfloat16's sublane tile); "tiled" and
+    "pallas_gpu" take their largest row tile from the first.
     """
 
     kernel: str = "ragged_dot"
@@ -65,6 +70,11 @@ class GroupedMatmul:
             return self._megablox(lhs, rhs, group_sizes).astype(out_dtype)
         if self.kernel == "tiled":
             return self._tiled(lhs, rhs, group_sizes).astype(out_dtype)
+        if self.kernel == "pallas_gpu":
+            from pallas_kernels.grouped_matmul_gpu.gpu import grouped_matmul
+
+            return grouped_matmul(lhs, rhs, group_sizes, out_dtype=out_dtype,
+                                  max_rows=self.tiling[0], interpret=self.interpret)
         dims = jax.lax.RaggedDotDimensionNumbers(
             dot_dimension_numbers=(([1], [2]), ([], [])),
             lhs_ragged_dimensions=[0], rhs_group_dimensions=[0])

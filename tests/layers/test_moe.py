@@ -1,7 +1,7 @@
 """The mixture-of-experts layer: routing as transformers routes, and the grouped matmul by
-megablox (Pallas interpret mode), ragged_dot and the tiled XLA body equal to a dense
-per-expert einsum, on one device and expert parallel over fake CPU devices, with float
-and with int8 / fp8 quantized expert weights."""
+megablox and the Pallas GPU kernel (Pallas interpret mode), ragged_dot and the tiled XLA
+body equal to a dense per-expert einsum, on one device and expert parallel over fake CPU
+devices, with float and with int8 / fp8 quantized expert weights."""
 
 from __future__ import annotations
 
@@ -28,7 +28,7 @@ from jaxllm.layers.quant import (
 from jaxllm.models.moe_weights import MoEArch
 
 KERNELS = [GroupedMatmul("ragged_dot"), GroupedMatmul("megablox", interpret=True),
-           GroupedMatmul("tiled")]
+           GroupedMatmul("tiled"), GroupedMatmul("pallas_gpu", interpret=True)]
 
 
 def dense_reference(x, weights, ids, gate_up, down):
