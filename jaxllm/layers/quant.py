@@ -35,6 +35,12 @@ grouped matmul (layers/grouped_matmul.py) taking the quantized operands and the
 scales applied to its float32 result, each row by its expert's; fp8 experts choose
 between the two products by the grouped matmul's rows (token-expert pairs).
 
+On GPU, a program whose products run W8A8 (a token bucket above the threshold)
+compiles its GEMMs through cuBLASLt's FP8 GEMM rather than XLA's Triton GEMM
+(`xla_compiler_options`): autotuning the Triton fusions of the fp8 operands kept a
+large bucket compiling for many minutes, where cuBLASLt's candidates take seconds.
+The weight-only buckets keep Triton, which fuses the weight's upcast into the GEMM.
+
 The host-side quantizers (`quantize_per_channel`) are what the loader uses on
 a float checkpoint; they round the same way on every host (`quantize_traced` is
 the same rounding in jnp, for dummy weights).
@@ -195,6 +201,17 @@ class Fp8Linear(_QuantizedMethod):
 
     def quantize(self, w: np.ndarray, in_dims: int) -> tuple[np.ndarray, np.ndarray]:
         return quantize_per_channel(w, in_dims, "fp8")
+
+
+def xla_compiler_options(quantization: str | None, rows: int, platform: str
+                         ) -> dict[str, Any]:
+    """XLA options for compiling a step program of `rows` token rows (module docstring):
+    Triton GEMMs off for an fp8 program whose products run W8A8 on GPU, else none."""
+    if platform != "gpu" or not (quantization or "").startswith("fp8"):
+        return {}
+    if rows <= fp8_weight_only_tokens():
+        return {}
+    return {"xla_gpu_enable_triton_gemm": False}
 
 
 def linear_method(quantization: str | None):

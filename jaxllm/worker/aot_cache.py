@@ -86,9 +86,12 @@ class ExecutableCache:
         return os.path.join(self.directory, f"{name}-{key.hexdigest()[:40]}.jaxexe")
 
     def load_or_compile(self, name: str, fn: Any, args: tuple,
-                        donate_argnums: tuple[int, ...] = ()) -> AotFunction | None:
-        """`fn(*args)` compiled for these argument shapes; `fn` is traced only on a miss.
-        None when the program cannot be exported (the caller then calls `fn` jitted)."""
+                        donate_argnums: tuple[int, ...] = (),
+                        compiler_options: dict[str, Any] | None = None
+                        ) -> AotFunction | None:
+        """`fn(*args)` compiled for these argument shapes with XLA's `compiler_options`;
+        `fn` is traced only on a miss. None when the program cannot be exported (the
+        caller then compiles `fn` itself)."""
         from jax import export
 
         leaves, in_tree = jax.tree_util.tree_flatten(args)
@@ -96,9 +99,11 @@ class ExecutableCache:
         bounds = np.cumsum([0] + [len(jax.tree_util.tree_leaves(a)) for a in args])
         donated = tuple(i for a in donate_argnums for i in range(bounds[a], bounds[a + 1]))
         path = self.path(name, args)
-        if path in _compiled:  # another engine of this process already has it
+        # The same program compiled with other options is another executable.
+        key = path + json.dumps(compiler_options or {}, sort_keys=True)
+        if key in _compiled:  # another engine of this process already has it
             self.loaded += 1
-            return _compiled[path]
+            return _compiled[key]
         exported = out_tree = None
         if os.path.exists(path):
             try:
@@ -147,9 +152,10 @@ class ExecutableCache:
             except Exception as e:  # still usable, just not cached
                 logger.warning("could not store the program for %s (%s: %s)", name,
                                type(e).__name__, e)
-        compiled = jax.jit(exported.call, donate_argnums=donated).lower(*leaves).compile()
-        _compiled[path] = AotFunction(compiled, in_tree, out_tree)
-        return _compiled[path]
+        compiled = jax.jit(exported.call, donate_argnums=donated).lower(*leaves).compile(
+            compiler_options=compiler_options or None)
+        _compiled[key] = AotFunction(compiled, in_tree, out_tree)
+        return _compiled[key]
 
 
 # Compiled programs of this process by file: engines built on the same model share them.

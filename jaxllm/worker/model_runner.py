@@ -36,6 +36,7 @@ from jaxllm.distributed.dp_devices import core_devices
 from jaxllm.distributed.mesh import make_mesh
 from jaxllm.layers.attention import get_attention_backend
 from jaxllm.layers.mlp import get_swiglu
+from jaxllm.layers.quant import xla_compiler_options
 from jaxllm.models.loader import load_model
 from jaxllm.sample.logprobs import LogprobsLists
 from jaxllm.sample.sampler import SamplerOutput
@@ -157,8 +158,11 @@ class ModelRunner:
                                                  self.mesh),
                                      list(self.mesh.devices.flat))
         capture = config.eagle_head and config.eagle_head.capture  # what a head reads
-        self.programs = StepPrograms(graphdef, jax.tree.structure(state),
-                                     model.logits_head[...], model.head_logits, b, aot, capture)
+        quantization = config.model_config.quantization
+        platform = self.mesh.devices.flat[0].platform
+        self.programs = StepPrograms(
+            graphdef, jax.tree.structure(state), model.logits_head[...], model.head_logits, b,
+            aot, capture, lambda rows: xla_compiler_options(quantization, rows, platform))
         self.lora = LoRASlots.create(model, self.state, config.lora_config, self.programs)
         # What a verify program is built from (spec_verify.py; benchmarks make their own).
         self.graph = (graphdef, jax.tree.structure(state), model.head_logits)

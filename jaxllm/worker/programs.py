@@ -176,8 +176,11 @@ class StepPrograms:
 
     def __init__(self, graphdef: Any, state_def: Any, head: jax.Array,
                  head_logits: Callable[..., jax.Array], buckets: Buckets,
-                 aot_cache: ExecutableCache | None, capture: tuple[int, ...] | None = None):
+                 aot_cache: ExecutableCache | None, capture: tuple[int, ...] | None = None,
+                 compiler_options: Callable[[int], dict[str, Any]] = lambda rows: {}):
         self.buckets = buckets
+        # XLA options for a bucket's forward and prompt-logprobs programs, by its rows.
+        self.compiler_options = compiler_options
         self.head = head  # the logits head, one of the weights (by reference)
         self.forward, self.sample_fn, self.logits, self.prompt_logprobs = step_functions(
             graphdef, state_def, head_logits, buckets.max_num_seqs, buckets.max_blocks_per_req,
@@ -207,8 +210,14 @@ class StepPrograms:
         logits = self.logits(self.head, last_hidden, rows=md.temperature.shape[0])
         return self.staged(logits, md, s)
 
-    def _load_or_compile(self, name: str, fn: Any, args: tuple, **kw: Any) -> None:
-        compiled = self.aot_cache and self.aot_cache.load_or_compile(name, fn, args, **kw)
+    def _load_or_compile(self, name: str, fn: Any, args: tuple, tokens: int,
+                         **kw: Any) -> None:
+        """Loads or compiles token bucket `tokens`' program `name` for `args`."""
+        options = self.compiler_options(tokens)
+        compiled = self.aot_cache and self.aot_cache.load_or_compile(
+            name, fn, args, compiler_options=options, **kw)
+        if compiled is None and options:  # the jitted call would compile without them
+            compiled = fn.lower(*args).compile(compiler_options=options)
         if compiled is not None:
             self.executables[name, args[2].shape[0]] = compiled
 
@@ -235,7 +244,7 @@ class StepPrograms:
                               disable=os.environ.get("JAXLLM_NO_PROGRESS") == "1"):
             if kind == "forward":
                 args = (state, kv_cache, self.dummy_inputs(arg), no_prev, *self.lora_args)
-                self._load_or_compile("forward", self.forward, args, donate_argnums=(1,))
+                self._load_or_compile("forward", self.forward, args, arg, donate_argnums=(1,))
                 kv_cache, states[arg], last_hidden, out_index, *_ = self.run_forward(*args)
             elif kind == "sample":
                 # The one-program sampler for each mode, then the staged one's parts.
@@ -251,7 +260,7 @@ class StepPrograms:
                 # layer again, attention kernel included (finish_states).
                 args = (state, kv_cache, self.dummy_inputs(arg), states[arg],
                         np.zeros(arg, np.int32), *self.lora_args)
-                self._load_or_compile("prompt_logprobs", self.prompt_logprobs, args)
+                self._load_or_compile("prompt_logprobs", self.prompt_logprobs, args, arg)
                 self.run_prompt_logprobs(*args)
         jax.block_until_ready(kv_cache)
         aot = self.aot_cache
