@@ -40,16 +40,20 @@ def make_layers(args: argparse.Namespace, t: int, seed: int = 0) -> dict:
     n, e, h, i = args.layers, args.experts, args.hidden, args.inter
     logits = jax.random.normal(keys[0], (n, t, e), jnp.float32)
     weights, ids = jax.vmap(lambda lg: route(lg, args.top_k, True))(logits)
+    # One array per layer, as a model holds them: a slice of one stacked array would be
+    # copied out (every expert of the layer) before the kernel could read it.
     return dict(
         x=jax.random.normal(keys[1], (t, h), jnp.float32).astype(dtype),
         weights=weights, ids=ids,
-        gate_up=(0.05 * jax.random.normal(keys[2], (n, e, 2, i, h), jnp.float32)).astype(dtype),
-        down=(0.05 * jax.random.normal(keys[3], (n, e, h, i), jnp.float32)).astype(dtype))
+        gate_up=[(0.05 * jax.random.normal(k, (e, 2, i, h), jnp.float32)).astype(dtype)
+                 for k in jax.random.split(keys[2], n)],
+        down=[(0.05 * jax.random.normal(k, (e, h, i), jnp.float32)).astype(dtype)
+              for k in jax.random.split(keys[3], n)])
 
 
 def stacked(ffn):
-    """A jitted step over every layer (each its own weights and routing), the outputs
-    summed so none is dead code."""
+    """A jitted step over every layer (each its own weights and routing; `gate_up` and
+    `down` lists of per-layer arrays), the outputs summed so none is dead code."""
     def run(x, weights, ids, gate_up, down):
         return sum(ffn(x, weights[n], ids[n], gate_up[n], down[n])
                    for n in range(weights.shape[0]))
