@@ -21,8 +21,9 @@ mixed or FP8 dot), "pallas_gpu" reads them as they are and upcasts each tile in 
 kernel; megablox reads bfloat16 / float32 only, so it gets them upcast,
 which is exact (int8 and e4m3 values are all bfloat16 values).
 
-`default_grouped_matmul` picks megablox on TPU and ragged_dot elsewhere;
-`JAXLLM_MOE_KERNEL` overrides it (a device benchmark's knob).
+`default_grouped_matmul` picks megablox on TPU, "pallas_gpu" on GPU (XLA's GPU
+ragged_dot computes every group for every row, and "tiled" copies a weight per tile)
+and ragged_dot on the CPU; `JAXLLM_MOE_KERNEL` overrides it (a device benchmark's knob).
 """
 
 from __future__ import annotations
@@ -124,9 +125,9 @@ class GroupedMatmul:
 
 
 def default_grouped_matmul(mesh: Mesh | None = None) -> GroupedMatmul:
-    """`JAXLLM_MOE_KERNEL` if set, else the megablox kernel on TPU and ragged_dot elsewhere
-    (the platform of `mesh`'s devices, which an ahead-of-time TPU compile lends a CPU
-    host; else of this process's)."""
+    """`JAXLLM_MOE_KERNEL` if set, else the megablox kernel on TPU, the Pallas GPU kernel
+    on GPU and ragged_dot on the CPU (the platform of `mesh`'s devices, which an
+    ahead-of-time TPU compile lends a CPU host; else of this process's)."""
     chosen = os.environ.get("JAXLLM_MOE_KERNEL")
     if chosen:
         if chosen not in GROUPED_MATMULS:
@@ -134,4 +135,5 @@ def default_grouped_matmul(mesh: Mesh | None = None) -> GroupedMatmul:
                                  f"got {chosen!r}")
         return GroupedMatmul(chosen)
     device = mesh.devices.flat[0] if mesh is not None else jax.devices()[0]
-    return GroupedMatmul("megablox" if device.platform == "tpu" else "ragged_dot")
+    return GroupedMatmul({"tpu": "megablox", "gpu": "pallas_gpu"}.get(device.platform,
+                                                                     "ragged_dot"))

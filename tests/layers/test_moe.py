@@ -5,6 +5,8 @@ devices, with float and with int8 / fp8 quantized expert weights."""
 
 from __future__ import annotations
 
+from types import SimpleNamespace
+
 import jax
 import jax.numpy as jnp
 import ml_dtypes
@@ -137,6 +139,9 @@ def test_unknown_grouped_matmul_is_a_parameter_error(monkeypatch):
     with pytest.raises(ParameterError, match="kernel: must be one of"):
         GroupedMatmul("cutlass")
     assert default_grouped_matmul().kernel == "ragged_dot"  # on the CPU
+    for platform, kernel in (("gpu", "pallas_gpu"), ("tpu", "megablox")):
+        mesh = SimpleNamespace(devices=np.array([SimpleNamespace(platform=platform)]))
+        assert default_grouped_matmul(mesh).kernel == kernel
     monkeypatch.setenv("JAXLLM_MOE_KERNEL", "tiled")
     assert default_grouped_matmul().kernel == "tiled"
     monkeypatch.setenv("JAXLLM_MOE_KERNEL", "cutlass")
