@@ -34,7 +34,9 @@ from jax import lax
 from jax.experimental import pallas as pl
 
 # Load/store spellings across jax versions and the Triton compiler params: one copy.
-from pallas_kernels.ragged_paged_attention.gpu import _compiler_params, _load, _store
+from pallas_kernels.triton_util import compiler_params as _compiler_params
+from pallas_kernels.triton_util import load as _load
+from pallas_kernels.triton_util import store as _store
 
 FLOATS = (jnp.dtype(jnp.float32), jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float16))
 

@@ -35,17 +35,11 @@ import jax
 import jax.numpy as jnp
 from jax import lax
 from jax.experimental import pallas as pl
-from jax.experimental.pallas import triton as plt
+
+from pallas_kernels.triton_util import compiler_params as _compiler_params
 
 MIN_TILE = 16  # the smallest tensor-core dot dimension Triton takes
 MAX_ROWS = 64  # a program holds every row's tile: more would spill (prefill-sized steps)
-
-
-def _compiler_params(num_warps: int, num_stages: int):
-    cls = getattr(plt, "CompilerParams", None) or getattr(pl, "TritonCompilerParams", None)
-    if cls is not None:
-        return cls(num_warps=num_warps, num_stages=num_stages)
-    return dict(triton=dict(num_warps=num_warps, num_stages=num_stages))
 
 
 @dataclasses.dataclass(frozen=True)

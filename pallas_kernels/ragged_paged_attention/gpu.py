@@ -40,44 +40,22 @@ from __future__ import annotations
 
 import dataclasses
 import functools
-import inspect
 import math
 
 import jax
 import jax.numpy as jnp
 from jax import lax
 from jax.experimental import pallas as pl
-from jax.experimental.pallas import triton as plt
 
 # The shared cache layout and its update, re-exported: `gpu.write_kv`, `tpu.kv_cache_shape`.
 from pallas_kernels.ragged_paged_attention.paged_layout import kv_cache_shape as kv_cache_shape
 from pallas_kernels.ragged_paged_attention.paged_layout import write_kv as write_kv
+from pallas_kernels.triton_util import compiler_params as _compiler_params
+from pallas_kernels.triton_util import load as _load
+from pallas_kernels.triton_util import store as _store
 
 MASK_VALUE = -0.7 * float(jnp.finfo(jnp.float32).max)
 LOG2E = math.log2(math.e)
-
-# jax <= 0.4.x spelled loads as load(ref, idx, ...); newer ones take a ref view.
-_LOAD_TAKES_IDX = "idx" in inspect.signature(plt.load).parameters
-
-
-def _load(ref, idx, *, mask=None, other=None, eviction_policy=None):
-    if _LOAD_TAKES_IDX:
-        return plt.load(ref, idx, mask=mask, other=other, eviction_policy=eviction_policy)
-    return plt.load(ref.at[idx], mask=mask, other=other, eviction_policy=eviction_policy)
-
-
-def _store(ref, idx, val, *, mask=None):
-    if _LOAD_TAKES_IDX:
-        return plt.store(ref, idx, val, mask=mask)
-    return plt.store(ref.at[idx], val, mask=mask)
-
-
-def _compiler_params(num_warps: int, num_stages: int):
-    cls = getattr(plt, "CompilerParams", None) or getattr(pl, "TritonCompilerParams", None)
-    if cls is not None:
-        return cls(num_warps=num_warps, num_stages=num_stages)
-    return dict(triton=dict(num_warps=num_warps, num_stages=num_stages))
-
 
 @dataclasses.dataclass(frozen=True)
 class BlockSizes:
