@@ -36,7 +36,6 @@ from jaxllm.distributed.dp_devices import core_devices
 from jaxllm.distributed.mesh import make_mesh
 from jaxllm.layers.attention import get_attention_backend
 from jaxllm.layers.mlp import get_swiglu
-from jaxllm.layers.quant import xla_compiler_options
 from jaxllm.models.loader import load_model
 from jaxllm.sample.logprobs import LogprobsLists
 from jaxllm.sample.sampler import SamplerOutput
@@ -50,6 +49,7 @@ from jaxllm.worker.programs import (
     PROMPT_LOGPROBS_ROWS,
     StepPrograms,
     aot_context,
+    bucket_compiler_options,
     enable_compilation_cache,
 )
 from jaxllm.worker.spec_verify import SpecVerifier, VerifyOutput
@@ -153,16 +153,12 @@ class ModelRunner:
         self._copy_home = self.mesh.devices.flat[0].platform != "cpu"
         # Benchmarks set this to a list to get one StepRecord per executed step.
         self.step_log: list[StepRecord] | None = None
-        aot = ExecutableCache.create(xla_cache_dir,
-                                     aot_context(config, self.attn_backend, self.swiglu,
-                                                 self.mesh),
-                                     list(self.mesh.devices.flat))
+        context = aot_context(config, self.attn_backend, self.swiglu, self.mesh)
+        aot = ExecutableCache.create(xla_cache_dir, context, list(self.mesh.devices.flat))
         capture = config.eagle_head and config.eagle_head.capture  # what a head reads
-        quantization = config.model_config.quantization
-        platform = self.mesh.devices.flat[0].platform
-        self.programs = StepPrograms(
-            graphdef, jax.tree.structure(state), model.logits_head[...], model.head_logits, b,
-            aot, capture, lambda rows: xla_compiler_options(quantization, rows, platform))
+        self.programs = StepPrograms(graphdef, jax.tree.structure(state), model.logits_head[...],
+                                     model.head_logits, b, aot, capture,
+                                     bucket_compiler_options(config, self.mesh))
         self.lora = LoRASlots.create(model, self.state, config.lora_config, self.programs)
         # What a verify program is built from (spec_verify.py; benchmarks make their own).
         self.graph = (graphdef, jax.tree.structure(state), model.head_logits)

@@ -36,7 +36,7 @@ from tqdm.auto import tqdm
 from jaxllm.config import EngineConfig, compilation_cache_dir
 from jaxllm.layers.grouped_matmul import default_grouped_matmul
 from jaxllm.layers.moe import small_step_kernel, small_token_limit
-from jaxllm.layers.quant import fp8_weight_only_tokens
+from jaxllm.layers.quant import fp8_weight_only_tokens, xla_compiler_options
 from jaxllm.lora.layers import set_lora_masks
 from jaxllm.sample.metadata import SamplingMetadata, variant_metadata
 from jaxllm.sample.sampler import SamplerOutput, compute_prompt_logprobs_chunked
@@ -164,6 +164,14 @@ def aot_context(config: EngineConfig, attn_backend: Any, swiglu: Any,
                     small_step_kernel(mesh)],
             # An EAGLE head's capture changes the forward's outputs (absent: none).
             **({"capture": list(head.capture)} if (head := config.eagle_head) else {})}
+
+
+def bucket_compiler_options(config: EngineConfig, mesh: jax.sharding.Mesh
+                            ) -> Callable[[int], dict[str, Any]]:
+    """XLA's options for a token bucket's forward and prompt-logprobs programs, by its
+    token count (layers/quant.py's `xla_compiler_options`)."""
+    return functools.partial(xla_compiler_options, config.model_config.quantization,
+                             platform=mesh.devices.flat[0].platform)
 
 
 class StepPrograms:

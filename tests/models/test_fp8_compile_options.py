@@ -9,7 +9,7 @@ import pytest
 
 from jaxllm import LLM, SamplingParams
 from jaxllm.layers.quant import WEIGHT_ONLY_ENV, xla_compiler_options
-from jaxllm.worker import aot_cache, model_runner
+from jaxllm.worker import aot_cache, programs
 from tests.models.tiny_checkpoints import make_tiny_checkpoint
 
 TRITON_OFF = {"xla_gpu_enable_triton_gemm": False}
@@ -52,7 +52,7 @@ def test_each_bucket_compiles_with_its_own_options_and_generates_the_same(aot, t
 
     _, want = generate()
     seen = []
-    monkeypatch.setattr(model_runner, "xla_compiler_options",
+    monkeypatch.setattr(programs, "xla_compiler_options",
                         lambda q, rows, platform: seen.append(rows) or
                         (TRITON_OFF if rows > 16 else {}))
     import jax
