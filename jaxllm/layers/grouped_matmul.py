@@ -72,10 +72,17 @@ class GroupedMatmul:
         if self.kernel == "tiled":
             return self._tiled(lhs, rhs, group_sizes).astype(out_dtype)
         if self.kernel == "pallas_gpu":
-            from pallas_kernels.grouped_matmul_gpu.gpu import grouped_matmul
+            from pallas_kernels.grouped_matmul_gpu.gpu import grouped_matmul, supported
 
+            if not supported(lhs, rhs):  # past int32 offsets: XLA's op, slow but exact
+                return self._ragged_dot(lhs, rhs, group_sizes, out_dtype)
             return grouped_matmul(lhs, rhs, group_sizes, out_dtype=out_dtype,
                                   max_rows=self.tiling[0], interpret=self.interpret)
+        return self._ragged_dot(lhs, rhs, group_sizes, out_dtype)
+
+    @staticmethod
+    def _ragged_dot(lhs: jax.Array, rhs: jax.Array, group_sizes: jax.Array,
+                    out_dtype: jnp.dtype) -> jax.Array:
         dims = jax.lax.RaggedDotDimensionNumbers(
             dot_dimension_numbers=(([1], [2]), ([], [])),
             lhs_ragged_dimensions=[0], rhs_group_dimensions=[0])

@@ -173,6 +173,16 @@ def _kernel(group_ref, first_ref, end_ref, lhs_ref, rhs_ref, out_ref, *, b: Bloc
                acc.astype(out_ref.dtype), mask=out_mask)
 
 
+# Triton's pointer offsets here are int32: an operand of more elements would wrap.
+MAX_ELEMENTS = 2 ** 31 - 1
+
+
+def supported(lhs: jax.Array, rhs: jax.Array) -> bool:
+    """Whether every operand's and the output's element offsets fit the kernel's int32."""
+    m, n = lhs.shape[0], rhs.shape[1]
+    return max(lhs.size, rhs.size, m * n) <= MAX_ELEMENTS
+
+
 def grouped_matmul(lhs: jax.Array, rhs: jax.Array, group_sizes: jax.Array, *,
                    out_dtype: jnp.dtype | None = None, block_sizes: BlockSizes | None = None,
                    max_rows: int = 128, interpret: bool = False) -> jax.Array:
@@ -183,6 +193,9 @@ def grouped_matmul(lhs: jax.Array, rhs: jax.Array, group_sizes: jax.Array, *,
     groups, n, k2 = rhs.shape
     if k2 != k:
         raise ValueError(f"rhs: contraction {k2} differs from lhs's {k}")
+    if not supported(lhs, rhs):
+        raise ValueError(f"lhs {lhs.shape} / rhs {rhs.shape}: an operand passes "
+                         f"{MAX_ELEMENTS} elements (int32 offsets); check supported() first")
     out_dtype = jnp.dtype(lhs.dtype if out_dtype is None else out_dtype)
     operand = _operand_dtype(lhs.dtype, rhs.dtype)
     b = block_sizes or default_block_sizes(m, n, k, groups, operand.itemsize, max_rows)

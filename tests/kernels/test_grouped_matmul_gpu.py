@@ -12,6 +12,7 @@ output: float32 sums of exact products).
 from __future__ import annotations
 
 import dataclasses
+import functools
 
 import jax
 import jax.numpy as jnp
@@ -166,3 +167,17 @@ def test_moe_kernel_knob_selects_the_pallas_gpu_body(monkeypatch):
 def test_block_sizes_off_the_tensor_core_tile_are_an_error_naming_the_field(field, sizes):
     with pytest.raises(ValueError, match=f"{field}: must be a power of two >= 16"):
         gpu.BlockSizes(*sizes)
+
+
+def test_weights_past_int32_offsets_take_ragged_dot_instead_of_the_kernel():
+    s = jax.ShapeDtypeStruct
+    small, huge = s((128, 1536, 2048), jnp.bfloat16), s((64, 16384, 2048), jnp.bfloat16)
+    lhs = s((256, 2048), jnp.bfloat16)
+    assert gpu.supported(lhs, small) and not gpu.supported(lhs, huge)
+    body = GroupedMatmul("pallas_gpu", interpret=True)
+    for rhs, kernel in ((small, "pallas_call"), (huge, "ragged_dot")):
+        jaxpr = str(jax.make_jaxpr(body)(lhs, rhs, s((rhs.shape[0],), jnp.int32)))
+        assert kernel in jaxpr and ({"pallas_call", "ragged_dot"} - {kernel}).pop() not in jaxpr
+    with pytest.raises(ValueError, match="int32 offsets"):
+        jax.make_jaxpr(functools.partial(gpu.grouped_matmul, interpret=True))(
+            lhs, huge, s((64,), jnp.int32))
