@@ -12,15 +12,14 @@ adapters add to each step's host work.
 
 from __future__ import annotations
 
-import argparse
 import cProfile
 import pstats
 import time
 
 import numpy as np
 
-from jaxllm.benchmarks.common import add_model_args, print_table, write_json
-from jaxllm.benchmarks.throughput import warmed_workload
+from jaxllm.benchmarks.common import print_table, write_json
+from jaxllm.benchmarks.throughput import build_parser, make_engine, warmed_workload
 
 
 def top_functions(stats: pstats.Stats, key: str, n: int) -> list[dict]:
@@ -81,35 +80,15 @@ def _by_size(per_step: list[tuple[int, float]]) -> dict[str, dict]:
 
 
 def main(argv: list[str] | None = None) -> dict:
-    ap = argparse.ArgumentParser(description=__doc__)
-    add_model_args(ap)
-    ap.add_argument("--num-prompts", type=int, default=1000)
-    ap.add_argument("--input-len", type=int, default=512)
-    ap.add_argument("--output-len", type=int, default=128)
-    ap.add_argument("--max-num-seqs", type=int, default=512)
-    ap.add_argument("--max-num-batched-tokens", type=int, default=16384)
-    ap.add_argument("--token-buckets", default="256,512,1024,6144,8192,12288,16384")
-    ap.add_argument("--request-buckets", default="64,512")
-    ap.add_argument("--num-loras", type=int, default=0,
-                    help="random adapters, requests round-robin over them (0: LoRA off)")
-    ap.add_argument("--lora-rank", type=int, default=16)
+    ap = build_parser()  # the throughput workload's own arguments
     ap.add_argument("--top", type=int, default=30, help="functions to print")
     args = ap.parse_args(argv)
+    if args.data_parallel_size != 1:
+        ap.error("--data-parallel-size: the profile runs one engine in this process")
 
     import jax
 
-    from jaxllm import LLM
-
-    llm = LLM(args.model, load_format=args.load_format, dtype=args.dtype,
-              skip_tokenizer_init=True,
-              max_model_len=-(-(args.input_len + args.output_len + 16) // 128) * 128,
-              max_num_seqs=args.max_num_seqs,
-              max_num_batched_tokens=args.max_num_batched_tokens,
-              token_buckets=[int(x) for x in args.token_buckets.split(",")],
-              request_buckets=[int(x) for x in args.request_buckets.split(",")],
-              enable_prefix_caching=False,
-              **({"enable_lora": True, "max_loras": args.num_loras,
-                  "max_lora_rank": args.lora_rank} if args.num_loras else {}))
+    llm = make_engine(args)
     runner = llm.llm_engine.engine_core.engine_core.model_runner
     hf = llm.llm_engine.model_config.hf_config
     prompts, params, loras = warmed_workload(llm, args)

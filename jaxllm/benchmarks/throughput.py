@@ -102,8 +102,6 @@ def main(argv: list[str] | None = None) -> dict:
 
     import jax
 
-    from jaxllm import LLM
-
     bw = measure_hbm_bandwidth(args.probe_gib)
     peak = measure_matmul_peak(args.probe_matmul_n)
     # Under fp8 W8A8 the layers' projections run fp8 GEMMs: their peak, measured the same way.
@@ -111,19 +109,7 @@ def main(argv: list[str] | None = None) -> dict:
                    if args.quantization == "fp8" else None)
     link = measure_allreduce_bandwidth(jax.devices()[:tp], args.probe_gib / 2) if tp > 1 else None
     t0 = time.perf_counter()
-    llm = LLM(args.model, load_format=args.load_format, dtype=args.dtype,
-              quantization=args.quantization, kv_cache_dtype=args.kv_cache_dtype,
-              skip_tokenizer_init=True,
-              max_model_len=-(-(args.input_len + args.output_len + 16) // 128) * 128,
-              max_num_seqs=args.max_num_seqs, block_size=args.block_size,
-              max_num_batched_tokens=args.max_num_batched_tokens,
-              token_buckets=[int(x) for x in args.token_buckets.split(",")],
-              request_buckets=[int(x) for x in args.request_buckets.split(",")],
-              enable_prefix_caching=False, attention_backend=args.attention_backend,
-              mlp_backend=args.mlp_backend, hbm_utilization=args.hbm_utilization,
-              async_scheduling=args.async_scheduling, tensor_parallel_size=tp,
-              **({"enable_lora": True, "max_loras": args.num_loras,
-                  "max_lora_rank": args.lora_rank} if args.num_loras else {}))
+    llm = make_engine(args)
     startup = time.perf_counter() - t0
     runner = llm.llm_engine.engine_core.engine_core.model_runner
     hf = llm.llm_engine.model_config.hf_config
@@ -171,6 +157,26 @@ def main(argv: list[str] | None = None) -> dict:
     if replicas.report(args.replica, result):
         return result
     return report(result, peers, args)
+
+
+def make_engine(args: argparse.Namespace) -> Any:
+    """The workload's engine (one replica's) from `build_parser()`'s arguments."""
+    from jaxllm import LLM
+
+    return LLM(args.model, load_format=args.load_format, dtype=args.dtype,
+               quantization=args.quantization, kv_cache_dtype=args.kv_cache_dtype,
+               skip_tokenizer_init=True,
+               max_model_len=-(-(args.input_len + args.output_len + 16) // 128) * 128,
+               max_num_seqs=args.max_num_seqs, block_size=args.block_size,
+               max_num_batched_tokens=args.max_num_batched_tokens,
+               token_buckets=[int(x) for x in args.token_buckets.split(",")],
+               request_buckets=[int(x) for x in args.request_buckets.split(",")],
+               enable_prefix_caching=False, attention_backend=args.attention_backend,
+               mlp_backend=args.mlp_backend, hbm_utilization=args.hbm_utilization,
+               async_scheduling=args.async_scheduling,
+               tensor_parallel_size=args.tensor_parallel_size,
+               **({"enable_lora": True, "max_loras": args.num_loras,
+                   "max_lora_rank": args.lora_rank} if args.num_loras else {}))
 
 
 def warmed_workload(llm: Any, args: argparse.Namespace, replica: str | None = None
