@@ -92,15 +92,21 @@ def _reference(model_dir, prompts, extra_id, extra, base=BASE, max_tokens=32,
     return _REFERENCE[key]
 
 
-def rerun_with_prefix_hits(llm, prompts, greedy, want) -> tuple[int, int]:
+def run_twice_with_prefix_hits(llm, prompts, greedy, want, record):
     """The prompts twice, the second time hitting the prefix cache, each run equal to
-    `want`; the second run's (draft tokens, accepted tokens)."""
+    `want`; what `record(llm)`, installed between the runs, recorded of the second."""
     _assert_same(_run(llm, prompts, greedy), want)
     kvm = llm.llm_engine.engine_core.engine_core.scheduler.kv_cache_manager
     hits = kvm.prefix_cache_stats.hits
-    stats = _record_spec_stats(llm)
+    recorded = record(llm)
     _assert_same(_run(llm, prompts, greedy), want)
     assert kvm.prefix_cache_stats.hits > hits
+    return recorded
+
+
+def rerun_with_prefix_hits(llm, prompts, greedy, want) -> tuple[int, int]:
+    """`run_twice_with_prefix_hits`'s second run's (draft tokens, accepted tokens)."""
+    stats = run_twice_with_prefix_hits(llm, prompts, greedy, want, _record_spec_stats)
     _, draft_tokens, accepted = _totals(stats)
     return draft_tokens, accepted
 

@@ -44,6 +44,7 @@ from tests.engine.test_spec_decode import (
     run_in_own_process,
 )
 from tests.engine.test_spec_draft_model import _reference as draft_reference
+from tests.engine.test_spec_draft_model import run_twice_with_prefix_hits
 from tests.models.tiny_checkpoints import make_tiny_checkpoint
 
 METHODS = ("eagle", "eagle3")
@@ -140,12 +141,7 @@ def test_prefix_cache_hits_keep_greedy_output_and_the_reference_drafts(model_dir
     greedy, want, _, _ = _reference(model_dir, prompts, "plain", {})
     head = heads[f"{method}-copy"]
     llm = LLM(model_dir, **BASE, speculative_config=spec_config(method, head))
-    _assert_same(_run(llm, prompts, greedy), want)
-    kvm = llm.llm_engine.engine_core.engine_core.scheduler.kv_cache_manager
-    hits = kvm.prefix_cache_stats.hits
-    recorded = record_proposals(llm)
-    _assert_same(_run(llm, prompts, greedy), want)
-    assert kvm.prefix_cache_stats.hits > hits
+    recorded = run_twice_with_prefix_hits(llm, prompts, greedy, want, record_proposals)
     assert reference_drafts_match(head, model_dir, recorded[::3]) >= 60
 
 
