@@ -137,7 +137,11 @@ def routed_experts(ids: jax.Array, first_expert: jax.Array | int, local: int,
                    num_tokens: jax.Array | int | None = None) -> tuple[jax.Array, jax.Array]:
     """(the distinct local experts the real tokens routed to, ascending, then `local`
     fill, `[min(T*k, local)]`; how many there are) for expert ids `[T, k]`."""
-    key = _local_keys(ids, first_expert, local, num_tokens)
+    return _distinct_experts(_local_keys(ids, first_expert, local, num_tokens), local)
+
+
+def _distinct_experts(key: jax.Array, local: int) -> tuple[jax.Array, jax.Array]:
+    """`routed_experts` from `_local_keys`' `key [T, k]`."""
     experts = jnp.unique(key, size=min(key.size, local), fill_value=local)
     return experts, jnp.sum(experts < local, dtype=jnp.int32)
 
@@ -155,7 +159,7 @@ def routed_expert_ffn(x: jax.Array, weights: jax.Array, ids: jax.Array, gate_up:
     t = ids.shape[0]
     local, inter, hidden = gate_up.shape[0], gate_up.shape[2], gate_up.shape[3]
     key = _local_keys(ids, first_expert, local, num_tokens)
-    experts, count = routed_experts(ids, first_expert, local, num_tokens)
+    experts, count = _distinct_experts(key, local)
     statics = input_scales or (None, None)
 
     def product(lhs: jax.Array, w: jax.Array, scale: jax.Array | None, i: int) -> jax.Array:
@@ -191,7 +195,7 @@ def routed_slots(weights: jax.Array, ids: jax.Array, first_expert: jax.Array | i
     for expert u, `[U, T]` float32, and whether the row routed there, `[U, T]` bool
     (padding rows, other devices' pairs and fill slots: nowhere)."""
     key = _local_keys(ids, first_expert, local, num_tokens)
-    experts, count = routed_experts(ids, first_expert, local, num_tokens)
+    experts, count = _distinct_experts(key, local)
     hit = (key[None] == experts[:, None, None]) & (experts < local)[:, None, None]
     return (experts, count, jnp.sum(jnp.where(hit, weights[None], 0.0), axis=2),
             jnp.any(hit, axis=2))
