@@ -93,7 +93,9 @@ def host_profile(fn, top: int = 25) -> list[dict]:
             for (file, line, name), (_, nc, tt, ct, _) in rows]
 
 
-def summarize(events: list[dict], top: int = 15) -> dict:
+def summarize(events: list[dict], top: int = 15, sequence: int = 0) -> dict:
+    """`sequence`: also list that many kernels in launch order from the middle of the
+    trace (name, start offset and duration in µs), to read one step's layer pattern."""
     dev = device_events(events)
     if not dev:
         raise SystemExit("the trace has no device events (CPU run?)")
@@ -113,7 +115,14 @@ def summarize(events: list[dict], top: int = 15) -> dict:
         "gaps_by_neighbours": gap_neighbours(dev),
         "top_kernels": [{"name": k[:120], "total_ms": t / 1e3, "count": n, "share": t / busy}
                         for t, n, k in kernels[:top]],
+        "sequence": kernel_sequence(dev, sequence),
     }
+
+
+def kernel_sequence(dev: list[dict], n: int) -> list[dict]:
+    ev = sorted(dev, key=lambda e: e["ts"])[len(dev) // 2:][:n]
+    t0 = ev[0]["ts"] if ev else 0.0
+    return [{"name": e["name"][:80], "start_us": e["ts"] - t0, "dur_us": e["dur"]} for e in ev]
 
 
 def main(argv: list[str] | None = None) -> dict:
@@ -128,6 +137,9 @@ def main(argv: list[str] | None = None) -> dict:
     ap.add_argument("--tensor-parallel-size", "-tp", type=int, default=1)
     ap.add_argument("--host-profile", action="store_true",
                     help="also cProfile one more untraced generate (in-process engine)")
+    ap.add_argument("--top", type=int, default=15, help="kernels listed by total time")
+    ap.add_argument("--sequence", type=int, default=0,
+                    help="also write this many kernels in launch order to the JSON")
     ap.add_argument("--name", default="profile_step", help="JSON file name under $OUT")
     args = ap.parse_args(argv)
 
@@ -158,7 +170,7 @@ def main(argv: list[str] | None = None) -> dict:
     result = {"batch_size": b, "tensor_parallel_size": args.tensor_parallel_size,
               "input_len": n_in, "output_len": args.output_len,
               "async_scheduling": args.async_scheduling, "wall_ms": wall * 1e3,
-              **summarize(load_trace(log_dir))}
+              **summarize(load_trace(log_dir), args.top, args.sequence)}
     if args.host_profile:
         t0 = time.perf_counter()
         result["host_profile"] = host_profile(
