@@ -5,7 +5,9 @@ prompts, all submitted at once; optionally spread round-robin over random LoRA
 adapters) once to warm up, then once under cProfile, and prints the functions
 that took the most cumulative and own time, beside the runner's dispatch and
 wait seconds per step. Run it with and without --num-loras to see what the
-adapters add to each step's host work.
+adapters add to each step's host work. `--device-trace` runs the second pass under
+`jax.profiler` instead and prints where the device's time went
+(scripts/profile_step.py's summary): what the adapters add to each step's kernels.
 
     python scripts/profile_host.py --num-loras 8 --lora-rank 16
 """
@@ -79,9 +81,34 @@ def _by_size(per_step: list[tuple[int, float]]) -> dict[str, dict]:
     return out
 
 
+def device_trace(llm, prompts, params, loras, args) -> dict:
+    """The workload's second pass under `jax.profiler`, summarized by kernel."""
+    import tempfile
+
+    import jax
+
+    from scripts.profile_step import load_trace, summarize
+
+    log_dir = tempfile.mkdtemp(prefix="jaxllm-profile-")
+    t0 = time.perf_counter()
+    with jax.profiler.trace(log_dir, create_perfetto_trace=True):
+        llm.generate(prompts, params, use_tqdm=False, lora_request=loras)
+    result = {"workload": "profile_device", "num_prompts": args.num_prompts,
+              "num_loras": args.num_loras, "elapsed_s": time.perf_counter() - t0,
+              **summarize(load_trace(log_dir), args.top)}
+    write_json("profile_device" + (f"_lora{args.num_loras}" if args.num_loras else ""), result)
+    print_table([("elapsed (traced)", f"{result['elapsed_s']:.1f} s"),
+                 ("device span / busy", f"{result['span_ms']:.0f} / {result['busy_ms']:.0f} ms"),
+                 *((f"  {k['name'][:60]}", f"{k['total_ms']:.1f} ms x{k['count']} "
+                    f"({k['share']:.1%})") for k in result["top_kernels"])])
+    return result
+
+
 def main(argv: list[str] | None = None) -> dict:
     ap = build_parser()  # the throughput workload's own arguments
     ap.add_argument("--top", type=int, default=30, help="functions to print")
+    ap.add_argument("--device-trace", action="store_true",
+                    help="trace the device's kernels instead of profiling the host")
     args = ap.parse_args(argv)
     if args.data_parallel_size != 1:
         ap.error("--data-parallel-size: the profile runs one engine in this process")
@@ -92,6 +119,8 @@ def main(argv: list[str] | None = None) -> dict:
     runner = llm.llm_engine.engine_core.engine_core.model_runner
     hf = llm.llm_engine.model_config.hf_config
     prompts, params, loras = warmed_workload(llm, args)
+    if args.device_trace:
+        return device_trace(llm, prompts, params, loras, args)
 
     runner.step_log = []
     runner.wait_seconds = runner.dispatch_seconds = 0.0
