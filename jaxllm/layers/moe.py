@@ -30,7 +30,10 @@ per (routed slot, column block), down per column block over the slots) read ever
 routed expert's weights in place, once, with no host-side loop. `routed_slots`
 turns the routing into their inputs. Quantized experts, and sizes off its 16-wide
 tiles, keep the loop; the loop stays the oracle on the CPU, where "pallas" runs the
-kernels in Pallas interpret mode (tests).
+kernels in Pallas interpret mode (tests). The layer hands them the router logits
+(`routed_logits_kernel`): a third kernel does `route` and `routed_slots`' work in one
+program, which on the GPU otherwise takes a dozen-odd small XLA kernels (sorts among
+them) per layer; `routed_expert_kernel` keeps the jnp routing (the kernels' oracle).
 
 Weights keep Hugging Face's `[out, in]` orientation, stacked per expert:
 
@@ -215,6 +218,21 @@ def routed_expert_kernel(x: jax.Array, weights: jax.Array, ids: jax.Array,
     return gpu.moe_small(x, gate_up, down, *slots, interpret=interpret)
 
 
+def routed_logits_kernel(x: jax.Array, logits: jax.Array, gate_up: jax.Array,
+                         down: jax.Array, top_k: int, renormalize: bool,
+                         first_expert: jax.Array | int = 0,
+                         num_tokens: jax.Array | int | None = None,
+                         interpret: bool = False) -> jax.Array:
+    """`routed_expert_kernel` of `route(logits, top_k, renormalize)`, the routing itself
+    one more Pallas kernel (pallas_kernels/moe_small/routing.py: softmax, top-k and the
+    slots in one program, where `route` and `routed_slots` take a dozen-odd small XLA
+    kernels on the GPU, sorts among them)."""
+    from pallas_kernels.moe_small import gpu
+
+    return gpu.moe_small_from_logits(x, logits, gate_up, down, top_k, renormalize,
+                                     first_expert, num_tokens, interpret=interpret)
+
+
 def expert_ffn(x: jax.Array, weights: jax.Array, ids: jax.Array, gate_up: jax.Array,
                down: jax.Array, gmm: GroupedMatmul, first_expert: jax.Array | int = 0,
                method: Any = None, gate_up_scale: jax.Array | None = None,
@@ -298,7 +316,6 @@ class SparseMoE(nnx.Module):
         from `num_tokens` on (the step's padding; None: none) get no expert output."""
         logits = jnp.einsum("th,eh->te", x, self.router[...],
                             preferred_element_type=jnp.float32)
-        weights, ids = route(logits, self.top_k, self.renormalize)
         experts = (self.gate_up_proj[...], self.down_proj[...])
         if self.method is not None:
             experts += (self.gate_up_proj_scale[...], self.down_proj_scale[...])
@@ -307,40 +324,45 @@ class SparseMoE(nnx.Module):
 
         num_tokens = jnp.asarray(x.shape[0] if num_tokens is None else num_tokens, jnp.int32)
         small = x.shape[0] <= self.small_tokens  # static: the step's bucket
+        tp = 1 if self.mesh is None else self.mesh.shape["model"]
+        fused = small and self._fused(x, experts[0].shape[0] // tp, *experts[0].shape[2:])
+        # The fused path routes inside its kernels; the others take `route`'s pairs.
+        routing = logits if fused else route(logits, self.top_k, self.renormalize)
 
-        def ffn(x, weights, ids, statics, num_tokens, *experts, first=0):
-            kw = dict(input_scales=statics or None, num_tokens=num_tokens)
-            if small and self._fused(x, experts[0]):
-                return routed_expert_kernel(x, weights, ids, *experts[:2], first, num_tokens,
+        def ffn(x, routing, statics, num_tokens, *experts, first=0):
+            if fused:
+                return routed_logits_kernel(x, routing, *experts[:2], self.top_k,
+                                            self.renormalize, first, num_tokens,
                                             self.kernel_interpret)
+            kw = dict(input_scales=statics or None, num_tokens=num_tokens)
             if small:
-                return routed_expert_ffn(x, weights, ids, *experts[:2], first, self.method,
+                return routed_expert_ffn(x, *routing, *experts[:2], first, self.method,
                                          *experts[2:], **kw)
-            return expert_ffn(x, weights, ids, *experts[:2], self.gmm, first, self.method,
+            return expert_ffn(x, *routing, *experts[:2], self.gmm, first, self.method,
                               *experts[2:], **kw)
 
-        args = (x, weights, ids, statics, num_tokens, *experts)
+        args = (x, routing, statics, num_tokens, *experts)
         if self.mesh is None:
             out = ffn(*args)
         else:
-            def shard(*args):
-                first = jax.lax.axis_index("model") * args[5].shape[0]
-                return jax.lax.psum(ffn(*args, first=first), "model")
+            def shard(x, routing, statics, num_tokens, *experts):
+                first = jax.lax.axis_index("model") * experts[0].shape[0]
+                return jax.lax.psum(ffn(x, routing, statics, num_tokens, *experts,
+                                        first=first), "model")
 
             out = _shard_map(shard, mesh=self.mesh,
-                             in_specs=(P(),) * 5 + (P("model"),) * len(experts),
+                             in_specs=(P(),) * 4 + (P("model"),) * len(experts),
                              out_specs=P(), check_vma=False)(*args)
         out = out.astype(x.dtype)
         return out if residual is None else residual + out
 
-    def _fused(self, x: jax.Array, gate_up: jax.Array) -> bool:
-        """Whether a small step takes the fused kernel: chosen, unquantized experts, and
-        sizes its tiles take."""
+    def _fused(self, x: jax.Array, local: int, inter: int, hidden: int) -> bool:
+        """Whether a small step takes the fused kernels: chosen, unquantized experts, and
+        sizes their tiles take (`local` experts per device)."""
         if self.small_kernel != "pallas" or self.method is not None:
             return False
         from pallas_kernels.moe_small import gpu
 
-        local, _, inter, hidden = gate_up.shape
         return gpu.supported(local, hidden, inter, x.shape[0])
 
 

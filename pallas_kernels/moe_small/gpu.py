@@ -5,14 +5,18 @@ Inputs are the step's routing reduced to slots: `experts [U]`, the distinct loca
 the real tokens routed to (the first `count` of them valid), and per slot the routing
 weight of every row, `slot_weights [U, T]`, with `slot_mask [U, T]` saying which rows
 routed there (padding rows and rows of other experts: none). `reference.py` is the jnp
-oracle of the same contract.
+oracle of the same contract. `moe_small` takes those slots as the layer's jnp routing
+makes them; `moe_small_from_logits` takes the router logits instead and has routing.py's
+kernel write the slots, already padded to the kernels' rows (no XLA ops between the
+router's product and the experts but the split sum after them).
 
 1. gate/up, grid (slot u, block of `block_n` columns of I). A program whose slot is past
    `count` returns at once. Otherwise it walks H in `block_k` chunks, each a
-   `[rows, block_k]` tile of the tokens (every row: at most a few, padded to a 16-row
-   tensor-core tile) and `[block_n, block_k]` tiles of expert `experts[u]`'s gate and up
-   weights, indexed straight in the stacked `[E, 2, I, H]` array (no gathered copy), and
-   writes `h[u, :, block] = silu(gate) * up` in the model dtype.
+   `[rows, block_k]` tile of the tokens (every row: at most a few, read as a 16-row
+   tensor-core tile whose extra rows are zeros) and `[block_n, block_k]` tiles of expert
+   `experts[u]`'s gate and up weights, indexed straight in the stacked `[E, 2, I, H]`
+   array (no gathered copy), and writes `h[u, :, block] = silu(gate) * up` in the model
+   dtype.
 2. down, grid (block of `block_h` columns of H, split s of `down_splits`): one loop
    over a contiguous share of the `count` slots (`I / block_k` steps each), each step
    the product of slot u's `[rows, block_k]` chunk of h and a `[block_h, block_k]` tile
@@ -36,7 +40,9 @@ import jax.numpy as jnp
 from jax import lax
 from jax.experimental import pallas as pl
 
+from pallas_kernels.moe_small import routing
 from pallas_kernels.triton_util import compiler_params as _compiler_params
+from pallas_kernels.triton_util import load as _load
 
 MIN_TILE = 16  # the smallest tensor-core dot dimension Triton takes
 MAX_ROWS = 64  # a program holds every row's tile: more would spill (prefill-sized steps)
@@ -93,7 +99,7 @@ def _dot_t(a: jax.Array, b: jax.Array) -> jax.Array:
 def _gate_up_kernel(experts_ref, count_ref, x_ref, gate_up_ref, h_ref, *, block_n: int,
                     block_k: int, hidden: int):
     u, j = pl.program_id(0), pl.program_id(1)
-    rows = x_ref.shape[0]
+    tokens, rows = x_ref.shape[0], h_ref.shape[1]
 
     @pl.when(u < count_ref[0])
     def _compute():
@@ -103,7 +109,12 @@ def _gate_up_kernel(experts_ref, count_ref, x_ref, gate_up_ref, h_ref, *, block_
         def chunk(c, carry):
             gate, up = carry
             ks = pl.ds(pl.multiple_of(c * block_k, block_k), block_k)
-            xs = x_ref[:, ks]
+            if tokens == rows:
+                xs = x_ref[:, ks]
+            else:  # the rows past the step's read as zeros (no padded copy of x)
+                row = lax.broadcasted_iota(jnp.int32, (rows, block_k), 0)
+                col = c * block_k + lax.broadcasted_iota(jnp.int32, (rows, block_k), 1)
+                xs = _load(x_ref, (row, col), mask=row < tokens, other=0.0)
             gate += _dot_t(xs, gate_up_ref[e, 0, cols, ks])
             up += _dot_t(xs, gate_up_ref[e, 1, cols, ks])
             return gate, up
@@ -151,14 +162,54 @@ def moe_small(x: jax.Array, gate_up: jax.Array, down: jax.Array, experts: jax.Ar
     the model dtype); `experts [U]` int32 expert ids (entries from `count` on are never
     read); `count` int32 scalar; `slot_weights [U, T]` float32; `slot_mask [U, T]` bool.
     """
+    t = x.shape[0]
+    slots = experts.shape[0]
+    if slot_weights.shape != (slots, t) or slot_mask.shape != (slots, t):
+        raise ValueError(f"slot_weights {slot_weights.shape} / slot_mask {slot_mask.shape} "
+                         f"must be [{slots}, {t}]")
+    # The slot tables padded to the kernels' rows; the extra rows are routed nowhere.
+    pad = ((0, 0), (0, _rows(t) - t))
+    w = jnp.pad(slot_weights.astype(jnp.float32), pad)
+    mask = jnp.pad(slot_mask.astype(jnp.int32), pad)
+    count = jnp.asarray(count, jnp.int32).reshape(1)
+    return _experts(x, gate_up, down, experts.astype(jnp.int32), count, w, mask,
+                    block_sizes, interpret)
+
+
+def moe_small_from_logits(x: jax.Array, logits: jax.Array, gate_up: jax.Array,
+                          down: jax.Array, top_k: int, renormalize: bool,
+                          first_expert: jax.Array | int = 0,
+                          num_tokens: jax.Array | int | None = None, *,
+                          block_sizes: BlockSizes | None = None,
+                          interpret: bool = False) -> jax.Array:
+    """`moe_small` of the slots that router logits `[T, E]` give (softmax, `top_k`,
+    renormalized over them when `renormalize`; rows from `num_tokens` on and experts
+    outside `gate_up`'s `first_expert ...` route nowhere), the routing one kernel
+    (routing.py) writing the slot tables already padded to the expert kernels' rows:
+    three kernels in all, `[T, H]` float32."""
+    t = x.shape[0]
+    if logits.shape[0] != t:
+        raise ValueError(f"logits {logits.shape} must have x's {t} rows")
+    slots = routing.route_slots(logits, top_k, renormalize, gate_up.shape[0], _rows(t),
+                                first_expert, num_tokens, interpret=interpret)
+    return _experts(x, gate_up, down, *slots, block_sizes, interpret)
+
+
+def _rows(tokens: int) -> int:
+    """The kernels' row count: a power of two of at least one tensor-core tile."""
+    return max(MIN_TILE, pl.next_power_of_2(tokens))
+
+
+def _experts(x: jax.Array, gate_up: jax.Array, down: jax.Array, experts: jax.Array,
+             count: jax.Array, w: jax.Array, mask: jax.Array,
+             block_sizes: BlockSizes | None, interpret: bool) -> jax.Array:
+    """The two expert kernels over slot tables already padded to `_rows(T)` rows: `w`
+    float32 and `mask` int32, `[U, rows]`; `count` int32 `[1]`."""
     t, hidden = x.shape
     inter = gate_up.shape[2]
     slots = experts.shape[0]
     if gate_up.shape[1:] != (2, inter, hidden) or down.shape[1:] != (hidden, inter):
         raise ValueError(f"gate_up {gate_up.shape} / down {down.shape} do not match x {x.shape}")
-    if slot_weights.shape != (slots, t) or slot_mask.shape != (slots, t):
-        raise ValueError(f"slot_weights {slot_weights.shape} / slot_mask {slot_mask.shape} "
-                         f"must be [{slots}, {t}]")
     bs = block_sizes or default_block_sizes(hidden, inter)
     for name, block, dim in (("block_n", bs.block_n, inter), ("block_k", bs.block_k, hidden),
                              ("block_h", bs.block_h, hidden),
@@ -166,15 +217,8 @@ def moe_small(x: jax.Array, gate_up: jax.Array, down: jax.Array, experts: jax.Ar
         if block < MIN_TILE or block & (block - 1) or dim % block:
             raise ValueError(f"{name}={block} must be a power of two of at least {MIN_TILE} "
                              f"dividing {dim}")
-    # Rows padded to a power of two of at least one tensor-core tile; the extra rows are
-    # zeros routed nowhere.
-    rows = max(MIN_TILE, pl.next_power_of_2(t))
-    pad = ((0, 0), (0, rows - t))
-    xp = jnp.pad(x.astype(gate_up.dtype), ((0, rows - t), (0, 0)))
-    w = jnp.pad(slot_weights.astype(jnp.float32), pad)
-    mask = jnp.pad(slot_mask.astype(jnp.int32), pad)
-    experts = experts.astype(jnp.int32)
-    count = jnp.asarray(count, jnp.int32).reshape(1)
+    rows = _rows(t)
+    assert w.shape == mask.shape == (slots, rows), (w.shape, mask.shape, slots, rows)
     params = _compiler_params(bs.num_warps, bs.num_stages)
 
     h = pl.pallas_call(
@@ -183,7 +227,7 @@ def moe_small(x: jax.Array, gate_up: jax.Array, down: jax.Array, experts: jax.Ar
         out_shape=jax.ShapeDtypeStruct((slots, rows, inter), gate_up.dtype),
         grid=(slots, inter // bs.block_n),
         compiler_params=params, interpret=interpret, name="moe_small_gate_up",
-    )(experts, count, xp, gate_up)
+    )(experts, count, x.astype(gate_up.dtype), gate_up)
     out = pl.pallas_call(
         functools.partial(_down_kernel, block_h=bs.block_h, block_k=bs.block_k_down,
                           inter=inter, splits=bs.down_splits),

@@ -189,9 +189,10 @@ def test_small_step_kernel_reads_its_environment_variable(monkeypatch):
 
 @pytest.mark.parametrize("method,inter", [(None, 48), ("int8", 48), (None, 40)])
 def test_layer_takes_the_fused_kernel_for_small_float_steps_only(method, inter, monkeypatch):
-    """With the kernel chosen, a small step of float experts runs two pallas_calls and no
-    loop (interpret mode on the CPU) with the loop's values; quantized experts, and an
-    intermediate size off the kernel's 16-wide tiles, keep the loop."""
+    """With the kernel chosen, a small step of float experts runs three pallas_calls
+    (routing, gate/up, down) and no loop, top-k or sort (interpret mode on the CPU) with
+    the loop's values; quantized experts, and an intermediate size off the kernel's
+    16-wide tiles, keep the loop and `route`'s top-k."""
     m = linear_method(method)
     monkeypatch.setenv("JAXLLM_MOE_SMALL_KERNEL", "loop")
     looped = _layers(method=m, intermediate_size=inter)
@@ -203,9 +204,10 @@ def test_layer_takes_the_fused_kernel_for_small_float_steps_only(method, inter, 
     got, jaxpr = _call(fused, x, residual, jnp.int32(5))
     ops = _outside_kernels(jaxpr.jaxpr)
     if method is None and inter % 16 == 0:
-        assert ops.count("pallas_call") == 2 and "while" not in ops
+        assert ops.count("pallas_call") == 3 and "while" not in ops
+        assert "top_k" not in ops and "sort" not in ops
     else:
-        assert "pallas_call" not in ops and "while" in ops
+        assert "pallas_call" not in ops and "while" in ops and "top_k" in ops
     assert np.abs(np.asarray(want)[:5] - 1).max() > 1e-3
     np.testing.assert_allclose(np.asarray(got), np.asarray(want), rtol=0, atol=1e-5)
     np.testing.assert_array_equal(np.asarray(got)[5:], 1.0)
@@ -213,8 +215,8 @@ def test_layer_takes_the_fused_kernel_for_small_float_steps_only(method, inter, 
 
 @pytest.mark.slow
 def test_expert_parallel_fused_kernel_equals_one_device_loop(monkeypatch):
-    """At tp 2 (2 fake devices, 4 experts each) each device's kernel reads only its own
-    experts and the psum adds the halves: one device's loop values."""
+    """At tp 2 (2 fake devices, 4 experts each) each device's kernels route to and read
+    only its own experts and the psum adds the halves: one device's loop values."""
     monkeypatch.setenv("JAXLLM_MOE_SMALL_KERNEL", "loop")
     one = _layers()
     monkeypatch.setenv("JAXLLM_MOE_SMALL_KERNEL", "pallas")
@@ -224,7 +226,7 @@ def test_expert_parallel_fused_kernel_equals_one_device_loop(monkeypatch):
     want, _ = _call(one, x, residual, jnp.int32(6))
     got, jaxpr = _call(split, x, residual, jnp.int32(6))
     ops = _outside_kernels(jaxpr.jaxpr)
-    assert ops.count("pallas_call") == 2 and "while" not in ops
+    assert ops.count("pallas_call") == 3 and "while" not in ops and "top_k" not in ops
     assert got.sharding.is_fully_replicated
     assert np.abs(np.asarray(want)[:6] - 1).max() > 1e-3
     np.testing.assert_allclose(np.asarray(got), np.asarray(want), rtol=0, atol=1e-5)
