@@ -1,6 +1,10 @@
 """moe-small: a decode step's routed experts, the fused Pallas kernels
 (pallas_kernels/moe_small) against the per-expert loop (`routed_expert_ffn`), at the
 Qwen3-30B-A3B layer shape (128 experts, top 8, H 2048, I 768, bf16) on one GPU.
+`loop`, `kernel` and `kernel_only` start from the routed pairs; `route_kernel` (the jnp
+routing, then the kernels) and `logits_kernel` (the routing kernel, then the kernels: the
+layer's path) start from the router logits, so their difference is what the routing
+kernel saves.
 
 Each timed call runs `--layers` layers, each with its own weights and routing (as a
 model's stack does), so no layer's experts are still in L2 when it runs; times are per
@@ -25,7 +29,13 @@ import jax.numpy as jnp
 import numpy as np
 
 from jaxllm.benchmarks.common import measure_hbm_bandwidth, median_time
-from jaxllm.layers.moe import route, routed_expert_ffn, routed_expert_kernel, routed_slots
+from jaxllm.layers.moe import (
+    route,
+    routed_expert_ffn,
+    routed_expert_kernel,
+    routed_logits_kernel,
+    routed_slots,
+)
 from pallas_kernels.moe_small import gpu
 
 SWEEP = [dict(block_n=32), dict(block_n=64), dict(block_h=32), dict(down_splits=1),
@@ -44,7 +54,7 @@ def make_layers(args: argparse.Namespace, t: int, seed: int = 0) -> dict:
     # copied out (every expert of the layer) before the kernel could read it.
     return dict(
         x=jax.random.normal(keys[1], (t, h), jnp.float32).astype(dtype),
-        weights=weights, ids=ids,
+        logits=logits, weights=weights, ids=ids,
         gate_up=[(0.05 * jax.random.normal(k, (e, 2, i, h), jnp.float32)).astype(dtype)
                  for k in jax.random.split(keys[2], n)],
         down=[(0.05 * jax.random.normal(k, (e, h, i), jnp.float32)).astype(dtype)
@@ -54,35 +64,40 @@ def make_layers(args: argparse.Namespace, t: int, seed: int = 0) -> dict:
 def stacked(ffn):
     """A jitted step over every layer (each its own weights and routing; `gate_up` and
     `down` lists of per-layer arrays), the outputs summed so none is dead code."""
-    def run(x, weights, ids, gate_up, down):
-        return sum(ffn(x, weights[n], ids[n], gate_up[n], down[n])
+    def run(x, logits, weights, ids, gate_up, down):
+        return sum(ffn(x, logits[n], weights[n], ids[n], gate_up[n], down[n])
                    for n in range(weights.shape[0]))
     return jax.jit(run)
 
 
-def bodies(interpret: bool, block_sizes: gpu.BlockSizes | None = None) -> dict:
-    """name -> per-layer function of (x, weights, ids, gate_up, down)."""
-    def kernel_only(x, w, ids, gu, dn):
+def bodies(interpret: bool, top_k: int, block_sizes: gpu.BlockSizes | None = None) -> dict:
+    """name -> per-layer function of (x, logits, weights, ids, gate_up, down)."""
+    def kernel_only(x, lg, w, ids, gu, dn):
         slots = routed_slots(w, ids, 0, gu.shape[0])
         return gpu.moe_small(x, gu, dn, *slots, block_sizes=block_sizes, interpret=interpret)
 
     out = {"kernel_only": kernel_only}
     if block_sizes is None:
-        out = {"loop": lambda *a: routed_expert_ffn(*a),
-               "kernel": lambda *a: routed_expert_kernel(*a, interpret=interpret), **out}
+        out = {"loop": lambda x, lg, *a: routed_expert_ffn(x, *a),
+               "kernel": lambda x, lg, *a: routed_expert_kernel(x, *a, interpret=interpret),
+               "route_kernel": lambda x, lg, w, ids, gu, dn: routed_expert_kernel(
+                   x, *route(lg, top_k, True), gu, dn, interpret=interpret),
+               "logits_kernel": lambda x, lg, w, ids, gu, dn: routed_logits_kernel(
+                   x, lg, gu, dn, top_k, True, interpret=interpret), **out}
     return out
 
 
 def bench_rows(args: argparse.Namespace, t: int, bw: float) -> dict:
     data = make_layers(args, t)
-    operands = (data["x"], data["weights"], data["ids"], data["gate_up"], data["down"])
+    operands = (data["x"], data["logits"], data["weights"], data["ids"], data["gate_up"],
+                data["down"])
     itemsize = jnp.dtype(args.dtype).itemsize
     distinct = [int(np.unique(np.asarray(data["ids"][n])).size) for n in range(args.layers)]
     roofline = sum(distinct) * 3 * args.hidden * args.inter * itemsize / bw / args.layers
     row = {"tokens": t, "distinct_experts_per_layer": float(np.mean(distinct)),
            "roofline_us": roofline * 1e6, "bodies": {}}
     timed = dict(iters=args.iters, reps=args.reps)
-    fns = {name: stacked(f) for name, f in bodies(args.small).items()}
+    fns = {name: stacked(f) for name, f in bodies(args.small, args.top_k).items()}
     want = np.asarray(fns["loop"](*operands), np.float32)
     scale = float(np.abs(want).max())
     bound = (2 ** -7 if itemsize == 2 else 1e-5) * scale * args.layers
@@ -97,7 +112,7 @@ def bench_rows(args: argparse.Namespace, t: int, bw: float) -> dict:
             bs = dataclasses.replace(base, **change)
             name = "kernel_only " + ",".join(f"{k}={v}" for k, v in change.items())
             try:
-                fn = stacked(bodies(args.small, bs)["kernel_only"])
+                fn = stacked(bodies(args.small, args.top_k, bs)["kernel_only"])
                 err = float(np.abs(np.asarray(fn(*operands), np.float32) - want).max())
                 sec = median_time(fn, *operands, **timed) / args.layers
                 row["bodies"][name] = {"us": sec * 1e6, "roofline_fraction": roofline / sec,

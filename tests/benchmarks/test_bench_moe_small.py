@@ -24,7 +24,8 @@ def test_dry_run_times_every_body_against_the_loop_and_the_roofline(tmp_path):
     result = json.loads(out.read_text())
     assert [row["tokens"] for row in result["rows"]] == [1, 3]
     for row in result["rows"]:
-        assert set(row["bodies"]) == {"loop", "kernel", "kernel_only"}
+        assert set(row["bodies"]) == {"loop", "kernel", "kernel_only", "route_kernel",
+                                      "logits_kernel"}
         assert 1 <= row["distinct_experts_per_layer"] <= min(2 * row["tokens"], 8)
         for body in row["bodies"].values():
             assert body["agrees"] and body["us"] > 0 and body["roofline_fraction"] > 0

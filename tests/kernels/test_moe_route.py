@@ -3,7 +3,8 @@ mode on the CPU: the slots `routed_slots(*route(...))` gives (experts, count and
 exactly, weights within float32 rounding) over decode-sized steps, shards of the experts,
 padding rows holding NaN and tied logits; the expert kernels fed from it equal the same
 kernels fed by the jnp routing; and the layer's small step lowered for CUDA keeps no sort,
-only the three Triton calls."""
+only the three Triton calls. On a GPU (`JAX_PLATFORMS=cuda`; tests/conftest.py defaults to
+the CPU) the kernels run compiled instead."""
 
 from __future__ import annotations
 
@@ -38,6 +39,11 @@ CASES = [
 ]
 
 
+def _interpret() -> bool:
+    """Interpret mode but on a GPU, where the compiled Triton kernels run."""
+    return jax.default_backend() != "gpu"
+
+
 def _logits(t, e, n, ties, seed):
     """Router logits, NaN on the padding rows (from `n` on); `ties`: whole numbers in
     [0, 3), so many experts of a row share its top-k cut."""
@@ -59,7 +65,7 @@ def test_routing_kernel_gives_the_jnp_routings_slots(t, e, k, renormalize, n, fi
     logits = _logits(t, e, n, ties, seed=t * e + k)
     rows = _rows(t)
     got = jax.jit(lambda lg, f, m: routing.route_slots(lg, k, renormalize, local, rows, f, m,
-                                                        interpret=True))(logits, first, n)
+                                                        interpret=_interpret()))(logits, first, n)
     want = jax.jit(lambda lg, f, m: routed_slots(*route(lg, k, renormalize), f, local, m))(
         logits, first, n)
     experts, count, weights, mask = map(np.asarray, got)
@@ -82,7 +88,7 @@ def test_tied_experts_go_to_the_lower_index_as_lax_top_k_orders_them():
     logits = np.zeros((2, 8), np.float32)
     logits[1, 2] = 1.0
     experts, count, weights, mask = map(np.asarray, routing.route_slots(
-        logits, 2, False, 8, 16, interpret=True))
+        logits, 2, False, 8, 16, interpret=_interpret()))
     assert int(count[0]) == 3
     np.testing.assert_array_equal(experts, [0, 1, 2, 8])
     np.testing.assert_array_equal(mask[:, :2], [[1, 1], [1, 0], [0, 1], [0, 0]])
@@ -110,10 +116,11 @@ def test_kernels_from_logits_equal_the_kernels_from_the_jnp_routing(t, k, renorm
     local = 4 if first else 8
     gate_up, down = gate_up[first:first + local], down[first:first + local]
     got = np.asarray(jax.jit(lambda *a: gpu.moe_small_from_logits(
-        *a, k, renormalize, first, n, interpret=True))(x, logits, gate_up, down))
+        *a, k, renormalize, first, n, interpret=_interpret()))(x, logits, gate_up, down))
     weights, ids = route(logits, k, renormalize)
     want = np.asarray(jax.jit(lambda *a: routed_expert_kernel(
-        *a, first_expert=first, num_tokens=n, interpret=True))(x, weights, ids, gate_up, down))
+        *a, first_expert=first, num_tokens=n, interpret=_interpret()))(
+        x, weights, ids, gate_up, down))
     assert np.abs(want[:n]).max() > 0.1
     np.testing.assert_allclose(got, want, rtol=0, atol=1e-6)
     assert not got[n:].any()
