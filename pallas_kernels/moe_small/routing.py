@@ -98,13 +98,14 @@ def _route_kernel(logits_ref, first_ref, tokens_ref, experts_ref, count_ref, w_r
 
 def route_slots(logits: jax.Array, top_k: int, renormalize: bool, local: int, rows: int,
                 first_expert: jax.Array | int = 0, num_tokens: jax.Array | int | None = None,
-                *, num_warps: int = 4, interpret: bool = False
+                *, num_warps: int | None = None, interpret: bool = False
                 ) -> tuple[jax.Array, jax.Array, jax.Array, jax.Array]:
     """`routed_slots(*route(logits, top_k, renormalize), first_expert, local, num_tokens)`
     with its per-slot tables padded to `rows` rows, from router logits `[T, E]` float32:
     (experts `[U]` int32, ascending, `local` from `count` on; count `[1]` int32; weights
     `[U, rows]` float32; mask `[U, rows]` int32), `U = num_slots(T, top_k, local)`.
-    Rows from `num_tokens` on (None: none), and from T on, route nowhere."""
+    Rows from `num_tokens` on (None: none), and from T on, route nowhere. `num_warps`
+    None: 4, or 8 once the tile would hold more than 32 values a thread at 4 warps."""
     t, e = logits.shape
     if not 1 <= top_k <= e:
         raise ValueError(f"top_k={top_k} must be in [1, {e}] (the experts)")
@@ -112,6 +113,8 @@ def route_slots(logits: jax.Array, top_k: int, renormalize: bool, local: int, ro
         raise ValueError(f"rows={rows} must be a power of two of at least the {t} tokens")
     slots = num_slots(t, top_k, local)
     tokens = t if num_tokens is None else num_tokens
+    if num_warps is None:
+        num_warps = 4 if rows * pl.next_power_of_2(e) <= 32 * 4 * 32 else 8
     return pl.pallas_call(
         functools.partial(_route_kernel, top_k=top_k, renormalize=renormalize, local=local),
         out_shape=(jax.ShapeDtypeStruct((slots,), jnp.int32),
