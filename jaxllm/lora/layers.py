@@ -16,8 +16,9 @@ fused projection one product batched over the E entries, each contracting its
 part's `max_loras * r` columns of `xa` with its own columns of B (qkv's query
 entries all read the q part: a gather of the small `xa` along its part axis), so
 the output comes out `[T, *out]` with no concatenation. B's slot and rank axes
-lead its entry axis, so each entry's contraction is one strided matrix and no
-copy of B is needed. Fixed shapes, no gather of per-token weights and no loop. A
+lead its entry axis so that each entry's contracted axes sit together: a GEMM
+reads them in place as one strided matrix, where the entry axis between them
+would call for a transposed copy of B. Fixed shapes, no gather of per-token weights and no loop. A
 and B shard as the base weight: B along its output axes (column-parallel), A
 along its input axes (row-parallel).
 """
