@@ -9,6 +9,13 @@ step time. Recording collectives, loops and conditionals into the graphs, down t
 single-kernel regions, lets a step launch in a few graph launches (BENCHMARKS.md,
 "Several GPUs", has the host launch time per step before and after).
 
+XLA's GPU rematerialization pass is off. It limits a program's memory to 80% of the
+device's less the program's arguments and results; a serving step's arguments are the
+weights and a KV cache sized to fill the memory, so that limit is zero and the pass
+recomputes whatever it can (a decode step of a mixture-of-experts model ran its QKV
+projection twice a layer). The engine bounds a step's transient memory itself
+(`worker/kv_cache.activation_reserve`), so the pass only costs time.
+
 Only where a CUDA plugin of JAX is installed; a flag the user already sets wins, and
 `JAXLLM_XLA_FLAGS=0` leaves `XLA_FLAGS` alone.
 """
@@ -22,6 +29,7 @@ from collections.abc import MutableMapping
 GPU_FLAGS = (
     "--xla_gpu_enable_command_buffer=+COLLECTIVES,+WHILE,+CONDITIONAL",
     "--xla_gpu_graph_min_graph_size=1",
+    "--xla_disable_hlo_passes=rematerialization",
 )
 CUDA_PLUGINS = ("jax_cuda12_plugin", "jax_cuda13_plugin")
 

@@ -40,7 +40,10 @@ from pallas_kernels.moe_small import gpu
 
 SWEEP = [dict(block_n=32), dict(block_n=64), dict(block_h=32), dict(down_splits=1),
          dict(down_splits=2), dict(down_splits=8), dict(num_warps=2), dict(num_warps=8),
-         dict(num_stages=2), dict(num_stages=4), dict(block_k=128, block_k_down=128)]
+         dict(num_stages=2), dict(num_stages=4), dict(block_k=128, block_k_down=128),
+         dict(num_warps=2, down_splits=8), dict(num_warps=2, down_splits=8, block_n=64),
+         dict(num_warps=2, down_splits=8, block_h=32),
+         dict(num_warps=2, down_splits=8, block_n=32, block_h=32)]
 
 
 def make_layers(args: argparse.Namespace, t: int, seed: int = 0) -> dict:
@@ -108,7 +111,7 @@ def bench_rows(args: argparse.Namespace, t: int, bw: float) -> dict:
                                "max_abs_err_vs_loop": err, "agrees": err <= bound}
     if args.sweep:
         base = gpu.default_block_sizes(args.hidden, args.inter)
-        for change in SWEEP:
+        for change in SWEEP[args.sweep_from:]:
             bs = dataclasses.replace(base, **change)
             name = "kernel_only " + ",".join(f"{k}={v}" for k, v in change.items())
             try:
@@ -134,6 +137,8 @@ def main() -> None:
     p.add_argument("--iters", type=int, default=10)
     p.add_argument("--reps", type=int, default=5)
     p.add_argument("--sweep", action="store_true", help="also time a few block-size choices")
+    p.add_argument("--sweep-from", type=int, default=0,
+                   help="time only the sweep's entries from this index on")
     p.add_argument("--small", action="store_true",
                    help="CPU dry run: tiny shapes, float32, the kernels in interpret mode")
     p.add_argument("--out", help="write the results as JSON here")

@@ -28,9 +28,9 @@ from jaxllm.lora.request import LoRARequest
 def adapter_tables(linears: list[tuple[int, str, nnx.Module]], adapter: PeftAdapter,
                    name: str) -> list[np.ndarray]:
     """The adapter's value for one slot of every table (in `table_leaves` order): per
-    projection its A `[P, r, *in]` then its B `[P, r, *out]` (part p's rows only in
-    part p's output columns); zeros where the adapter leaves a module out. Ranks below
-    the tables' are zero-padded."""
+    projection its A `[P, r, *in]` then its B (`LoRA.b_slot`: each part's rows over
+    its own output columns only); zeros where the adapter leaves a module out. Ranks
+    below the tables' are zero-padded."""
     out = []
     served = {(layer, m) for layer, proj, _ in linears for m in LORA_PARTS[proj]}
     extra = sorted(set(adapter.weights) - served)
@@ -40,13 +40,14 @@ def adapter_tables(linears: list[tuple[int, str, nnx.Module]], adapter: PeftAdap
                          "table in this model")
     for layer, proj, linear in linears:
         lora = linear.lora
-        a, b = lora.a[...], lora.b[...]
-        in_shape, out_shape = a.shape[3:], b.shape[3:]
+        a = lora.a[...]
+        in_shape = a.shape[3:]
         a_val = np.zeros(a.shape[1:], np.float32)
-        b_val = np.zeros(b.shape[1:], np.float32)
+        b_parts: list[np.ndarray | None] = []
         for p, module in enumerate(LORA_PARTS[proj]):
             ab = adapter.weights.get((layer, module))
             if ab is None:
+                b_parts.append(None)
                 continue
             A, B = ab
             r = A.shape[0]
@@ -54,18 +55,15 @@ def adapter_tables(linears: list[tuple[int, str, nnx.Module]], adapter: PeftAdap
                 raise ValueError(f"LoRA adapter {name!r}: {module} of layer {layer} has lora_A "
                                  f"{A.shape}; the model wants in={math.prod(in_shape)}")
             a_val[p, :r] = A.reshape(r, *in_shape)
-            lo, hi = lora.part_bounds[p], lora.part_bounds[p + 1]
-            out_p = list(out_shape)
-            out_p[lora.part_axis] = hi - lo
+            out_p = lora.part_shape(p)
             per_head = math.prod(out_p[1:])
             if B.shape[0] % per_head or out_p[0] % (B.shape[0] // per_head):
                 raise ValueError(f"LoRA adapter {name!r}: {module} of layer {layer} has lora_B "
                                  f"{B.shape}; the model wants out={math.prod(out_p)}")
             src = B.shape[0] // per_head
             # kv heads replicated over tensor-parallel shards (models/decoder.py)
-            full = np.repeat(B.T.reshape(r, src, *out_p[1:]), out_p[0] // src, axis=1)
-            b_val[(p, slice(0, r)) + (slice(None),) * lora.part_axis + (slice(lo, hi),)] = full
-        out += [a_val, b_val]
+            b_parts.append(np.repeat(B.T.reshape(r, src, *out_p[1:]), out_p[0] // src, axis=1))
+        out += [a_val, lora.b_slot(b_parts)]
     return out
 
 
