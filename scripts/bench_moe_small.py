@@ -38,12 +38,9 @@ from jaxllm.layers.moe import (
 )
 from pallas_kernels.moe_small import gpu
 
-SWEEP = [dict(block_n=32), dict(block_n=64), dict(block_h=32), dict(down_splits=1),
-         dict(down_splits=2), dict(down_splits=8), dict(num_warps=2), dict(num_warps=8),
-         dict(num_stages=2), dict(num_stages=4), dict(block_k=128, block_k_down=128),
-         dict(num_warps=2, down_splits=8), dict(num_warps=2, down_splits=8, block_n=64),
-         dict(num_warps=2, down_splits=8, block_h=32),
-         dict(num_warps=2, down_splits=8, block_n=32, block_h=32)]
+SWEEP = [dict(block_n=32), dict(block_n=64), dict(block_h=32), dict(down_splits=2),
+         dict(down_splits=4), dict(down_splits=16), dict(num_warps=4), dict(num_warps=1),
+         dict(num_stages=2), dict(num_stages=4), dict(block_k=128, block_k_down=128)]
 
 
 def make_layers(args: argparse.Namespace, t: int, seed: int = 0) -> dict:

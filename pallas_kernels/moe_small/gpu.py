@@ -81,12 +81,15 @@ def default_block_sizes(hidden: int, inter: int) -> BlockSizes:
     """The narrowest output blocks (16 columns) so that even one token over 8 experts gives
     the GPU a few hundred programs, each small enough in shared memory (3 stages of
     16-row tiles) for several to share an SM: one wave, not a full one and a tail; the
-    widest chunks up to 256 that divide H and I, for long loads."""
+    widest chunks up to 256 that divide H and I, for long loads. Two warps a program and
+    eight down splits: the fastest of the block sweep at the Qwen3-30B-A3B shape on an
+    H100 (BENCHMARKS.md), one row or sixteen."""
     if hidden % MIN_TILE or inter % MIN_TILE:
         raise ValueError(f"hidden={hidden} and intermediate={inter} must be multiples of "
                          f"{MIN_TILE} for the Triton kernels")
     return BlockSizes(block_n=MIN_TILE, block_k=_pow2_divisor(hidden, 256),
-                      block_h=MIN_TILE, block_k_down=_pow2_divisor(inter, 256))
+                      block_h=MIN_TILE, block_k_down=_pow2_divisor(inter, 256),
+                      down_splits=8, num_warps=2)
 
 
 def _dot_t(a: jax.Array, b: jax.Array) -> jax.Array:
