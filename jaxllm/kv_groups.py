@@ -33,9 +33,13 @@ class KVCacheGroups:
     def from_windows(cls, windows: Sequence[int | None]) -> KVCacheGroups:
         """Groups for layers with these sliding windows (None: full attention).
 
-        The group size is the fewest layers of one attention type, so that each
-        type fills its groups (vLLM's rule); a type whose count it does not divide
-        leaves the last group's spare slots unused."""
+        vLLM's rule: the group size is the fewest layers of one attention type, so
+        that each type fills its groups, unless the most layers of one type are
+        under 1.5x that, when it is the most (12 sliding-window and 13 full layers
+        make two groups of 13, not three of 12 with 11 idle slots). A type spreads
+        its layers over its groups by stride (group g takes its layers g, g + n,
+        ...), so where its count is not a multiple of the size the spare slots
+        fall one to a group at the end."""
         n = len(windows)
         if n == 0:
             raise ValueError("a model needs at least one layer")
@@ -43,13 +47,15 @@ class KVCacheGroups:
             return cls((None,), (0,) * n, tuple(range(n)), n)
         kinds = sorted(set(windows), key=lambda w: (w is not None, w or 0))
         layers_of = {w: [i for i, x in enumerate(windows) if x == w] for w in kinds}
-        size = min(len(v) for v in layers_of.values())
+        counts = [len(v) for v in layers_of.values()]
+        size = max(counts) if max(counts) < 1.5 * min(counts) else min(counts)
         group_windows: list[int | None] = []
         layer_group, layer_slot = [0] * n, [0] * n
         for w in kinds:
             layers = layers_of[w]
-            for start in range(0, len(layers), size):
-                for slot, layer in enumerate(layers[start:start + size]):
+            num = -(-len(layers) // size)
+            for g in range(num):
+                for slot, layer in enumerate(layers[g::num]):
                     layer_group[layer], layer_slot[layer] = len(group_windows), slot
                 group_windows.append(w)
         return cls(tuple(group_windows), tuple(layer_group), tuple(layer_slot), size)

@@ -42,6 +42,25 @@ def test_gemma2_alternating_layers_make_two_groups_of_half_the_layers():
     assert groups.layer_group == (1, 0) * 3 and groups.layer_slot == (0, 0, 1, 1, 2, 2)
 
 
+def test_near_equal_layer_counts_share_the_larger_group_size_as_vllm():
+    """12 sliding-window and 13 full layers (a gpt-oss-like target with one more
+    full layer): groups of 13, one of each type, rather than three of 12."""
+    groups = KVCacheGroups.from_windows([128, None] * 12 + [None])
+    assert groups.group_size == 13 and groups.windows == (None, 128)
+    assert sorted(groups.layer_slot[i] for i in range(0, 24, 2)) == list(range(12))
+
+
+def test_a_type_spreads_its_layers_over_its_groups_by_stride():
+    """Two full and three sliding-window layers (under 1.5x: groups of 2): the local
+    layers split as (0, 2) and (1,), vLLM's layout, the spare slot in the last group."""
+    windows = [None, 8, 8, None, 8]
+    groups = KVCacheGroups.from_windows(windows)
+    assert groups.group_size == 2 and groups.windows == (None, 8, 8)
+    local = [i for i, w in enumerate(windows) if w is not None]
+    assert [(groups.layer_group[i], groups.layer_slot[i]) for i in local] == [
+        (1, 0), (2, 0), (1, 1)]
+
+
 def test_long_context_gemma3_layout_holds_a_window_of_blocks_per_local_group():
     """A 32K-token prompt in 2048-token chunks, then 64 decodes: the global group holds
     every block, each local group the window's 64 blocks and at most one more (it
