@@ -18,9 +18,9 @@ entries all read the q part: a gather of the small `xa` along its part axis), so
 the output comes out `[T, *out]` with no concatenation. B's slot and rank axes
 lead its entry axis so that each entry's contracted axes sit together: a GEMM
 reads them in place as one strided matrix, where the entry axis between them
-would call for a transposed copy of B. Fixed shapes, no gather of per-token weights and no loop. A
-and B shard as the base weight: B along its output axes (column-parallel), A
-along its input axes (row-parallel).
+would call for a transposed copy of B. Fixed shapes, no gather of per-token
+weights and no loop. A and B shard as the base weight: B along its output axes
+(column-parallel), A along its input axes (row-parallel).
 """
 
 from __future__ import annotations
