@@ -101,22 +101,24 @@ def bench_rows(args: argparse.Namespace, t: int, bw: float) -> dict:
     want = np.asarray(fns["loop"](*operands), np.float32)
     scale = float(np.abs(want).max())
     bound = (2 ** -7 if itemsize == 2 else 1e-5) * scale * args.layers
-    for name, fn in fns.items():
+
+    def measure(fn) -> dict:
+        """One body's error against the loop and its time a layer."""
         err = float(np.abs(np.asarray(fn(*operands), np.float32) - want).max())
         sec = median_time(fn, *operands, **timed) / args.layers
-        row["bodies"][name] = {"us": sec * 1e6, "roofline_fraction": roofline / sec,
-                               "max_abs_err_vs_loop": err, "agrees": err <= bound}
+        return {"us": sec * 1e6, "roofline_fraction": roofline / sec,
+                "max_abs_err_vs_loop": err, "agrees": err <= bound}
+
+    for name, fn in fns.items():
+        row["bodies"][name] = measure(fn)
     if args.sweep:
         base = gpu.default_block_sizes(args.hidden, args.inter)
         for change in SWEEP[args.sweep_from:]:
             bs = dataclasses.replace(base, **change)
             name = "kernel_only " + ",".join(f"{k}={v}" for k, v in change.items())
             try:
-                fn = stacked(bodies(args.small, args.top_k, bs)["kernel_only"])
-                err = float(np.abs(np.asarray(fn(*operands), np.float32) - want).max())
-                sec = median_time(fn, *operands, **timed) / args.layers
-                row["bodies"][name] = {"us": sec * 1e6, "roofline_fraction": roofline / sec,
-                                       "max_abs_err_vs_loop": err, "agrees": err <= bound}
+                row["bodies"][name] = measure(
+                    stacked(bodies(args.small, args.top_k, bs)["kernel_only"]))
             except Exception as exc:  # a tile the GPU rejects: report it, keep sweeping
                 row["bodies"][name] = {"error": f"{type(exc).__name__}: {exc}"[:300]}
     return row
