@@ -32,6 +32,7 @@ SETTINGS: dict[str, tuple[str, dict[str, str]]] = {
         {}),
     "one_shot_sync": ("--xla_gpu_unsupported_use_all_reduce_one_shot_kernel=true "
                       "--xla_gpu_disable_async_collectives=ALLREDUCE", {}),
+    "lhs": ("--xla_gpu_enable_latency_hiding_scheduler=true", {}),
     "nccl_ll128": ("", {"NCCL_PROTO": "LL128"}),
     "nccl_simple": ("", {"NCCL_PROTO": "Simple"}),
 }
@@ -40,8 +41,12 @@ SHAPE_8B = {"hidden": 4096, "q": 4096, "kv": 1024, "inter": 14336, "layers": 32}
 SHAPE_SMALL = {"hidden": 256, "q": 256, "kv": 64, "inter": 512, "layers": 4}  # CPU checks
 
 
-def step_program(shape: dict, mesh, rows: int, with_psum: bool):
-    """The jitted step: per layer x += psum(o(qkv(x))) and x += psum(down(gate_up(x)))."""
+def step_program(shape: dict, mesh, rows: int, with_psum: bool, chunks: int = 1):
+    """The jitted step: per layer x += psum(o(qkv(x))) and x += psum(down(gate_up(x))).
+
+    `chunks` > 1 runs every row-wise part (projections, psums, residual adds) on that
+    many row chunks, joined only where attention stands in (a mean over every row),
+    so one chunk's psum can overlap another chunk's matmuls."""
     import jax
     import jax.numpy as jnp
     from jax.sharding import PartitionSpec as P
@@ -50,17 +55,23 @@ def step_program(shape: dict, mesh, rows: int, with_psum: bool):
     h, inter = shape["hidden"], shape["inter"]
     qkv = (shape["q"] + 2 * shape["kv"]) // tp
 
+    def reduce(y):
+        return jax.lax.psum(y, "model") if with_psum else y
+
     def body(x, w):
+        xs = jnp.split(x, chunks)
         for wqkv, wo, wgu, wd in w:
-            a = x @ wqkv
-            a = a[:, : shape["q"] // tp] * jax.nn.sigmoid(a[:, -1:])  # stands in for attention
-            y = a @ wo
-            x = x + (jax.lax.psum(y, "model") if with_psum else y)
-            g = x @ wgu
-            m = jax.nn.silu(g[:, : inter // tp]) * g[:, inter // tp:]
-            y = m @ wd
-            x = x + (jax.lax.psum(y, "model") if with_psum else y)
-        return x
+            a = jnp.concatenate([xc @ wqkv for xc in xs])
+            # stands in for attention: every row's output depends on every row
+            a = a[:, : shape["q"] // tp] * jax.nn.sigmoid(jnp.mean(a[:, -1:]))
+            xs = [xc + reduce(ac @ wo) for xc, ac in zip(xs, jnp.split(a, chunks))]
+            out = []
+            for xc in xs:
+                g = xc @ wgu
+                m = jax.nn.silu(g[:, : inter // tp]) * g[:, inter // tp:]
+                out.append(xc + reduce(m @ wd))
+            xs = out
+        return jnp.concatenate(xs)
 
     col, row = P(None, "model"), P("model", None)
     layer_specs = (col, row, col, row)
@@ -100,6 +111,13 @@ def run_one(args) -> dict:
             out[f"tp{tp}{'' if with_psum or tp == 1 else '_no_psum'}_ms"] = t * 1e3
             del w
     tp = args.tp
+    if args.chunks > 1:  # the same step on row chunks, with and without its psums
+        mesh = Mesh(np.asarray(devices[:tp]), ("model",))
+        for with_psum in ([False] if tp == 1 else [True, False]):
+            fn, x, w = step_program(shape, mesh, args.rows, with_psum, args.chunks)
+            t = median_time(fn, x, w, iters=20, reps=7)
+            out[f"tp{tp}_chunks{'' if with_psum or tp == 1 else '_no_psum'}_ms"] = t * 1e3
+            del w
     if tp > 1:
         out["psum_cost_ms"] = out[f"tp{tp}_ms"] - out[f"tp{tp}_no_psum_ms"]
         out["per_psum_us"] = out["psum_cost_ms"] * 1e3 / (2 * shape["layers"])
@@ -113,6 +131,8 @@ def main() -> None:
     ap.add_argument("--tp", type=int, default=2)
     ap.add_argument("--rows", type=int, default=1, help="batch rows of the decode step")
     ap.add_argument("--small", action="store_true", help="a tiny shape, for CPU checks")
+    ap.add_argument("--chunks", type=int, default=1,
+                    help="also time the step on this many row chunks (psum overlap)")
     ap.add_argument("--setting", default=None, help=f"one of {list(SETTINGS)}; default all")
     ap.add_argument("--settings", default=",".join(SETTINGS), help="the sweep's settings")
     args = ap.parse_args()
@@ -125,7 +145,7 @@ def main() -> None:
         e = dict(os.environ, **env)
         e["XLA_FLAGS"] = (e.get("XLA_FLAGS", "") + " " + flags).strip()
         cmd = [sys.executable, __file__, "--tp", str(args.tp), "--rows", str(args.rows),
-               "--setting", name] + ["--small"] * args.small
+               "--setting", name, "--chunks", str(args.chunks)] + ["--small"] * args.small
         p = subprocess.run(cmd, env=e, capture_output=True, text=True, timeout=300)
         line = [x for x in p.stdout.splitlines() if x.startswith("RESULT ")]
         if p.returncode or not line:
@@ -142,7 +162,10 @@ def main() -> None:
         else:
             print(f"{r['setting']:<24} tp1 {r['tp1_ms']:.3f} ms  tp{args.tp} "
                   f"{r[f'tp{args.tp}_ms']:.3f} ms  no-psum {r[f'tp{args.tp}_no_psum_ms']:.3f} ms"
-                  f"  per psum {r['per_psum_us']:.1f} us  speed-up {r['tp_speedup']:.2f}x")
+                  f"  per psum {r['per_psum_us']:.1f} us  speed-up {r['tp_speedup']:.2f}x"
+                  + (f"  chunks {r[f'tp{args.tp}_chunks_ms']:.3f} ms"
+                     f" (no psum {r[f'tp{args.tp}_chunks_no_psum_ms']:.3f})"
+                     if args.chunks > 1 else ""))
 
 
 if __name__ == "__main__":
