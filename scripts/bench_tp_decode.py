@@ -64,7 +64,7 @@ def step_program(shape: dict, mesh, rows: int, with_psum: bool, chunks: int = 1)
             a = jnp.concatenate([xc @ wqkv for xc in xs])
             # stands in for attention: every row's output depends on every row
             a = a[:, : shape["q"] // tp] * jax.nn.sigmoid(jnp.mean(a[:, -1:]))
-            xs = [xc + reduce(ac @ wo) for xc, ac in zip(xs, jnp.split(a, chunks))]
+            xs = [xc + reduce(ac @ wo) for xc, ac in zip(xs, jnp.split(a, chunks), strict=True)]
             out = []
             for xc in xs:
                 g = xc @ wgu
