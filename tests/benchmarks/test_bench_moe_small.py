@@ -18,11 +18,12 @@ def test_dry_run_times_every_body_against_the_loop_and_the_roofline(tmp_path):
     out = tmp_path / "moe_small.json"
     env = dict(os.environ, PYTHONPATH=f"{ROOT}{os.pathsep}{os.environ.get('PYTHONPATH', '')}")
     run = subprocess.run([sys.executable, str(ROOT / "scripts/bench_moe_small.py"), "--small",
-                          "--tokens", "1", "3", "--out", str(out)], env=env, cwd=ROOT,
+                          "--tokens", "3", "--out", str(out)], env=env, cwd=ROOT,
                          capture_output=True, text=True, timeout=600)
     assert run.returncode == 0, run.stderr[-3000:]
     result = json.loads(out.read_text())
-    assert [row["tokens"] for row in result["rows"]] == [1, 3]
+    # one token count: the kernels' own tests cover the others (tests/kernels)
+    assert [row["tokens"] for row in result["rows"]] == [3]
     for row in result["rows"]:
         assert set(row["bodies"]) == {"loop", "kernel", "kernel_only", "route_kernel",
                                       "logits_kernel"}
