@@ -5,6 +5,8 @@ several XLA / NCCL settings, each in a process of its own (XLA reads its flags o
 
     python scripts/bench_tp_decode.py --tp 2            # the sweep of settings
     python scripts/bench_tp_decode.py --tp 2 --setting base   # one setting
+    python scripts/bench_tp_decode.py --tp 2 --rows 8192 --chunks 2 --settings base
+                                        # also on two row chunks: does a psum overlap?
 
 The step with psums less the step without them is what the collectives cost in a
 step; the step without them against tp 1's is what sharding the weights saves.
