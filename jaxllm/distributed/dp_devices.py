@@ -88,7 +88,7 @@ def core_devices(tensor_parallel_size: int, data_parallel_size: int = 1,
     devices = list(jax.devices() if devices is None else devices)
     dp, tp, r = data_parallel_size, tensor_parallel_size, data_parallel_rank
     if dp == 1:
-        return devices
+        return job_share(devices, tp)
     platform = devices[0].platform if devices else "none"
     if platform == "tpu" and len(devices) != tp:
         raise ParameterError(
@@ -104,3 +104,28 @@ def core_devices(tensor_parallel_size: int, data_parallel_size: int = 1,
         "data_parallel_size",
         f"data_parallel_size={dp} x tensor_parallel_size={tp} needs {dp * tp} devices, but "
         f"engine core {r} sees {len(devices)} {platform} device(s)")
+
+
+def job_share(devices: Sequence[Any], tensor_parallel_size: int) -> list:
+    """The devices of a mesh of `tensor_parallel_size` devices: the first of them in a
+    single process, and in a job of several processes (distributed/multihost.py) an
+    equal share of each process's devices, since every process runs the same programs
+    and must hold part of the mesh."""
+    devices = list(devices)
+    procs = sorted({getattr(d, "process_index", 0) for d in devices})
+    if len(procs) == 1:
+        return devices
+    tp, n = tensor_parallel_size, len(procs)
+    if tp % n:
+        raise ParameterError("tensor_parallel_size",
+                             f"tensor_parallel_size={tp} does not divide over the job's {n} "
+                             "processes, each of which must hold an equal part of the mesh")
+    share = []
+    for p in procs:
+        own = [d for d in devices if getattr(d, "process_index", 0) == p]
+        if len(own) < tp // n:
+            raise ParameterError("tensor_parallel_size",
+                                 f"tensor_parallel_size={tp} needs {tp // n} devices in each of "
+                                 f"the job's {n} processes, but process {p} has {len(own)}")
+        share += own[:tp // n]
+    return share
