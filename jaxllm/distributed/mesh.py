@@ -82,6 +82,25 @@ def make_mesh(tensor_parallel_size: int, devices: Sequence[jax.Device] | None = 
     return Mesh(grid, AXES, axis_types=(AxisType.Auto,))
 
 
+def put_replicated(values: Any, sharding: NamedSharding) -> Any:
+    """Host `values` (a pytree of arrays) whole on every device of `sharding`.
+
+    In a job of several processes each process passes the same values (the lockstep
+    replays host 0's calls) and builds its own devices' copies from them: there
+    `jax.device_put` would first compare the values across the processes with a
+    collective of its own, which costs a round trip and can pair with a step's
+    collectives still in flight on another process.
+    """
+    if jax.process_count() == 1:
+        return jax.device_put(values, sharding)
+
+    def put(x: Any) -> jax.Array:
+        host = np.asarray(x)
+        return jax.make_array_from_callback(host.shape, sharding, lambda idx: host[idx])
+
+    return jax.tree.map(put, values)
+
+
 def fit_spec(spec: P, shape: Sequence[int], mesh: Mesh) -> P:
     """`spec` with every axis dropped whose mesh size does not divide its dimension."""
     entries = list(spec) + [None] * (len(shape) - len(spec))

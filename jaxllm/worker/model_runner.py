@@ -33,7 +33,7 @@ from jaxllm.config import EngineConfig
 from jaxllm.core.runner_output import ModelRunnerOutput
 from jaxllm.core.sched_output import SchedulerOutput
 from jaxllm.distributed.dp_devices import core_devices
-from jaxllm.distributed.mesh import make_mesh
+from jaxllm.distributed.mesh import make_mesh, put_replicated
 from jaxllm.layers.attention import get_attention_backend
 from jaxllm.layers.mlp import get_swiglu
 from jaxllm.models.loader import load_model
@@ -139,7 +139,7 @@ class ModelRunner:
         self.input_batch = InputBatch(sc.max_num_seqs, mc.max_model_len, b.max_blocks_per_req,
                                       self.vocab_size, b.num_kv_groups)
         replicated = NamedSharding(self.mesh, P())
-        self.input_batch.sampling.device_put = lambda x: jax.device_put(x, replicated)
+        self.input_batch.sampling.device_put = lambda x: put_replicated(x, replicated)
         self.wait_seconds = 0.0  # host time spent waiting for sampled tokens (benchmarks)
         self.dispatch_seconds = 0.0  # host time spent preparing and launching steps
         s = b.max_num_seqs
@@ -147,7 +147,7 @@ class ModelRunner:
         self._rows_memo: tuple[int, list[str], np.ndarray] | None = None
         # The last dispatched step's sampled ids (device, [max_num_seqs]). Placed like the
         # sampler's output: the forward compiled with it then takes in-flight tokens.
-        self._no_prev = jax.device_put(np.zeros(s, np.int32), replicated)
+        self._no_prev = put_replicated(np.zeros(s, np.int32), replicated)
         self._last_sampled = self._no_prev
         # On a CPU backend the outputs already sit in host memory: no early copy.
         self._copy_home = self.mesh.devices.flat[0].platform != "cpu"
