@@ -21,7 +21,7 @@ lat() { PYTHONPATH=".${PYTHONPATH:+:$PYTHONPATH}" "$PY" scripts/bench_latency.py
 thr() { PYTHONPATH=".${PYTHONPATH:+:$PYTHONPATH}" "$PY" scripts/bench_throughput.py "${NOPEER[@]}" "$@"; }
 srv() { PYTHONPATH=".${PYTHONPATH:+:$PYTHONPATH}" "$PY" scripts/bench_serving.py "$@"; }
 
-STEPS=(8b-decode-tp1 8b-decode-tp2 8b-decode-tp4
+STEPS=(8b-decode-tp1 8b-decode-tp2 8b-decode-tp4 8b-decode-tp2-workers 8b-decode-tp4-workers
        8b-throughput-tp1 8b-throughput-tp2 8b-throughput-tp4 8b-throughput-dp2
        70b-decode-tp4 70b-decode-tp8 70b-throughput-tp4 70b-throughput-tp8
        8b-serving-tp2)
@@ -34,6 +34,9 @@ step() {
     8b-decode-tp1)     OUT="$out" lat $B8 --tensor-parallel-size 1 ;;
     8b-decode-tp2)     OUT="$out" lat $B8 --tensor-parallel-size 2 ;;
     8b-decode-tp4)     OUT="$out" lat $B8 --tensor-parallel-size 4 ;;
+    # The same with one process per GPU (benchmarks/workers.py), each launching its own.
+    8b-decode-tp2-workers) OUT="$out" lat $B8 --tensor-parallel-size 2 --worker-processes ;;
+    8b-decode-tp4-workers) OUT="$out" lat $B8 --tensor-parallel-size 4 --worker-processes ;;
     8b-throughput-tp1) OUT="$out" thr $B8 --tensor-parallel-size 1 ;;
     8b-throughput-tp2) OUT="$out" thr $B8 --tensor-parallel-size 2 ;;
     8b-throughput-tp4) OUT="$out" thr $B8 --tensor-parallel-size 4 ;;

@@ -150,17 +150,6 @@ def add_parallel_args(ap: Any) -> None:
     ap.add_argument("--replica", default=None, help=argparse.SUPPRESS)
 
 
-def param_count(state: Any) -> int:
-    return int(sum(np.prod(x.shape) for x in jax.tree.leaves(state)))
-
-
-def weight_bytes(state: Any) -> int:
-    """Bytes of every weight as held: a quantized projection counts 1 byte per element
-    plus its float32 per-channel scales."""
-    return int(sum(np.prod(x.shape) * jnp.dtype(x.dtype).itemsize
-                   for x in jax.tree.leaves(state)))
-
-
 def kv_bytes_per_token(hf_config: Any, itemsize: int = 2) -> int:
     head_dim = getattr(hf_config, "head_dim", None) or (
         hf_config.hidden_size // hf_config.num_attention_heads)

@@ -11,22 +11,24 @@ runs N replicas (benchmarks/replicas.py), each decoding batch-size / N requests.
 from __future__ import annotations
 
 import argparse
+import contextlib
+import os
 import sys
+import tempfile
 import time
+from typing import Any
 
 import numpy as np
 
-from jaxllm.benchmarks import replicas
+from jaxllm.benchmarks import replicas, workers
 from jaxllm.benchmarks.common import (
     add_model_args,
     add_parallel_args,
     measure_allreduce_bandwidth,
     measure_allreduce_chain_seconds,
     measure_hbm_bandwidth,
-    param_count,
     print_table,
     step_floor,
-    weight_bytes,
     write_json,
 )
 
@@ -40,6 +42,9 @@ def build_parser() -> argparse.ArgumentParser:
     ap.add_argument("--num-iters", type=int, default=3)
     ap.add_argument("--attention-backend", default="auto")
     ap.add_argument("--async-scheduling", action=argparse.BooleanOptionalAction, default=True)
+    ap.add_argument("--worker-processes", action="store_true",
+                    help="tensor parallelism as one process per device on this host, as "
+                         "vLLM's workers (benchmarks/workers.py), not one process driving all")
     add_parallel_args(ap)
     return ap
 
@@ -51,6 +56,9 @@ def main(argv: list[str] | None = None) -> dict:
     if dp < 1 or args.batch_size % dp:
         ap.error(f"--data-parallel-size {dp} must be at least 1 and divide --batch-size "
                  f"{args.batch_size}: each replica decodes batch-size / dp requests")
+    if args.worker_processes and (tp < 2 or dp > 1):
+        ap.error("--worker-processes needs --tensor-parallel-size of 2 or more and no "
+                 "--data-parallel-size")
     if dp > 1:
         outs = replicas.run_replicas("jaxllm.benchmarks.latency",
                                      list(sys.argv[1:] if argv is None else argv), dp, tp,
@@ -62,25 +70,47 @@ def main(argv: list[str] | None = None) -> dict:
                   "startup_s": max(o["startup_s"] for o in outs), "replicas": outs}
         return report(result, args)
 
+    if args.worker_processes:
+        workers.release_probe_memory()  # before JAX starts: the probes give memory back
     import jax
 
-    from jaxllm import LLM, SamplingParams
-    from jaxllm.worker.model_runner import StepRecord
+    from jaxllm import LLM
 
     bw = measure_hbm_bandwidth(args.probe_gib)
     link = measure_allreduce_bandwidth(jax.devices()[:tp], args.probe_gib / 2) if tp > 1 else None
     b, n_in, n_out = args.batch_size, args.input_len, args.output_len
     max_len = -(-(n_in + n_out + 16) // 128) * 128
-    t0 = time.perf_counter()
-    llm = LLM(args.model, load_format=args.load_format, dtype=args.dtype,
-              quantization=args.quantization, kv_cache_dtype=args.kv_cache_dtype,
-              skip_tokenizer_init=True, max_model_len=max_len, max_num_seqs=b,
-              max_num_batched_tokens=n_in * b, token_buckets=[8, n_in * b],
-              request_buckets=[b], enable_prefix_caching=False,
-              attention_backend=args.attention_backend,
-              async_scheduling=args.async_scheduling, tensor_parallel_size=tp)
-    startup = time.perf_counter() - t0
-    runner = llm.llm_engine.engine_core.engine_core.model_runner
+    with (workers.worker_processes(tp, os.environ.get("OUT") or tempfile.mkdtemp())
+          if args.worker_processes else contextlib.nullcontext({})) as job:
+        t0 = time.perf_counter()
+        llm = LLM(args.model, load_format=args.load_format, dtype=args.dtype,
+                  quantization=args.quantization, kv_cache_dtype=args.kv_cache_dtype,
+                  skip_tokenizer_init=True, max_model_len=max_len, max_num_seqs=b,
+                  max_num_batched_tokens=n_in * b, token_buckets=[8, n_in * b],
+                  request_buckets=[b], enable_prefix_caching=False,
+                  attention_backend=args.attention_backend,
+                  async_scheduling=args.async_scheduling, tensor_parallel_size=tp, **job)
+        startup = time.perf_counter() - t0
+        try:
+            result = _decode(llm, args, startup, bw, link)
+        finally:
+            llm.llm_engine.shutdown()
+    if replicas.report(args.replica, result):
+        return result
+    return report(result, args)
+
+
+def _decode(llm: Any, args: argparse.Namespace, startup: float, bw: float,
+            link: float | None) -> dict:
+    """Times prefill and decode on the started engine; the run's figures and floors."""
+    import jax
+
+    from jaxllm import SamplingParams
+    from jaxllm.worker.model_runner import StepRecord
+
+    tp, b, n_in, n_out = args.tensor_parallel_size, args.batch_size, args.input_len, \
+        args.output_len
+    model = llm.llm_engine.engine_core.model_summary()
     hf = llm.llm_engine.model_config.hf_config
     vocab = hf.vocab_size
     rng = np.random.default_rng(0)
@@ -98,13 +128,13 @@ def main(argv: list[str] | None = None) -> dict:
     total = float(np.median([run(n_out) for _ in range(args.num_iters)]))
     ms_per_token = (total - prefill) / (n_out - 1) * 1e3
 
-    params = param_count(runner.state)
+    params = model["params"]
     # The average decode step: b tokens, each reading half the new tokens past its prompt.
     # Decode at small batch is bandwidth-bound: the FLOPs (peak not measured) play no part.
     avg_ctx = n_in + n_out / 2
     step = StepRecord(num_tokens=b, padded_tokens=b, num_reqs=b, kv_tokens=b * avg_ctx,
                       attn_pairs=b * avg_ctx)
-    wbytes = weight_bytes(runner.state)
+    wbytes = model["weight_bytes"]
     floor_ms = step_floor(step, params, hf, bw, float("inf"), tp=tp, link_bw=link,
                           weight_nbytes=wbytes,
                           kv_itemsize=1 if args.kv_cache_dtype != "auto" else 2) * 1e3
@@ -119,7 +149,7 @@ def main(argv: list[str] | None = None) -> dict:
     collective_floor_ms = memory_ms + 2 * hf.num_hidden_layers * small_s * 1e3
     result = {
         "workload": "decode-1", "batch_size": b, "input_len": n_in, "output_len": n_out,
-        "attention_backend": runner.attn_backend.name, "params": params,
+        "attention_backend": model["attention_backend"], "params": params,
         "quantization": args.quantization, "kv_cache_dtype": args.kv_cache_dtype,
         "weight_bytes": wbytes,
         "async_scheduling": args.async_scheduling, "tensor_parallel_size": tp,
@@ -130,10 +160,9 @@ def main(argv: list[str] | None = None) -> dict:
         "allreduce_step_us": small_s * 1e6,
         "floor_with_allreduce_latency_ms": collective_floor_ms,
         "prefill_ms": prefill * 1e3, "startup_s": startup,
+        "worker_processes": args.worker_processes, "engine_processes": model["num_processes"],
     }
-    if replicas.report(args.replica, result):
-        return result
-    return report(result, args)
+    return result
 
 
 def report(result: dict, args: argparse.Namespace) -> dict:

@@ -35,10 +35,8 @@ from jaxllm.benchmarks.common import (
     measure_allreduce_bandwidth,
     measure_hbm_bandwidth,
     measure_matmul_peak,
-    param_count,
     print_table,
     step_floor,
-    weight_bytes,
     write_json,
 )
 
@@ -125,8 +123,8 @@ def main(argv: list[str] | None = None) -> dict:
 
     n_out = sum(len(o.outputs[0].token_ids) for o in outs)
     n_in = len(prompts) * args.input_len
-    nparams = param_count(runner.state)
-    wbytes = weight_bytes(runner.state)
+    model = llm.llm_engine.engine_core.model_summary()
+    nparams, wbytes = model["params"], model["weight_bytes"]
     floor = sum(step_floor(s, nparams, hf, bw, peak, tp=tp, link_bw=link, weight_nbytes=wbytes,
                            kv_itemsize=1 if args.kv_cache_dtype != "auto" else 2,
                            linear_peak=linear_peak) for s in steps)
@@ -135,7 +133,7 @@ def main(argv: list[str] | None = None) -> dict:
     out_tps = n_out / elapsed
     result = {
         "workload": "throughput", "num_prompts": len(prompts), "input_len": args.input_len,
-        "output_len": args.output_len, "attention_backend": runner.attn_backend.name,
+        "output_len": args.output_len, "attention_backend": model["attention_backend"],
         "mlp_backend": runner.swiglu.name, "mlp_kernel": runner.swiglu.kernel,
         "num_loras": args.num_loras, "lora_rank": args.lora_rank if args.num_loras else None,
         "block_size": args.block_size, "tensor_parallel_size": tp, "data_parallel_size": 1,

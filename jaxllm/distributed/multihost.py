@@ -154,6 +154,24 @@ def initialize(spec: DistributedSpec) -> DistributedSpec:
     return spec
 
 
+def free_port_pair(host: str = "127.0.0.1") -> int:
+    """A free port on `host` whose successor is free too (the job's coordinator and its
+    lockstep channel), for a job whose processes all run on this machine."""
+    import socket
+
+    for _ in range(50):
+        with socket.socket() as s:
+            s.bind((host, 0))
+            port = s.getsockname()[1]
+        try:
+            with socket.socket() as s:
+                s.bind((host, port + 1))
+            return port
+        except OSError:
+            continue
+    raise RuntimeError("no two adjacent free ports")
+
+
 def agree_min(value: int) -> int:
     """The least of `value` over all processes (every process calls it at the same
     point); `value` itself in a single-process job. For sizes that must match, such as

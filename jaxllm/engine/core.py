@@ -282,6 +282,20 @@ class EngineCore:
     def reset_prefix_cache(self) -> bool:
         return self.scheduler.reset_prefix_cache()
 
+    def model_summary(self) -> dict:
+        """What a benchmark's roofline reads of the loaded model, from any client: its
+        parameter count, the bytes its weights hold as stored (a quantized weight's
+        elements and scales), the attention backend's name, and how many processes
+        drive the model's devices (several in a multi-host job)."""
+        import jax
+
+        from jaxllm.worker.weight_stats import param_count, weight_bytes
+
+        state = self.model_runner.state
+        return {"params": param_count(state), "weight_bytes": weight_bytes(state),
+                "attention_backend": self.model_runner.attn_backend.name,
+                "num_processes": jax.process_count()}
+
     def shutdown(self) -> None:
         if self.structured is not None:
             self.structured.shutdown()

@@ -113,6 +113,9 @@ class InprocClient(EngineCoreClient):
     def reset_prefix_cache(self) -> bool:
         return self.engine_core.reset_prefix_cache()
 
+    def model_summary(self) -> dict:
+        return self.engine_core.model_summary()
+
     def shutdown(self) -> None:
         self.engine_core.shutdown()
 
@@ -291,6 +294,9 @@ class SyncMPClient(MPClient):
 
     def reset_prefix_cache(self) -> bool:
         return bool(self.call_utility("reset_prefix_cache"))
+
+    def model_summary(self) -> dict:
+        return self.call_utility("model_summary")
 
 
 class AsyncMPClient(MPClient):

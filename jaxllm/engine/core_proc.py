@@ -48,7 +48,8 @@ from jaxllm.errors import ParameterError
 logger = logging.getLogger(__name__)
 
 # Methods of EngineCore that a client may call through a UTILITY message.
-UTILITY_METHODS = frozenset({"reset_prefix_cache", "has_unfinished_requests", "ping"})
+UTILITY_METHODS = frozenset({"reset_prefix_cache", "has_unfinished_requests", "ping",
+                             "model_summary"})
 
 _PARENT_POLL_S = 0.5
 

@@ -1,4 +1,5 @@
-"""`jaxllm bench latency|throughput` at tp 1, tp 2 and dp 2 on fake CPU devices, tiny model."""
+"""`jaxllm bench latency|throughput` at tp 1, tp 2 (also as two processes) and dp 2 on fake
+CPU devices, tiny model."""
 
 from __future__ import annotations
 
@@ -6,6 +7,7 @@ import json
 
 import pytest
 
+from jaxllm.benchmarks import workers
 from jaxllm.benchmarks.replicas import parse_replica, replica_devices, replica_share
 from jaxllm.entrypoints.cli import main
 
@@ -47,6 +49,29 @@ def test_bench_latency_runs_at_tp_and_times_the_all_reduces_only_above_tp1(tiny,
         assert r["floor_with_allreduce_latency_ms"] > 4 * r["allreduce_step_us"] / 1e3
     else:
         assert r["floor_with_allreduce_latency_ms"] == r["roofline_ms_per_token"]
+
+
+@pytest.mark.slow
+def test_bench_latency_with_worker_processes_runs_tp2_as_a_job_of_two_processes(
+        tiny, tmp_path, monkeypatch):
+    for name in (*workers.PROBE_ALLOCATOR, "JAX_LOCAL_DEVICE_IDS"):
+        monkeypatch.setenv(name, "")  # what the run sets is undone after the test
+    r = main(latency_args(tiny, "--tensor-parallel-size", "2", "--worker-processes"))
+    assert r == 0
+    with open(tmp_path / "bench_latency.json") as f:
+        r = json.load(f)
+    # The engine core drove its device as process 0 of a two-process job; the follower
+    # (device 1) ran the same steps and left when the engine shut down.
+    assert r["worker_processes"] and r["engine_processes"] == 2
+    assert r["tensor_parallel_size"] == 2 and r["ms_per_token"] > 0
+    assert r["params"] > 0 and r["allreduce_step_us"] > 0
+    assert (tmp_path / "follower1.log").exists()
+
+
+def test_worker_processes_need_tp_above_one_and_no_data_parallelism(tiny, capsys):
+    with pytest.raises(SystemExit):
+        main(latency_args(tiny, "--worker-processes"))
+    assert "--worker-processes needs --tensor-parallel-size" in capsys.readouterr().err
 
 
 @pytest.mark.slow

@@ -209,10 +209,10 @@ def test_weight_bytes_count_quantized_projections_at_one_byte_plus_their_scales(
 
     from flax import nnx
 
-    from jaxllm.benchmarks.common import param_count, weight_bytes
     from jaxllm.distributed.mesh import make_mesh
     from jaxllm.layers.attention import get_attention_backend
     from jaxllm.models.loader import load_model
+    from jaxllm.worker.weight_stats import param_count, weight_bytes
     from tests.models.test_model_parity import model_config
     from tests.models.tiny_checkpoints import make_tiny_checkpoint
 

@@ -48,6 +48,8 @@ def test_run_multi_gpu_steps_parse_and_keep_nvlink_multicast_off(tmp_path):
                                         r["ns"].get("data_parallel_size"), r["ns"].get("model"))
            for r in runs if "model" in r["ns"]}
     assert par["8b-decode-tp4"] == (4, 1, "configs/llama-3-8b")
+    workers = {os.path.basename(r["out"]) for r in runs if r["ns"].get("worker_processes")}
+    assert workers == {"8b-decode-tp2-workers", "8b-decode-tp4-workers"}
     assert par["8b-throughput-dp2"] == (1, 2, "configs/llama-3-8b")
     assert par["70b-throughput-tp8"] == (8, 1, "configs/llama-3-70b")
     assert all(r["ns"]["load_format"] == "dummy" and r["ns"]["dtype"] == "bfloat16"

@@ -13,7 +13,6 @@ from __future__ import annotations
 
 import os
 import signal
-import socket
 import subprocess
 import sys
 import time
@@ -23,7 +22,8 @@ import pytest
 
 from jaxllm import LLM, SamplingParams
 from jaxllm.config import EngineArgs
-from jaxllm.distributed.multihost import DistributedSpec, resolve_distributed
+from jaxllm.distributed.dp_devices import core_devices
+from jaxllm.distributed.multihost import DistributedSpec, free_port_pair, resolve_distributed
 from jaxllm.errors import ParameterError
 from tests.entrypoints.server import RemoteServer, pid_alive
 
@@ -103,19 +103,41 @@ def test_an_engine_is_built_on_host_0_only_and_without_data_parallelism(no_job_e
     assert e.value.field == "data_parallel_size"
 
 
-def _job_port() -> int:
-    """A free port whose successor (the lockstep channel) is free too."""
-    for _ in range(50):
-        with socket.socket() as s:
-            s.bind(("127.0.0.1", 0))
-            port = s.getsockname()[1]
-        try:
-            with socket.socket() as s:
-                s.bind(("127.0.0.1", port + 1))
-            return port
-        except OSError:
-            continue
-    raise RuntimeError("no two adjacent free ports")
+class _Device:
+    def __init__(self, process_index: int, id: int):
+        self.process_index, self.id = process_index, id
+
+
+def test_a_mesh_takes_an_equal_share_of_each_process_devices():
+    two_by_four = [_Device(p, i) for p in range(2) for i in range(4)]
+    assert [(d.process_index, d.id) for d in core_devices(2, 1, 0, two_by_four)] == \
+        [(0, 0), (1, 0)]
+    assert [(d.process_index, d.id) for d in core_devices(4, 1, 0, two_by_four)] == \
+        [(0, 0), (0, 1), (1, 0), (1, 1)]
+    assert core_devices(8, 1, 0, two_by_four) == two_by_four
+    with pytest.raises(ParameterError, match="does not divide over the job's 2 processes"):
+        core_devices(3, 1, 0, two_by_four)
+    with pytest.raises(ParameterError, match="needs 4 devices in each .* process 1 has 2"):
+        core_devices(8, 1, 0, two_by_four[:6])
+    one_process = two_by_four[:4]
+    assert core_devices(2, 1, 0, one_process) == one_process  # the mesh takes the first two
+
+
+def test_host_values_go_whole_to_every_device_of_a_replicated_sharding():
+    import jax
+    import numpy as np
+    from jax.sharding import NamedSharding
+    from jax.sharding import PartitionSpec as P
+
+    from jaxllm.distributed.mesh import make_mesh, put_replicated
+
+    sharding = NamedSharding(make_mesh(2), P())
+    values = (np.arange(6, dtype=np.float32).reshape(2, 3), np.array([True, False]))
+    placed = put_replicated(values, sharding)
+    for got, want in zip(placed, values, strict=True):
+        assert isinstance(got, jax.Array) and got.sharding == sharding
+        for shard in got.addressable_shards:
+            np.testing.assert_array_equal(np.asarray(shard.data), want)
 
 
 def _job_flags(port: int, process_id: int) -> list[str]:
@@ -151,7 +173,7 @@ def single_process_tokens():
 @pytest.mark.slow
 def test_two_hosts_at_tp4_give_the_single_process_greedy_tokens(
         no_job_env, tmp_path, single_process_tokens):
-    port = _job_port()
+    port = free_port_pair()
     follower = _start_follower(port, str(tmp_path / "follower.log"))
     try:
         # The engine core's process (spawned by LLM) sees two devices of its own.
@@ -173,7 +195,7 @@ def test_two_hosts_at_tp4_give_the_single_process_greedy_tokens(
 @pytest.mark.slow
 def test_a_killed_follower_fails_health_within_seconds_and_ends_the_server(
         no_job_env, tmp_path, single_process_tokens):
-    port = _job_port()
+    port = free_port_pair()
     follower = _start_follower(port, str(tmp_path / "follower.log"))
     server = None
     try:
