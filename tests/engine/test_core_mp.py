@@ -93,6 +93,10 @@ def test_utility_calls_answer_and_unknown_methods_fail(mp_engine):
     client: SyncMPClient = mp_engine.engine_core
     assert client.reset_prefix_cache() is True
     assert client.call_utility("ping", timeout=10) is True
+    # The model's summary, as a benchmark reads it from a core in its own process.
+    summary = client.model_summary()
+    assert summary["params"] > 0 and summary["weight_bytes"] >= 2 * summary["params"]
+    assert summary["num_processes"] == 1 and isinstance(summary["attention_backend"], str)
     with pytest.raises(RuntimeError, match="unknown utility"):
         client.call_utility("shutdown_everything", timeout=10)
 
