@@ -107,19 +107,16 @@ def run_one(args) -> dict:
     devices = jax.devices()
     for tp in sorted({1, args.tp}):
         mesh = Mesh(np.asarray(devices[:tp]), ("model",))
-        for with_psum in ([False] if tp == 1 else [True, False]):
-            fn, x, w = step_program(shape, mesh, args.rows, with_psum)
-            t = median_time(fn, x, w, iters=20, reps=7)
-            out[f"tp{tp}{'' if with_psum or tp == 1 else '_no_psum'}_ms"] = t * 1e3
-            del w
+        # at tp N also on row chunks when asked; at tp 1 a psum is the identity
+        for chunks in sorted({1, args.chunks} if tp == args.tp else {1}):
+            for with_psum in ([False] if tp == 1 else [True, False]):
+                fn, x, w = step_program(shape, mesh, args.rows, with_psum, chunks)
+                t = median_time(fn, x, w, iters=20, reps=7)
+                name = (f"tp{tp}" + ("_chunks" if chunks > 1 else "")
+                        + ("" if with_psum or tp == 1 else "_no_psum"))
+                out[name + "_ms"] = t * 1e3
+                del w
     tp = args.tp
-    if args.chunks > 1:  # the same step on row chunks, with and without its psums
-        mesh = Mesh(np.asarray(devices[:tp]), ("model",))
-        for with_psum in ([False] if tp == 1 else [True, False]):
-            fn, x, w = step_program(shape, mesh, args.rows, with_psum, args.chunks)
-            t = median_time(fn, x, w, iters=20, reps=7)
-            out[f"tp{tp}_chunks{'' if with_psum or tp == 1 else '_no_psum'}_ms"] = t * 1e3
-            del w
     if tp > 1:
         out["psum_cost_ms"] = out[f"tp{tp}_ms"] - out[f"tp{tp}_no_psum_ms"]
         out["per_psum_us"] = out["psum_cost_ms"] * 1e3 / (2 * shape["layers"])
