@@ -108,8 +108,8 @@ def _decode(llm: Any, args: argparse.Namespace, startup: float, bw: float,
     from jaxllm import SamplingParams
     from jaxllm.worker.model_runner import StepRecord
 
-    tp, b, n_in, n_out = args.tensor_parallel_size, args.batch_size, args.input_len, \
-        args.output_len
+    tp, b = args.tensor_parallel_size, args.batch_size
+    n_in, n_out = args.input_len, args.output_len
     model = llm.llm_engine.engine_core.model_summary()
     hf = llm.llm_engine.model_config.hf_config
     vocab = hf.vocab_size
