@@ -10,11 +10,14 @@ from __future__ import annotations
 
 import dataclasses
 from dataclasses import dataclass
+from typing import Any
 
 import jax
 import jax.numpy as jnp
 from jax.sharding import PartitionSpec as P
 
+from jaxllm.layers.norm import rms_norm
+from jaxllm.layers.quant import FP8_MAX
 from pallas_kernels.ragged_paged_attention import xla
 
 
@@ -75,6 +78,37 @@ class AttentionBackend:
                  md: AttentionMetadata, page_offset: int = 0) -> jax.Array:
         return xla.write_kv(kv_cache, k, v, md.slot_mapping, page_offset)
 
+    def project_qkv(self, qkv: jax.Array, positions: jax.Array, kv_cache: jax.Array,
+                    md: AttentionMetadata, page_offset: int, *, rope: Any,
+                    qk_norms: jax.Array | None, eps: float, offset: bool,
+                    kv_scale: jax.Array | None = None, write: bool = True
+                    ) -> tuple[jax.Array, jax.Array]:
+        """A layer's work between its fused QKV projection and `attend`: the queries
+        `[T, KV * G, D]` and the cache with this step's K/V written (`write`).
+
+        `qkv [T, KV, G + 2, D]` holds per kv head its G query heads, K and V.
+        `qk_norms [2, D]` (Qwen3, Gemma 3): RMSNorm over each q and k head first
+        (`eps`, `offset` as `rms_norm`'s); `rope` (layers/rotary.py) rotates both by
+        `positions [T]`. `kv_scale [2]`: an fp8 cache's per-tensor K and V scales (the
+        cache holds K / k_scale and V / v_scale, and q takes k_scale: q . (k_scale K) =
+        (k_scale q) . K, so every attention body only upcasts the fp8 tiles it loads).
+        This is the oracle; the GPU body does it in one kernel.
+        """
+        t, kv_heads, g2, d = qkv.shape
+        group = g2 - 2
+        q = qkv[:, :, :group].reshape(t, kv_heads * group, d)
+        k, v = qkv[:, :, group], qkv[:, :, group + 1]
+        if qk_norms is not None:
+            q = rms_norm(q, qk_norms[0], eps, offset)
+            k = rms_norm(k, qk_norms[1], eps, offset)
+        q, k = rope(q, positions), rope(k, positions)
+        if kv_scale is not None:
+            k, v = _to_fp8_range(k, kv_scale[0]), _to_fp8_range(v, kv_scale[1])
+            q = q * kv_scale[0].astype(q.dtype)
+        if write:
+            kv_cache = self.write_kv(kv_cache, k, v, md, page_offset)
+        return q, kv_cache
+
     def attend(self, q: jax.Array, kv_cache: jax.Array, md: AttentionMetadata, *,
                sm_scale: float, sliding_window: int | None = None,
                soft_cap: float | None = None, page_offset: int = 0) -> jax.Array:
@@ -82,3 +116,8 @@ class AttentionBackend:
             q, kv_cache, md.kv_lens, md.page_indices, md.cu_q_lens, md.num_seqs,
             sm_scale=sm_scale, sliding_window=sliding_window, soft_cap=soft_cap,
             page_offset=page_offset)
+
+
+def _to_fp8_range(x: jax.Array, scale: jax.Array) -> jax.Array:
+    """`x / scale`, saturated to e4m3's finite range (the cache write casts it)."""
+    return jnp.clip(x.astype(jnp.float32) / scale, -FP8_MAX, FP8_MAX)

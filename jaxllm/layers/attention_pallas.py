@@ -16,6 +16,9 @@ split on axis 1 (`kv_cache_spec`: each shard holds whole K/V pairs of its heads)
 
 from __future__ import annotations
 
+import os
+from typing import Any
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -93,6 +96,7 @@ class PallasGPUBackend(_PallasBackend):
         super().__init__(interpret)
         self._attend_jit = jax.jit(self._attend,
                                    static_argnames=("sm_scale", "sliding_window", "soft_cap"))
+        self._project_jit = jax.jit(self._project, static_argnames=("eps", "offset"))
 
     @staticmethod
     def _kernel():
@@ -105,6 +109,32 @@ class PallasGPUBackend(_PallasBackend):
             q, kv_cache, md.kv_lens, md.page_indices, md.cu_q_lens, md.num_seqs,
             sm_scale=sm_scale, sliding_window=sliding_window, soft_cap=soft_cap,
             interpret=self.interpret, page_offset=page_offset)
+
+    def _project(self, qkv, positions, inv_freq, kv_cache, slot_mapping, page_offset,
+                 qk_norms, *, eps, offset):
+        from pallas_kernels.qkv_rope import gpu
+
+        return gpu.project_qkv(qkv, positions, inv_freq, kv_cache, slot_mapping, page_offset,
+                               qk_norms, eps=eps, offset=offset, interpret=self.interpret)
+
+    def project_qkv(self, qkv: jax.Array, positions: jax.Array, kv_cache: jax.Array,
+                    md: AttentionMetadata, page_offset: int, *, rope: Any,
+                    qk_norms: jax.Array | None, eps: float, offset: bool,
+                    kv_scale: jax.Array | None = None, write: bool = True
+                    ) -> tuple[jax.Array, jax.Array]:
+        """The base's contract in one kernel (pallas_kernels/qkv_rope) where it applies:
+        the K/V written, a plain cache (no fp8 scales), whole-head rotation.
+        `JAXLLM_QKV_KERNEL=0` keeps the XLA ops (a benchmark's A/B knob)."""
+        from pallas_kernels.qkv_rope import gpu
+
+        if (kv_scale is not None or not write or os.environ.get("JAXLLM_QKV_KERNEL") == "0"
+                or not gpu.supported(rope.head_dim, rope.rotary_dim)):
+            return super().project_qkv(qkv, positions, kv_cache, md, page_offset, rope=rope,
+                                       qk_norms=qk_norms, eps=eps, offset=offset,
+                                       kv_scale=kv_scale, write=write)
+        inv_freq = jnp.asarray(np.asarray(rope.inv_freq, np.float32))
+        return self._project_jit(qkv, positions, inv_freq, kv_cache, md.slot_mapping,
+                                 jnp.int32(page_offset), qk_norms, eps=eps, offset=offset)
 
     def attend(self, q: jax.Array, kv_cache: jax.Array, md: AttentionMetadata, *,
                sm_scale: float, sliding_window: int | None = None,

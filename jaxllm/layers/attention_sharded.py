@@ -17,6 +17,8 @@ loader replicates kv heads so that every device holds one (models/llama.py).
 
 from __future__ import annotations
 
+from typing import Any
+
 import jax
 from jax.sharding import Mesh
 from jax.sharding import PartitionSpec as P
@@ -59,6 +61,26 @@ class ShardedAttention:
             return self.backend.write_kv(kv_cache, k, v, md, page_offset)
 
         return self._map(body, (cache, heads, heads, P()), cache)(kv_cache, k, v, md)
+
+    def project_qkv(self, qkv: jax.Array, positions: jax.Array, kv_cache: jax.Array,
+                    md: AttentionMetadata, page_offset: int, *, rope: Any,
+                    qk_norms: jax.Array | None, eps: float, offset: bool,
+                    kv_scale: jax.Array | None = None, write: bool = True
+                    ) -> tuple[jax.Array, jax.Array]:
+        cache, heads = self.backend.kv_cache_spec(self.axis), P(None, self.axis, None)
+        # The optional operands go in as a tuple (an empty one where absent).
+        extras = tuple(a for a in (qk_norms, kv_scale) if a is not None)
+
+        def body(qkv, positions, kv_cache, md, extras):
+            it = iter(extras)
+            norms = next(it) if qk_norms is not None else None
+            scale = next(it) if kv_scale is not None else None
+            return self.backend.project_qkv(qkv, positions, kv_cache, md, page_offset,
+                                            rope=rope, qk_norms=norms, eps=eps,
+                                            offset=offset, kv_scale=scale, write=write)
+
+        in_specs = (P(None, self.axis, None, None), P(), cache, P(), P())
+        return self._map(body, in_specs, (heads, cache))(qkv, positions, kv_cache, md, extras)
 
     def attend(self, q: jax.Array, kv_cache: jax.Array, md: AttentionMetadata, *,
                sm_scale: float, sliding_window: int | None = None,

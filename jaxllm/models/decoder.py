@@ -56,7 +56,7 @@ from jaxllm.layers.linear import Linear, make_param
 from jaxllm.layers.mlp import SwiGLU
 from jaxllm.layers.moe import SparseMoE
 from jaxllm.layers.norm import RMSNorm, rms_norm
-from jaxllm.layers.quant import FP8_MAX, linear_method
+from jaxllm.layers.quant import linear_method
 from jaxllm.models.contract import KVCacheSpec, LogitsHead, WeightSource
 from jaxllm.models.decoder_arch import DecoderArch
 from jaxllm.models.decoder_weights import hf_weight_map
@@ -127,24 +127,15 @@ class DecoderAttention(nnx.Module):
         q . (k_scale K) = (k_scale q) . K and P (v_scale V) = v_scale (P V), so every
         body only upcasts the fp8 tiles it loads.
         """
-        qkv = self.qkv_proj(x)
-        t, kv_heads, _, d = qkv.shape
-        q = qkv[:, :, :self.group].reshape(t, kv_heads * self.group, d)
-        k, v = qkv[:, :, self.group], qkv[:, :, self.group + 1]
-        if self.qk_norm:  # Qwen3, Gemma 3: RMSNorm over each head's q and k
-            q = rms_norm(q, qk_norms[0], self.eps, self.offset)
-            k = rms_norm(k, qk_norms[1], self.eps, self.offset)
-        q, k = self.rope(q, positions), self.rope(k, positions)
-        if kv_scale is not None:
-            k, v = _to_fp8_range(k, kv_scale[0]), _to_fp8_range(v, kv_scale[1])
-            q = q * kv_scale[0].astype(q.dtype)
         if md.grouped:  # KV cache groups (jaxllm/kv_groups.py): this layer's group and slot
             md = md.for_group(self.kv_group)
             page_offset = self.kv_slot * (kv_cache.shape[0] // self.pages_per_block)
         else:  # every layer's pages; this layer's come after the previous ones'
             page_offset = self.layer * (kv_cache.shape[0] // self.num_layers)
-        if write:
-            kv_cache = self.attn_backend.write_kv(kv_cache, k, v, md, page_offset)
+        q, kv_cache = self.attn_backend.project_qkv(
+            self.qkv_proj(x), positions, kv_cache, md, page_offset, rope=self.rope,
+            qk_norms=qk_norms if self.qk_norm else None, eps=self.eps, offset=self.offset,
+            kv_scale=kv_scale, write=write)
         if rows is not None:
             q, residual, md = q[rows], residual[rows], md.last_queries()
         o = self.attn_backend.attend(q, kv_cache, md, sm_scale=self.sm_scale,
@@ -155,11 +146,6 @@ class DecoderAttention(nnx.Module):
         if post_norm is None:
             return self.o_proj.add(o, residual), kv_cache
         return residual + rms_norm(self.o_proj(o), post_norm, self.eps, self.offset), kv_cache
-
-
-def _to_fp8_range(x: jax.Array, scale: jax.Array) -> jax.Array:
-    """`x / scale`, saturated to e4m3's finite range (the cache write casts it)."""
-    return jnp.clip(x.astype(jnp.float32) / scale, -FP8_MAX, FP8_MAX)
 
 
 class DecoderLayer(nnx.Module):

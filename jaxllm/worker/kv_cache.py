@@ -103,7 +103,7 @@ class PagedKVCache:
         if cache.num_kv_blocks:  # the memory of that many blocks of every layer
             return int(cache.num_kv_blocks) * self.num_layers // self.pages_per_block + 1
         budget = cache.kv_cache_bytes
-        device = self.mesh.devices.flat[0]
+        device = own_device(self.mesh)
         if budget is None and device.platform != "cpu":
             stats = memory_stats or device.memory_stats() or {}
             limit, used = stats.get("bytes_limit", 0), stats.get("bytes_in_use", 0)
@@ -138,6 +138,14 @@ class PagedKVCache:
         sharding = kv_cache_sharding(self.mesh, self.attn_backend)
         dtype = self.dtype
         return jax.jit(lambda: jnp.zeros(shape, dtype), out_shardings=sharding)()
+
+
+def own_device(mesh: Mesh) -> Any:
+    """The first of `mesh`'s devices this process drives: in a job of several processes
+    the others' devices are not addressable here and have no memory statistics to give."""
+    here = jax.process_index()
+    return next((d for d in mesh.devices.flat if getattr(d, "process_index", 0) == here),
+                mesh.devices.flat[0])
 
 
 def override_num_blocks(override: int, windows: tuple[int | None, ...], block_size: int,

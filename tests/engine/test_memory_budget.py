@@ -35,3 +35,23 @@ def test_gpu_total_memory_is_recovered_from_the_pool_size(monkeypatch, fraction,
     assert device_memory_total("gpu", 95_000) == expected  # the allocator's pool size
     # Other platforms report the whole memory as the pool.
     assert device_memory_total("tpu", 95_000) == 95_000
+
+
+def test_the_budget_reads_a_device_of_this_process_not_the_meshs_first():
+    # In a job of several processes the mesh's first device may be another process's,
+    # whose memory statistics are not readable here (a follower of the job asked for
+    # them and died at start-up).
+    import types
+
+    import jax
+    import numpy as np
+
+    from jaxllm.worker.kv_cache import own_device
+
+    here = jax.process_index()
+    theirs = types.SimpleNamespace(process_index=here + 1, name="theirs")
+    mine = types.SimpleNamespace(process_index=here, name="mine")
+    mesh = types.SimpleNamespace(devices=np.array([[theirs, mine]], dtype=object))
+    assert own_device(mesh).name == "mine"
+    single = types.SimpleNamespace(devices=np.array([[mine]], dtype=object))
+    assert own_device(single).name == "mine"
