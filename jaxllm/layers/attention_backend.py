@@ -80,15 +80,17 @@ class AttentionBackend:
 
     def project_qkv(self, qkv: jax.Array, positions: jax.Array, kv_cache: jax.Array,
                     md: AttentionMetadata, page_offset: int, *, rope: Any,
-                    qk_norms: jax.Array | None, eps: float, offset: bool,
+                    qk_norms: jax.Array | None, layer: int, eps: float, offset: bool,
                     kv_scale: jax.Array | None = None, write: bool = True
                     ) -> tuple[jax.Array, jax.Array]:
         """A layer's work between its fused QKV projection and `attend`: the queries
         `[T, KV * G, D]` and the cache with this step's K/V written (`write`).
 
         `qkv [T, KV, G + 2, D]` holds per kv head its G query heads, K and V.
-        `qk_norms [2, D]` (Qwen3, Gemma 3): RMSNorm over each q and k head first
-        (`eps`, `offset` as `rms_norm`'s); `rope` (layers/rotary.py) rotates both by
+        `qk_norms [L, 2, D]` (Qwen3, Gemma 3), every layer's q and k norm weights:
+        RMSNorm over each q and k head first with row `layer`'s (`eps`, `offset` as
+        `rms_norm`'s; the whole stack is passed, since a slice of it would be one more
+        copy a layer on the GPU); `rope` (layers/rotary.py) rotates both by
         `positions [T]`. `kv_scale [2]`: an fp8 cache's per-tensor K and V scales (the
         cache holds K / k_scale and V / v_scale, and q takes k_scale: q . (k_scale K) =
         (k_scale q) . K, so every attention body only upcasts the fp8 tiles it loads).
@@ -99,8 +101,8 @@ class AttentionBackend:
         q = qkv[:, :, :group].reshape(t, kv_heads * group, d)
         k, v = qkv[:, :, group], qkv[:, :, group + 1]
         if qk_norms is not None:
-            q = rms_norm(q, qk_norms[0], eps, offset)
-            k = rms_norm(k, qk_norms[1], eps, offset)
+            q = rms_norm(q, qk_norms[layer, 0], eps, offset)
+            k = rms_norm(k, qk_norms[layer, 1], eps, offset)
         q, k = rope(q, positions), rope(k, positions)
         if kv_scale is not None:
             k, v = _to_fp8_range(k, kv_scale[0]), _to_fp8_range(v, kv_scale[1])

@@ -111,15 +111,16 @@ class PallasGPUBackend(_PallasBackend):
             interpret=self.interpret, page_offset=page_offset)
 
     def _project(self, qkv, positions, inv_freq, kv_cache, slot_mapping, page_offset,
-                 qk_norms, *, eps, offset):
+                 qk_norms, layer, *, eps, offset):
         from pallas_kernels.qkv_rope import gpu
 
         return gpu.project_qkv(qkv, positions, inv_freq, kv_cache, slot_mapping, page_offset,
-                               qk_norms, eps=eps, offset=offset, interpret=self.interpret)
+                               qk_norms, layer, eps=eps, offset=offset,
+                               interpret=self.interpret)
 
     def project_qkv(self, qkv: jax.Array, positions: jax.Array, kv_cache: jax.Array,
                     md: AttentionMetadata, page_offset: int, *, rope: Any,
-                    qk_norms: jax.Array | None, eps: float, offset: bool,
+                    qk_norms: jax.Array | None, layer: int, eps: float, offset: bool,
                     kv_scale: jax.Array | None = None, write: bool = True
                     ) -> tuple[jax.Array, jax.Array]:
         """The base's contract in one kernel (pallas_kernels/qkv_rope) where it applies:
@@ -130,11 +131,12 @@ class PallasGPUBackend(_PallasBackend):
         if (kv_scale is not None or not write or os.environ.get("JAXLLM_QKV_KERNEL") == "0"
                 or not gpu.supported(rope.head_dim, rope.rotary_dim)):
             return super().project_qkv(qkv, positions, kv_cache, md, page_offset, rope=rope,
-                                       qk_norms=qk_norms, eps=eps, offset=offset,
-                                       kv_scale=kv_scale, write=write)
+                                       qk_norms=qk_norms, layer=layer, eps=eps,
+                                       offset=offset, kv_scale=kv_scale, write=write)
         inv_freq = jnp.asarray(np.asarray(rope.inv_freq, np.float32))
         return self._project_jit(qkv, positions, inv_freq, kv_cache, md.slot_mapping,
-                                 jnp.int32(page_offset), qk_norms, eps=eps, offset=offset)
+                                 jnp.int32(page_offset), qk_norms, jnp.int32(layer), eps=eps,
+                                 offset=offset)
 
     def attend(self, q: jax.Array, kv_cache: jax.Array, md: AttentionMetadata, *,
                sm_scale: float, sliding_window: int | None = None,

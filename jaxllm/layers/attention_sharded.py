@@ -64,7 +64,7 @@ class ShardedAttention:
 
     def project_qkv(self, qkv: jax.Array, positions: jax.Array, kv_cache: jax.Array,
                     md: AttentionMetadata, page_offset: int, *, rope: Any,
-                    qk_norms: jax.Array | None, eps: float, offset: bool,
+                    qk_norms: jax.Array | None, layer: int, eps: float, offset: bool,
                     kv_scale: jax.Array | None = None, write: bool = True
                     ) -> tuple[jax.Array, jax.Array]:
         cache, heads = self.backend.kv_cache_spec(self.axis), P(None, self.axis, None)
@@ -76,7 +76,7 @@ class ShardedAttention:
             norms = next(it) if qk_norms is not None else None
             scale = next(it) if kv_scale is not None else None
             return self.backend.project_qkv(qkv, positions, kv_cache, md, page_offset,
-                                            rope=rope, qk_norms=norms, eps=eps,
+                                            rope=rope, qk_norms=norms, layer=layer, eps=eps,
                                             offset=offset, kv_scale=scale, write=write)
 
         in_specs = (P(None, self.axis, None, None), P(), cache, P(), P())

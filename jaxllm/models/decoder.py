@@ -134,7 +134,8 @@ class DecoderAttention(nnx.Module):
             page_offset = self.layer * (kv_cache.shape[0] // self.num_layers)
         q, kv_cache = self.attn_backend.project_qkv(
             self.qkv_proj(x), positions, kv_cache, md, page_offset, rope=self.rope,
-            qk_norms=qk_norms if self.qk_norm else None, eps=self.eps, offset=self.offset,
+            qk_norms=qk_norms if self.qk_norm else None, layer=self.layer, eps=self.eps,
+            offset=self.offset,
             kv_scale=kv_scale, write=write)
         if rows is not None:
             q, residual, md = q[rows], residual[rows], md.last_queries()
@@ -164,7 +165,8 @@ class DecoderLayer(nnx.Module):
                  rows: jax.Array | None = None, write: bool = True,
                  kv_scale: jax.Array | None = None) -> tuple[jax.Array, jax.Array]:
         """`norms`: this layer's RMSNorm weights `[2 or 4, hidden]` in
-        `DecoderArch.norm_names` order; `rows`, `write`: as in `DecoderAttention`
+        `DecoderArch.norm_names` order; `qk_norms`: every layer's q/k norm weights
+        `[L, 2, D]` (this layer's row read where used); `rows`, `write`: as in `DecoderAttention`
         (the output has `rows`' rows)."""
         def norm(y: jax.Array, i: int) -> jax.Array:
             return rms_norm(y, norms[i], self.eps, self.offset)
@@ -305,7 +307,7 @@ class DecoderForCausalLM(nnx.Module):
     def _layer(self, i: int, x: jax.Array, positions: jax.Array, kv_cache: jax.Array,
                md: AttentionMetadata, **kw: Any) -> tuple[jax.Array, jax.Array]:
         i %= len(self.layers)
-        qk_norms = None if self.qk_norms is None else self.qk_norms[i]
+        qk_norms = None if self.qk_norms is None else self.qk_norms[...]  # the stack, read by layer
         if self.kv_scales is not None:
             kw["kv_scale"] = self.kv_scales[i]
         return self.layers[i](x, positions, kv_cache, md, self.layer_norms[i], qk_norms, **kw)

@@ -41,7 +41,8 @@ def supported(head_dim: int, rotary_dim: int) -> bool:
     return rotary_dim == head_dim and head_dim >= 16 and head_dim & (head_dim - 1) == 0
 
 
-def _kernel(pos_ref, slot_ref, off_ref, freq_ref, qkv_ref, norm_ref, cache_ref, q_out_ref,
+def _kernel(pos_ref, slot_ref, off_ref, layer_ref, freq_ref, qkv_ref, norm_ref, cache_ref,
+            q_out_ref,
             cache_out_ref, *, group: int, kv_heads: int, page_size: int, eps: float,
             offset: bool, qk_norm: bool):
     del cache_ref  # aliased to cache_out_ref
@@ -74,7 +75,8 @@ def _kernel(pos_ref, slot_ref, off_ref, freq_ref, qkv_ref, norm_ref, cache_ref, 
         r = lax.rsqrt(ss / d + eps)
         out = []
         for k in (0, 1):
-            w = _load(norm_ref, (jnp.full((1, half), which, jnp.int32), kc + k * half))
+            row = jnp.full((1, half), 2 * layer_ref[0] + which, jnp.int32)
+            w = _load(norm_ref, (row, kc + k * half))
             w = w.astype(jnp.float32)
             if offset:
                 out.append((x[k] * r * (1.0 + w)).astype(dtype).astype(jnp.float32))
@@ -108,14 +110,16 @@ def _kernel(pos_ref, slot_ref, off_ref, freq_ref, qkv_ref, norm_ref, cache_ref, 
 
 def project_qkv(qkv: jax.Array, positions: jax.Array, inv_freq: jax.Array,
                 kv_cache: jax.Array, slot_mapping: jax.Array, page_offset: jax.Array | int,
-                qk_norms: jax.Array | None, *, eps: float, offset: bool,
+                qk_norms: jax.Array | None, layer: jax.Array | int = 0, *, eps: float,
+                offset: bool,
                 num_warps: int = 1, interpret: bool = False) -> tuple[jax.Array, jax.Array]:
     """(q `[T, KV * G, D]` normed and rotated, the cache with this step's K/V written).
 
     `qkv [T, KV, G + 2, D]` (per kv head: its G query heads, K, V); `positions [T]`;
     `inv_freq [D / 2]` float32; `kv_cache [P, 2 * KV, page_size, D]`; `slot_mapping [T]`
-    (page * page_size + offset, pages counted from `page_offset`); `qk_norms [2, D]`
-    (q's then k's weights) or None for no q/k norm; `eps`, `offset` as `rms_norm`'s.
+    (page * page_size + offset, pages counted from `page_offset`); `qk_norms [L, 2, D]`
+    (every layer's q then k weights, row `layer` used; read in place, where a slice would
+    be a copy) or None for no q/k norm; `eps`, `offset` as `rms_norm`'s.
     """
     t, kv_heads, g2, d = qkv.shape
     group = g2 - 2
@@ -124,7 +128,7 @@ def project_qkv(qkv: jax.Array, positions: jax.Array, inv_freq: jax.Array,
         raise ValueError(f"kv_cache {kv_cache.shape} does not hold qkv {qkv.shape}'s heads")
     if inv_freq.shape != (d // 2,):
         raise ValueError(f"inv_freq {inv_freq.shape} must be [{d // 2}]")
-    norms = (qk_norms if qk_norms is not None else jnp.zeros((2, d), qkv.dtype))
+    norms = (qk_norms if qk_norms is not None else jnp.zeros((1, 2, d), qkv.dtype))
     kernel = functools.partial(_kernel, group=group, kv_heads=kv_heads, page_size=page_size,
                                eps=float(eps), offset=offset, qk_norm=qk_norms is not None)
     q, cache = pl.pallas_call(
@@ -132,10 +136,11 @@ def project_qkv(qkv: jax.Array, positions: jax.Array, inv_freq: jax.Array,
         out_shape=(jax.ShapeDtypeStruct((t * kv_heads * group, d), qkv.dtype),
                    jax.ShapeDtypeStruct((num_pages * two_h * page_size, d), kv_cache.dtype)),
         grid=(t, kv_heads),
-        input_output_aliases={6: 1},
+        input_output_aliases={7: 1},
         compiler_params=_compiler_params(num_warps, 1),
         interpret=interpret, name="qkv_rope_write",
     )(positions.astype(jnp.int32), slot_mapping.astype(jnp.int32),
-      jnp.asarray(page_offset, jnp.int32).reshape(1), inv_freq.astype(jnp.float32),
-      qkv.reshape(t * kv_heads * g2, d), norms, kv_cache.reshape(-1, d))
+      jnp.asarray(page_offset, jnp.int32).reshape(1), jnp.asarray(layer, jnp.int32).reshape(1),
+      inv_freq.astype(jnp.float32), qkv.reshape(t * kv_heads * g2, d),
+      norms.reshape(-1, d), kv_cache.reshape(-1, d))
     return q.reshape(t, kv_heads * group, d), cache.reshape(kv_cache.shape)

@@ -27,7 +27,7 @@ def _rope(theta: float = 10000.0) -> RotaryEmbedding:
 def _case(seed: int, tokens: int, kv_heads: int, group: int, dtype):
     k1, k2, k3 = jax.random.split(jax.random.key(seed), 3)
     qkv = jax.random.normal(k1, (tokens, kv_heads, group + 2, D), jnp.float32) * 3.0
-    norms = 1.0 + 0.2 * jax.random.normal(k2, (2, D), jnp.float32)
+    norms = 1.0 + 0.2 * jax.random.normal(k2, (3, 2, D), jnp.float32)  # three layers'
     page_size, pages = 4, 12
     cache = jax.random.normal(k3, (pages * 3, 2 * kv_heads, page_size, D), jnp.float32)
     # Real tokens at distinct slots of pages 1..; the last token is padding (scratch slot 0).
@@ -47,7 +47,8 @@ def _case(seed: int, tokens: int, kv_heads: int, group: int, dtype):
 def test_the_kernel_equals_the_jnp_contract(group, qk_norm, offset, dtype):
     qkv, positions, cache, md, norms = _case(group, tokens=5, kv_heads=2, group=group,
                                              dtype=dtype)
-    kw = dict(rope=_rope(), qk_norms=norms if qk_norm else None, eps=1e-6, offset=offset)
+    kw = dict(rope=_rope(), qk_norms=norms if qk_norm else None, layer=1, eps=1e-6,
+              offset=offset)
     page_offset = 12  # the layer's pages start at page 12 of the shared array
     backend = PallasGPUBackend(interpret=True)
     # The jnp contract, with the Pallas layout's own K/V write.
