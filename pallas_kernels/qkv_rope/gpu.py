@@ -2,9 +2,10 @@
 (Triton lowering): the per-head q/k RMSNorms (Qwen3, Gemma 3), rotary embedding, and the
 K/V cache write, for every token.
 
-XLA runs that work as five or six small kernels a layer on the GPU (the q and k slices,
-each norm, rope, the row scatter into the cache), each costing a launch and its ramp for
-a few kilobytes at a decode step, about as long as the layer's attention itself. Here one
+XLA runs that work as five small kernels a layer on the GPU (the q and k slices, the k
+norm, the q norm with rope, the row scatter into the cache), each costing a launch and its
+ramp for a few kilobytes at a decode step: longer, together, than the layer's attention
+(BENCHMARKS.md, Qwen3-30B-A3B's profile). Here one
 program per (token, kv head) loads the token's `[G + 2, D]` rows of that kv head (its G
 query heads, K, V) once and does all of it:
 
