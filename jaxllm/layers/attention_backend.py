@@ -9,6 +9,7 @@ layers/attention.py picks one by name or platform.
 from __future__ import annotations
 
 import dataclasses
+import os
 from dataclasses import dataclass
 from typing import Any
 
@@ -19,6 +20,12 @@ from jax.sharding import PartitionSpec as P
 from jaxllm.layers.norm import rms_norm
 from jaxllm.layers.quant import FP8_MAX
 from pallas_kernels.ragged_paged_attention import xla
+
+
+def qkv_kernel_enabled() -> bool:
+    """Whether a GPU body may run `project_qkv` as its one kernel: `JAXLLM_QKV_KERNEL=0`
+    keeps the XLA ops (a benchmark's A/B knob; part of the on-disk program cache's key)."""
+    return os.environ.get("JAXLLM_QKV_KERNEL", "1") != "0"
 
 
 @jax.tree_util.register_dataclass

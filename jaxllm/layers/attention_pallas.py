@@ -16,7 +16,6 @@ split on axis 1 (`kv_cache_spec`: each shard holds whole K/V pairs of its heads)
 
 from __future__ import annotations
 
-import os
 from typing import Any
 
 import jax
@@ -24,7 +23,7 @@ import jax.numpy as jnp
 import numpy as np
 from jax.sharding import PartitionSpec as P
 
-from jaxllm.layers.attention_backend import AttentionBackend, AttentionMetadata
+from jaxllm.layers.attention_backend import AttentionBackend, AttentionMetadata, qkv_kernel_enabled
 from pallas_kernels.ragged_paged_attention import paged_layout
 
 
@@ -124,11 +123,11 @@ class PallasGPUBackend(_PallasBackend):
                     kv_scale: jax.Array | None = None, write: bool = True
                     ) -> tuple[jax.Array, jax.Array]:
         """The base's contract in one kernel (pallas_kernels/qkv_rope) where it applies:
-        the K/V written, a plain cache (no fp8 scales), whole-head rotation.
-        `JAXLLM_QKV_KERNEL=0` keeps the XLA ops (a benchmark's A/B knob)."""
+        the K/V written, a plain cache (no fp8 scales), whole-head rotation, and not
+        turned off (`qkv_kernel_enabled`)."""
         from pallas_kernels.qkv_rope import gpu
 
-        if (kv_scale is not None or not write or os.environ.get("JAXLLM_QKV_KERNEL") == "0"
+        if (kv_scale is not None or not write or not qkv_kernel_enabled()
                 or not gpu.supported(rope.head_dim, rope.rotary_dim)):
             return super().project_qkv(qkv, positions, kv_cache, md, page_offset, rope=rope,
                                        qk_norms=qk_norms, layer=layer, eps=eps,

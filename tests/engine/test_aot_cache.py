@@ -108,9 +108,10 @@ def test_the_mosaic_gpu_backend_keeps_the_caches_on(model_dir, tmp_path):
     assert jax.config.jax_compilation_cache_dir == str(tmp_path)
 
 
-def test_the_context_follows_the_moe_and_fp8_knobs(model_dir, monkeypatch):
-    """Programs traced under another grouped-matmul body, small-step expert limit or body, or fp8
-    weight-only threshold are other programs: a run with a changed knob must not load them."""
+def test_the_context_follows_the_moe_fp8_and_qkv_knobs(model_dir, monkeypatch):
+    """Programs traced under another grouped-matmul body, small-step expert limit or body, fp8
+    weight-only threshold, or with the qkv_rope kernel off are other programs: a run with a
+    changed knob must not load them (a benchmark's A/B once timed the same program twice)."""
     import types
 
     import jax
@@ -131,6 +132,7 @@ def test_the_context_follows_the_moe_and_fp8_knobs(model_dir, monkeypatch):
             ({"JAXLLM_MOE_SMALL_TOKENS": "0"}, None),
             ({"JAXLLM_MOE_SMALL_KERNEL": "pallas"}, None),
             ({"JAXLLM_MOE_KERNEL": "tiled"}, None),
+            ({"JAXLLM_QKV_KERNEL": "0"}, None),
             ({"JAXLLM_FP8_WEIGHT_ONLY_TOKENS": "0"}, "fp8")]:
         before = context(quantization)
         with monkeypatch.context() as m:
