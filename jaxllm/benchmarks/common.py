@@ -135,8 +135,8 @@ def measure_allreduce_bandwidth(devices: Any, gib: float = 1.0) -> float:
 
 
 def add_model_args(ap: Any) -> None:
-    """--model, --load-format, --dtype, --quantization, --kv-cache-dtype: the Llama-3-8B
-    shape with random bf16 weights."""
+    """--model, --load-format, --dtype, --quantization, --kv-cache-dtype,
+    --num-gpu-blocks-override: the Llama-3-8B shape with random bf16 weights."""
     ap.add_argument("--model", default="configs/llama-3-8b",
                     help="checkpoint or config directory (default: the Llama-3-8B shape)")
     ap.add_argument("--load-format", default="dummy",
@@ -145,6 +145,9 @@ def add_model_args(ap: Any) -> None:
     ap.add_argument("--quantization", default=None, choices=["fp8", "int8"],
                     help="weight quantization (jaxllm/layers/quant.py)")
     ap.add_argument("--kv-cache-dtype", default="auto", help="auto: the model dtype")
+    ap.add_argument("--num-gpu-blocks-override", type=int, default=None,
+                    help="a fixed KV cache of this many blocks, as vLLM's (for allocators "
+                         "whose memory statistics do not size it, e.g. XLA's VMM one)")
 
 
 def add_parallel_args(ap: Any) -> None:

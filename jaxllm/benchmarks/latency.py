@@ -85,6 +85,7 @@ def main(argv: list[str] | None = None) -> dict:
         t0 = time.perf_counter()
         llm = LLM(args.model, load_format=args.load_format, dtype=args.dtype,
                   quantization=args.quantization, kv_cache_dtype=args.kv_cache_dtype,
+                  num_gpu_blocks_override=args.num_gpu_blocks_override,
                   skip_tokenizer_init=True, max_model_len=max_len, max_num_seqs=b,
                   max_num_batched_tokens=n_in * b, token_buckets=[8, n_in * b],
                   request_buckets=[b], enable_prefix_caching=False,

@@ -163,6 +163,7 @@ def make_engine(args: argparse.Namespace) -> Any:
 
     return LLM(args.model, load_format=args.load_format, dtype=args.dtype,
                quantization=args.quantization, kv_cache_dtype=args.kv_cache_dtype,
+               num_gpu_blocks_override=args.num_gpu_blocks_override,
                skip_tokenizer_init=True,
                max_model_len=-(-(args.input_len + args.output_len + 16) // 128) * 128,
                max_num_seqs=args.max_num_seqs, block_size=args.block_size,

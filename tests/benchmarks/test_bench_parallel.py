@@ -125,3 +125,24 @@ def test_bench_throughput_with_random_loras_generates_every_token(tiny, tmp_path
         r = json.load(f)
     assert r["num_loras"] == 3 and r["lora_rank"] == 4
     assert r["output_tokens"] == 8 * 4 and r["input_tokens"] == 8 * 16
+
+
+@pytest.mark.parametrize("args", [latency_args, throughput_args])
+def test_a_fixed_kv_block_count_reaches_the_engine(tiny, monkeypatch, args):
+    # XLA's VMM allocator (its SKIP_TEMP command-buffer mode) reports no memory to size
+    # the cache from; the benchmarks then take vLLM's fixed block count.
+    import jaxllm
+
+    seen = {}
+
+    class Stop(Exception):
+        pass
+
+    def engine(*a, **kw):
+        seen.update(kw)
+        raise Stop
+
+    monkeypatch.setattr(jaxllm, "LLM", engine)
+    with pytest.raises(Stop):
+        main(args(tiny, "--num-gpu-blocks-override", "64"))
+    assert seen["num_gpu_blocks_override"] == 64
