@@ -23,8 +23,11 @@ def tiny(tmp_path, monkeypatch):
 
 
 def latency_args(model, *extra: str) -> list[str]:
+    # ms/token is the difference of two timed generates over the extra tokens: with 3 of
+    # them and one timing each, the CPU's jitter once made it negative; 15 and the median
+    # of 3 keep it well above the noise.
     return ["bench", "latency", "--model", str(model), "--load-format", "dummy",
-            "--input-len", "16", "--output-len", "4", "--num-iters", "1", *PROBES, *extra]
+            "--input-len", "16", "--output-len", "16", "--num-iters", "3", *PROBES, *extra]
 
 
 def throughput_args(model, *extra: str) -> list[str]:
