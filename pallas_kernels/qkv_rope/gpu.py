@@ -43,8 +43,7 @@ def supported(head_dim: int, rotary_dim: int) -> bool:
 
 
 def _kernel(pos_ref, slot_ref, off_ref, layer_ref, freq_ref, qkv_ref, norm_ref, cache_ref,
-            q_out_ref,
-            cache_out_ref, *, group: int, kv_heads: int, page_size: int, eps: float,
+            q_out_ref, cache_out_ref, *, group: int, kv_heads: int, page_size: int, eps: float,
             offset: bool, qk_norm: bool):
     del cache_ref  # aliased to cache_out_ref
     t, h = pl.program_id(0), pl.program_id(1)
@@ -69,8 +68,8 @@ def _kernel(pos_ref, slot_ref, off_ref, layer_ref, freq_ref, qkv_ref, norm_ref, 
     def norm(x, which):
         """RMSNorm of each row of the two halves `x`, with weight row `which` (0 q, 1 k),
         rounded as layers/norm.py's `rms_norm`."""
-        if not qk_norm:
-            return [xi.astype(dtype).astype(jnp.float32) for xi in x]
+        if not qk_norm:  # x holds model-dtype values already
+            return x
         ss = jnp.sum(x[0] * x[0], axis=1, keepdims=True) + jnp.sum(x[1] * x[1], axis=1,
                                                                    keepdims=True)
         r = lax.rsqrt(ss / d + eps)
@@ -112,8 +111,8 @@ def _kernel(pos_ref, slot_ref, off_ref, layer_ref, freq_ref, qkv_ref, norm_ref, 
 def project_qkv(qkv: jax.Array, positions: jax.Array, inv_freq: jax.Array,
                 kv_cache: jax.Array, slot_mapping: jax.Array, page_offset: jax.Array | int,
                 qk_norms: jax.Array | None, layer: jax.Array | int = 0, *, eps: float,
-                offset: bool,
-                num_warps: int = 1, interpret: bool = False) -> tuple[jax.Array, jax.Array]:
+                offset: bool, num_warps: int = 1, interpret: bool = False
+                ) -> tuple[jax.Array, jax.Array]:
     """(q `[T, KV * G, D]` normed and rotated, the cache with this step's K/V written).
 
     `qkv [T, KV, G + 2, D]` (per kv head: its G query heads, K, V); `positions [T]`;
