@@ -11,6 +11,7 @@ sliding-window groups hold few, so more tokens fit in the same memory.
 
 from __future__ import annotations
 
+import ctypes
 import logging
 import os
 from collections.abc import Callable
@@ -110,6 +111,9 @@ class PagedKVCache:
             # hbm_utilization is a share of the device's whole memory, as vLLM's
             # gpu_memory_utilization; the allocator's pool may be smaller.
             total = device_memory_total(device.platform, limit)
+            if not limit and device.platform == "gpu":  # an allocator without statistics
+                free, total = gpu_memory(device)
+                limit, used = total, total - free
             budget = min(int(total * cache.hbm_utilization), limit) - used
             budget -= activation_reserve()
             budget *= self.mesh.shape["model"]  # the cache is sharded over kv heads
@@ -138,6 +142,34 @@ class PagedKVCache:
         sharding = kv_cache_sharding(self.mesh, self.attn_backend)
         dtype = self.dtype
         return jax.jit(lambda: jnp.zeros(shape, dtype), out_shardings=sharding)()
+
+
+def gpu_memory(device: Any) -> tuple[int, int]:
+    """(free, total) bytes of a GPU by CUDA's runtime, as vLLM's `mem_get_info`: what
+    sizes the cache under XLA's VMM allocator, which gives no memory statistics. Free
+    memory is what nothing on the device holds, this process's weights included."""
+    lib = None
+    for name in ("libcudart.so.13", "libcudart.so.12", "libcudart.so"):
+        try:  # the runtime JAX's CUDA plugin has loaded already
+            lib = ctypes.CDLL(name)
+            break
+        except OSError:
+            continue
+    if lib is None:
+        raise RuntimeError("the GPU allocator gives no memory statistics and CUDA's runtime "
+                           "library was not found: set kv_cache_bytes or "
+                           "num_gpu_blocks_override")
+    current, free, total = ctypes.c_int(), ctypes.c_size_t(), ctypes.c_size_t()
+    lib.cudaGetDevice(ctypes.byref(current))
+    try:
+        rc = lib.cudaSetDevice(device.local_hardware_id) or lib.cudaMemGetInfo(
+            ctypes.byref(free), ctypes.byref(total))
+    finally:
+        lib.cudaSetDevice(current.value)
+    if rc:
+        raise RuntimeError(f"cudaMemGetInfo failed (CUDA error {rc}): set kv_cache_bytes or "
+                           "num_gpu_blocks_override")
+    return free.value, total.value
 
 
 def own_device(mesh: Mesh) -> Any:
