@@ -28,7 +28,7 @@ into the first call's output (aliased), so every row is written exactly once.
 
 Split-KV. With `num_kv_splits = S > 1` every program only walks its 1/S of the
 item's KV blocks and writes an unnormalised partial (normalised output plus
-log-sum-exp, float32); a small jnp combine merges them. The wrapper turns it on
+log-sum-exp, float32); a small kernel (`combine_splits`) merges them. The wrapper turns it on
 for decode-shaped calls (few tokens) where (items x kv heads) alone would not
 fill the GPU.
 
@@ -356,9 +356,9 @@ def ragged_paged_attention(
         return outs[0].reshape(num_tokens, num_q_heads, head_dim)
     rows = num_tokens * num_q_heads
     splits = bs.num_kv_splits
-    o = outs[0].reshape(splits, rows, head_dim)
-    lse = outs[1].reshape(splits, rows)
-    return _combine(o, lse).astype(q.dtype).reshape(num_tokens, num_q_heads, head_dim)
+    return combine_splits(outs[0].reshape(splits, rows * head_dim),
+                          outs[1].reshape(splits, rows), q.dtype, interpret=interpret
+                          ).reshape(num_tokens, num_q_heads, head_dim)
 
 
 def attend_decodes_into(
@@ -428,8 +428,48 @@ def _call(b: BlockSizes, items: tuple[jax.Array, jax.Array], q, kv_cache, kv_len
     )(*items, *args, *extra)
 
 
+def _combine_kernel(o_ref, lse_ref, out_ref, *, head_dim: int):
+    """One query row: its `[S, D]` partials and `[S]` log-sum-exps merged as `_combine`."""
+    r = pl.program_id(0)
+    splits = lse_ref.shape[0]
+    span = pl.next_power_of_2(splits)  # Triton tiles: splits past S read as empty
+    s_col = lax.broadcasted_iota(jnp.int32, (span,), 0)
+    lse = _load(lse_ref, (s_col, jnp.full((span,), r, jnp.int32)), mask=s_col < splits,
+                other=-jnp.inf)
+    s_2d = lax.broadcasted_iota(jnp.int32, (span, head_dim), 0)
+    d_2d = lax.broadcasted_iota(jnp.int32, (span, head_dim), 1)
+    o = _load(o_ref, (s_2d, r * head_dim + d_2d), mask=s_2d < splits, other=0.0)
+    mx = jnp.max(lse)
+    mx = jnp.where(jnp.abs(mx) < jnp.inf, mx, 0.0)  # no split saw a key: all weights 0
+    w = jnp.exp2(lse - mx)
+    tot = jnp.sum(w)
+    out = jnp.sum(w[:, None] * o, axis=0)
+    out = jnp.where(tot > 0, out / jnp.where(tot > 0, tot, 1.0), 0.0)
+    d = lax.broadcasted_iota(jnp.int32, (head_dim,), 0)
+    _store(out_ref, (r * head_dim + d,), out.astype(out_ref.dtype))
+
+
+def combine_splits(o: jax.Array, lse: jax.Array, dtype: jnp.dtype, *,
+                   interpret: bool = False) -> jax.Array:
+    """Split-KV partials merged, `[rows, D]` in `dtype`: `o` `[S, rows * D]` (normalised
+    per split) and `lse` `[S, rows]` (base 2), float32. One kernel, a program per query
+    row, where `_combine` and the cast took XLA two fusions (each a launch and a tail
+    that cost more than the few bytes moved at a decode step)."""
+    splits, rows = lse.shape
+    head_dim = o.shape[1] // rows
+    out = pl.pallas_call(
+        functools.partial(_combine_kernel, head_dim=head_dim),
+        out_shape=jax.ShapeDtypeStruct((rows * head_dim,), dtype),
+        grid=(rows,),
+        compiler_params=_compiler_params(1, 1),
+        interpret=interpret, name="ragged_paged_attention_combine",
+    )(o, lse)
+    return out.reshape(rows, head_dim)
+
+
 def _combine(o: jax.Array, lse: jax.Array) -> jax.Array:
-    """Merges split-KV partials (normalised outputs + base-2 log-sum-exp)."""
+    """Merges split-KV partials (normalised outputs + base-2 log-sum-exp): the oracle of
+    `combine_splits`."""
     mx = jnp.max(lse, axis=0)
     mx = jnp.where(jnp.isfinite(mx), mx, 0.0)
     w = jnp.exp2(lse - mx[None])

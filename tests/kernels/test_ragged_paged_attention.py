@@ -12,6 +12,8 @@ Padding rows must come back as exact zeros.
 from __future__ import annotations
 
 import dataclasses
+import functools
+import re
 
 import jax
 import jax.numpy as jnp
@@ -259,3 +261,42 @@ def test_tpu_kernel_on_a_lane_padded_cache_matches_reference(head_dim: int):
     np.testing.assert_allclose(np.asarray(out[:num_real]), np.asarray(ref[:num_real]),
                                atol=1e-4, rtol=1e-5)
     np.testing.assert_array_equal(np.asarray(out[num_real:]), 0.0)
+
+
+@pytest.mark.parametrize("splits,dtype", [(16, jnp.bfloat16), (3, jnp.float32)])
+def test_split_kv_combine_kernel_equals_the_jnp_combine(splits, dtype):
+    """`combine_splits` (one program a query row) merges split-KV partials as `_combine`
+    and the cast did: splits that saw no key (log-sum-exp -inf) weigh nothing, a row no
+    split saw comes back zero, and a split count off the powers of two is padded."""
+    rows, head_dim = 6, 32
+    rng = np.random.default_rng(splits)
+    o = rng.normal(size=(splits, rows, head_dim)).astype(np.float32)
+    lse = (4 * rng.normal(size=(splits, rows))).astype(np.float32)
+    lse[1:, 2] = -np.inf  # one split saw keys
+    lse[:, 4] = -np.inf  # none did (a padding row)
+    o[:, 4] = 0.0
+    got = np.asarray(gpu.combine_splits(jnp.asarray(o.reshape(splits, -1)), jnp.asarray(lse),
+                                        dtype, interpret=True))
+    want = np.asarray(gpu._combine(jnp.asarray(o), jnp.asarray(lse)).astype(dtype))
+    assert got.dtype == want.dtype and got.shape == (rows, head_dim)
+    np.testing.assert_allclose(got.astype(np.float32), want.astype(np.float32),
+                               rtol=1e-6 if dtype == jnp.float32 else 1e-2, atol=1e-6)
+    np.testing.assert_allclose(got[2].astype(np.float32), o[0, 2], rtol=1e-2, atol=1e-6)
+    assert not got[4].any()
+
+
+def test_a_decode_call_with_kv_splits_lowers_to_two_triton_kernels_for_cuda():
+    """Batch-1 decode at the Qwen3-30B-A3B attention shape (32 query heads over 4 KV heads,
+    head_dim 128): the split walk and the combine, both Triton, and no exponential left
+    to XLA (the jnp combine's)."""
+    t, hq, hk, d, pages, page = 8, 32, 4, 128, 64, 16
+    shapes = (jax.ShapeDtypeStruct((t, hq, d), jnp.bfloat16),
+              jax.ShapeDtypeStruct((pages, 2 * hk, page, d), jnp.bfloat16),
+              jax.ShapeDtypeStruct((t,), jnp.int32), jax.ShapeDtypeStruct((t, 8), jnp.int32),
+              jax.ShapeDtypeStruct((t + 1,), jnp.int32), jax.ShapeDtypeStruct((1,), jnp.int32))
+    fn = functools.partial(gpu.ragged_paged_attention, sm_scale=d ** -0.5)
+    assert gpu.default_block_sizes(t, t, hq // hk, d, page, 8, hk).num_kv_splits > 1
+    text = jax.jit(fn).trace(*shapes).lower(lowering_platforms=("cuda",)).as_text()
+    assert text.count("ragged_paged_attention_combine") >= 1
+    assert len(re.findall(r"custom_call @__gpu\$xla\.gpu\.triton", text)) == 2
+    assert "stablehlo.exponential" not in text
