@@ -114,10 +114,12 @@ class DecoderAttention(nnx.Module):
     def __call__(self, x: jax.Array, positions: jax.Array, kv_cache: jax.Array,
                  md: AttentionMetadata, qk_norms: jax.Array | None, residual: jax.Array,
                  post_norm: jax.Array | None = None, rows: jax.Array | None = None,
-                 write: bool = True, kv_scale: jax.Array | None = None
-                 ) -> tuple[jax.Array, jax.Array]:
+                 write: bool = True, kv_scale: jax.Array | None = None,
+                 next_norm: jax.Array | None = None) -> tuple[Any, jax.Array]:
         """`residual` plus the attention block's output (for the normed input `x`;
-        normed by `post_norm` first where given), and the updated cache.
+        normed by `post_norm` first where given), and the updated cache. With
+        `next_norm` (the MLP's RMSNorm weight; `fuses_add_norm` steps), the pair of that
+        sum and its norm, from the backend's `add_rms_norm`.
 
         `rows` (one per request, its last token): every token's K/V still goes to the
         cache, but only those rows' outputs are computed and returned. `write=False`:
@@ -144,6 +146,9 @@ class DecoderAttention(nnx.Module):
                                      soft_cap=self.soft_cap, page_offset=page_offset)
         if kv_scale is not None:
             o = o * kv_scale[1].astype(o.dtype)
+        if next_norm is not None:
+            return self.attn_backend.add_rms_norm(self.o_proj(o), residual, next_norm,
+                                                  self.eps, self.offset), kv_cache
         if post_norm is None:
             return self.o_proj.add(o, residual), kv_cache
         return residual + rms_norm(self.o_proj(o), post_norm, self.eps, self.offset), kv_cache
@@ -171,14 +176,23 @@ class DecoderLayer(nnx.Module):
         def norm(y: jax.Array, i: int) -> jax.Array:
             return rms_norm(y, norms[i], self.eps, self.offset)
 
-        x, kv_cache = self.self_attn(norm(x, 0), positions, kv_cache, md, qk_norms, residual=x,
-                                     post_norm=norms[1] if self.sandwich else None,
-                                     rows=rows, write=write, kv_scale=kv_scale)
+        # The residual add and the MLP's norm in one kernel at small GPU steps: the
+        # output projection then leaves the add out of its epilogue (a plain one only,
+        # whose `add` is `residual + self(o)`).
+        attn = self.self_attn
+        fused = (not self.sandwich and attn.o_proj.plain and attn.o_proj.lora is None
+                 and attn.attn_backend.fuses_add_norm(x.shape[0] if rows is None
+                                                      else rows.shape[0]))
+        x, kv_cache = attn(norm(x, 0), positions, kv_cache, md, qk_norms, residual=x,
+                           post_norm=norms[1] if self.sandwich else None, rows=rows,
+                           write=write, kv_scale=kv_scale,
+                           next_norm=norms[1] if fused else None)
+        x, h = x if fused else (x, None)
         # The real rows lead: the step's tokens, or with `rows` one per real request.
         num_tokens = md.cu_q_lens[-1] if rows is None else md.num_seqs[0]
         if self.sandwich:
             return x + norm(self.mlp(norm(x, 2), None, num_tokens), 3), kv_cache
-        return self.mlp(norm(x, 1), x, num_tokens), kv_cache
+        return self.mlp(norm(x, 1) if h is None else h, x, num_tokens), kv_cache
 
 
 class DecoderForCausalLM(nnx.Module):
