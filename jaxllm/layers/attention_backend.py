@@ -21,17 +21,6 @@ from jaxllm.layers.norm import rms_norm
 from jaxllm.layers.quant import FP8_MAX
 from pallas_kernels.ragged_paged_attention import xla
 
-# The most token rows a GPU body fuses the residual add with the next RMSNorm for: a
-# decode step's, where each of XLA's two kernels costs its launch more than its bytes.
-ADD_NORM_MAX_TOKENS = 16
-
-
-def add_norm_kernel_enabled() -> bool:
-    """Whether a GPU body may run `add_rms_norm` as its one kernel at small steps:
-    `JAXLLM_ADD_NORM_KERNEL=0` keeps XLA's ops (an A/B knob; part of the on-disk program
-    cache's key)."""
-    return os.environ.get("JAXLLM_ADD_NORM_KERNEL", "1") != "0"
-
 
 def qkv_kernel_enabled() -> bool:
     """Whether a GPU body may run `project_qkv` as its one kernel: `JAXLLM_QKV_KERNEL=0`
@@ -128,20 +117,6 @@ class AttentionBackend:
         if write:
             kv_cache = self.write_kv(kv_cache, k, v, md, page_offset)
         return q, kv_cache
-
-    def fuses_add_norm(self, tokens: int) -> bool:
-        """Whether `add_rms_norm` runs as one kernel for a step of `tokens` rows (a
-        layer then hands the residual add to it rather than to its output projection's
-        epilogue); only GPU bodies do."""
-        return False
-
-    def add_rms_norm(self, x: jax.Array, residual: jax.Array, weight: jax.Array,
-                     eps: float, offset: bool) -> tuple[jax.Array, jax.Array]:
-        """`(s, rms_norm(s, weight, eps, offset))` with `s = residual + x` (`[T, H]`, the
-        residual stream): the add closing a layer's attention block and the norm
-        opening its MLP. This is the oracle; the GPU body does it in one kernel."""
-        s = residual + x
-        return s, rms_norm(s, weight, eps, offset)
 
     def attend(self, q: jax.Array, kv_cache: jax.Array, md: AttentionMetadata, *,
                sm_scale: float, sliding_window: int | None = None,

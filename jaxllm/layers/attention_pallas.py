@@ -23,13 +23,7 @@ import jax.numpy as jnp
 import numpy as np
 from jax.sharding import PartitionSpec as P
 
-from jaxllm.layers.attention_backend import (
-    ADD_NORM_MAX_TOKENS,
-    AttentionBackend,
-    AttentionMetadata,
-    add_norm_kernel_enabled,
-    qkv_kernel_enabled,
-)
+from jaxllm.layers.attention_backend import AttentionBackend, AttentionMetadata, qkv_kernel_enabled
 from pallas_kernels.ragged_paged_attention import paged_layout
 
 
@@ -142,20 +136,6 @@ class PallasGPUBackend(_PallasBackend):
         return self._project_jit(qkv, positions, inv_freq, kv_cache, md.slot_mapping,
                                  jnp.int32(page_offset), qk_norms, jnp.int32(layer), eps=eps,
                                  offset=offset)
-
-    def fuses_add_norm(self, tokens: int) -> bool:
-        return tokens <= ADD_NORM_MAX_TOKENS and add_norm_kernel_enabled()
-
-    def add_rms_norm(self, x: jax.Array, residual: jax.Array, weight: jax.Array,
-                     eps: float, offset: bool) -> tuple[jax.Array, jax.Array]:
-        """The base's contract in one kernel (pallas_kernels/add_rms_norm) at the steps
-        `fuses_add_norm` takes."""
-        if not self.fuses_add_norm(residual.shape[0]) or x.dtype != residual.dtype:
-            return super().add_rms_norm(x, residual, weight, eps, offset)
-        from pallas_kernels.add_rms_norm import gpu
-
-        return gpu.add_rms_norm(x, residual, weight, eps=eps, offset=offset,
-                                interpret=self.interpret)
 
     def attend(self, q: jax.Array, kv_cache: jax.Array, md: AttentionMetadata, *,
                sm_scale: float, sliding_window: int | None = None,

@@ -82,17 +82,6 @@ class ShardedAttention:
         in_specs = (P(None, self.axis, None, None), P(), cache, P(), P())
         return self._map(body, in_specs, (heads, cache))(qkv, positions, kv_cache, md, extras)
 
-    def fuses_add_norm(self, tokens: int) -> bool:
-        return self.backend.fuses_add_norm(tokens)
-
-    def add_rms_norm(self, x: jax.Array, residual: jax.Array, weight: jax.Array,
-                     eps: float, offset: bool) -> tuple[jax.Array, jax.Array]:
-        """The backend's on every device alike: the residual stream is replicated."""
-        def body(x, residual, weight):
-            return self.backend.add_rms_norm(x, residual, weight, eps, offset)
-
-        return self._map(body, (P(), P(), P()), (P(), P()))(x, residual, weight)
-
     def attend(self, q: jax.Array, kv_cache: jax.Array, md: AttentionMetadata, *,
                sm_scale: float, sliding_window: int | None = None,
                soft_cap: float | None = None, page_offset: int = 0) -> jax.Array:

@@ -114,12 +114,10 @@ class DecoderAttention(nnx.Module):
     def __call__(self, x: jax.Array, positions: jax.Array, kv_cache: jax.Array,
                  md: AttentionMetadata, qk_norms: jax.Array | None, residual: jax.Array,
                  post_norm: jax.Array | None = None, rows: jax.Array | None = None,
-                 write: bool = True, kv_scale: jax.Array | None = None,
-                 next_norm: jax.Array | None = None) -> tuple[Any, jax.Array]:
+                 write: bool = True, kv_scale: jax.Array | None = None
+                 ) -> tuple[jax.Array, jax.Array]:
         """`residual` plus the attention block's output (for the normed input `x`;
-        normed by `post_norm` first where given), and the updated cache. With
-        `next_norm` (the MLP's RMSNorm weight; `fuses_add_norm` steps), the pair of that
-        sum and its norm, from the backend's `add_rms_norm`.
+        normed by `post_norm` first where given), and the updated cache.
 
         `rows` (one per request, its last token): every token's K/V still goes to the
         cache, but only those rows' outputs are computed and returned. `write=False`:
@@ -146,9 +144,6 @@ class DecoderAttention(nnx.Module):
                                      soft_cap=self.soft_cap, page_offset=page_offset)
         if kv_scale is not None:
             o = o * kv_scale[1].astype(o.dtype)
-        if next_norm is not None:
-            return self.attn_backend.add_rms_norm(self.o_proj(o), residual, next_norm,
-                                                  self.eps, self.offset), kv_cache
         if post_norm is None:
             return self.o_proj.add(o, residual), kv_cache
         return residual + rms_norm(self.o_proj(o), post_norm, self.eps, self.offset), kv_cache
@@ -168,48 +163,22 @@ class DecoderLayer(nnx.Module):
     def __call__(self, x: jax.Array, positions: jax.Array, kv_cache: jax.Array,
                  md: AttentionMetadata, norms: jax.Array, qk_norms: jax.Array | None,
                  rows: jax.Array | None = None, write: bool = True,
-                 kv_scale: jax.Array | None = None, normed: jax.Array | None = None,
-                 next_norm: jax.Array | None = None
-                 ) -> tuple[jax.Array, jax.Array | None, jax.Array]:
-        """(the residual stream after the layer, its norm by `next_norm` or None, the
-        updated cache).
-
-        `norms`: this layer's RMSNorm weights `[2 or 4, hidden]` in
+                 kv_scale: jax.Array | None = None) -> tuple[jax.Array, jax.Array]:
+        """`norms`: this layer's RMSNorm weights `[2 or 4, hidden]` in
         `DecoderArch.norm_names` order; `qk_norms`: every layer's q/k norm weights
-        `[L, 2, D]` (this layer's row read where used); `rows`, `write`: as in
-        `DecoderAttention` (the output has `rows`' rows). `normed`: `x` by this layer's
-        input norm where the previous layer made it. `next_norm`: the next layer's
-        input norm weight (the final norm's after the last layer), which a small GPU
-        step applies in the kernel that adds the MLP's output to the stream
-        (`fuses_add_norm`); elsewhere the caller norms the stream itself.
-        """
+        `[L, 2, D]` (this layer's row read where used); `rows`, `write`: as in `DecoderAttention`
+        (the output has `rows`' rows)."""
         def norm(y: jax.Array, i: int) -> jax.Array:
             return rms_norm(y, norms[i], self.eps, self.offset)
 
-        # The residual add and the MLP's norm in one kernel at small GPU steps: the
-        # output projection then leaves the add out of its epilogue (a plain one only,
-        # whose `add` is `residual + self(o)`).
-        attn = self.self_attn
-        tokens = x.shape[0] if rows is None else rows.shape[0]
-        fused = (not self.sandwich and attn.o_proj.plain and attn.o_proj.lora is None
-                 and attn.attn_backend.fuses_add_norm(tokens))
-        x, kv_cache = attn(norm(x, 0) if normed is None else normed, positions, kv_cache, md,
-                           qk_norms, residual=x,
-                           post_norm=norms[1] if self.sandwich else None, rows=rows,
-                           write=write, kv_scale=kv_scale,
-                           next_norm=norms[1] if fused else None)
-        x, h = x if fused else (x, None)
+        x, kv_cache = self.self_attn(norm(x, 0), positions, kv_cache, md, qk_norms, residual=x,
+                                     post_norm=norms[1] if self.sandwich else None,
+                                     rows=rows, write=write, kv_scale=kv_scale)
         # The real rows lead: the step's tokens, or with `rows` one per real request.
         num_tokens = md.cu_q_lens[-1] if rows is None else md.num_seqs[0]
         if self.sandwich:
-            return x + norm(self.mlp(norm(x, 2), None, num_tokens), 3), None, kv_cache
-        h = norm(x, 1) if h is None else h
-        if next_norm is not None and attn.attn_backend.fuses_add_norm(tokens):
-            # The MLP's output added to the stream and normed for the next layer at once.
-            x, h = attn.attn_backend.add_rms_norm(self.mlp(h, None, num_tokens), x, next_norm,
-                                                  self.eps, self.offset)
-            return x, h, kv_cache
-        return self.mlp(h, x, num_tokens), None, kv_cache
+            return x + norm(self.mlp(norm(x, 2), None, num_tokens), 3), kv_cache
+        return self.mlp(norm(x, 1), x, num_tokens), kv_cache
 
 
 class DecoderForCausalLM(nnx.Module):
@@ -260,8 +229,9 @@ class DecoderForCausalLM(nnx.Module):
         `kv_cache` holds the pages of every layer, `num_layers` equal runs along
         axis 0 (see jaxllm/layers/attention.py).
         """
-        states, normed, kv_cache = self._trunk(input_ids, positions, kv_cache, md)
-        return self._last(states, normed, positions, kv_cache, md)
+        states, kv_cache = self._trunk(input_ids, positions, kv_cache, md)
+        x, kv_cache = self._layer(-1, states, positions, kv_cache, md)
+        return self.norm(x), kv_cache
 
     def forward_rows(self, input_ids: jax.Array, positions: jax.Array, kv_cache: jax.Array,
                      md: AttentionMetadata, rows: jax.Array
@@ -277,14 +247,16 @@ class DecoderForCausalLM(nnx.Module):
         nothing mixes rows. So the last layer's attention output, output projection
         and MLP run for R rows instead of T, the work no sampled row needs.
         """
-        states, normed, kv_cache = self._trunk(input_ids, positions, kv_cache, md)
-        return (*self._last(states, normed, positions, kv_cache, md, rows=rows), states)
+        states, kv_cache = self._trunk(input_ids, positions, kv_cache, md)
+        x, kv_cache = self._layer(-1, states, positions, kv_cache, md, rows=rows)
+        return self.norm(x), kv_cache, states
 
     def finish_states(self, states: jax.Array, positions: jax.Array, kv_cache: jax.Array,
                       md: AttentionMetadata) -> jax.Array:
         """Every row's hidden state `[T, hidden]` from `forward_rows`' `states` and the
         cache it returned (the rare steps that score prompt tokens)."""
-        return self._last(states, None, positions, kv_cache, md, write=False)[0]
+        x, _ = self._layer(-1, states, positions, kv_cache, md, write=False)
+        return self.norm(x)
 
     def forward_captured(self, input_ids: jax.Array, positions: jax.Array,
                          kv_cache: jax.Array, md: AttentionMetadata, rows: jax.Array,
@@ -295,7 +267,7 @@ class DecoderForCausalLM(nnx.Module):
         never `on_rows`) or the residual streams entering `layers`, concatenated in
         ascending layer order `[T, len(layers) * hidden]`."""
         aux: list[jax.Array] = []
-        x, normed, kv_cache = self._trunk(input_ids, positions, kv_cache, md, layers, aux)
+        x, kv_cache = self._trunk(input_ids, positions, kv_cache, md, layers, aux)
         if len(self.layers) - 1 in layers:
             aux.append(x)
         # What the head reads sits whole on every device, as the residual stream does
@@ -307,17 +279,17 @@ class DecoderForCausalLM(nnx.Module):
                 v, NamedSharding(mesh, P()))
 
         if on_rows:
-            last, kv_cache = self._last(x, normed, positions, kv_cache, md, rows=rows)
-            return last, kv_cache, x, whole(jnp.concatenate(aux, axis=-1))
-        y, kv_cache = self._last(x, normed, positions, kv_cache, md)
+            last, kv_cache = self._layer(-1, x, positions, kv_cache, md, rows=rows)
+            return self.norm(last), kv_cache, x, whole(jnp.concatenate(aux, axis=-1))
+        y, kv_cache = self._layer(-1, x, positions, kv_cache, md)
+        y = self.norm(y)
         return y[rows], kv_cache, y, whole(jnp.concatenate(aux, axis=-1) if layers else y)
 
     def _trunk(self, input_ids: jax.Array, positions: jax.Array, kv_cache: jax.Array,
                md: AttentionMetadata, capture: tuple[int, ...] = (),
-               aux: list | None = None) -> tuple[jax.Array, jax.Array | None, jax.Array]:
+               aux: list | None = None) -> tuple[jax.Array, jax.Array]:
         """Embedding and every layer but the last (the input of each layer in `capture`
-        appended to `aux`): the residual stream entering the last layer, that stream
-        normed by the last layer's input norm where the layer before made it, the cache."""
+        appended to `aux`)."""
         # Grouped metadata: pages for each slot of a group (jaxllm/kv_groups.py).
         runs = self.layers[0].self_attn.pages_per_block if md.grouped else len(self.layers)
         if kv_cache.shape[0] % runs:
@@ -326,25 +298,14 @@ class DecoderForCausalLM(nnx.Module):
         x = jnp.take(self.embed_tokens[...], input_ids, axis=0)
         if self.arch.embed_scale:  # in the model dtype, as Hugging Face rounds it
             x = x * jnp.asarray(self.arch.hidden_size ** 0.5, x.dtype)
-        normed = None
         for i in range(len(self.layers) - 1):
             if i in capture:
                 aux.append(x)
-            x, normed, kv_cache = self._layer(i, x, positions, kv_cache, md, normed=normed,
-                                              next_norm=self.layer_norms[i + 1, 0])
-        return x, normed, kv_cache
-
-    def _last(self, x: jax.Array, normed: jax.Array | None, positions: jax.Array,
-              kv_cache: jax.Array, md: AttentionMetadata, **kw: Any
-              ) -> tuple[jax.Array, jax.Array]:
-        """The last layer and the final norm: the hidden states and the cache."""
-        x, out, kv_cache = self._layer(-1, x, positions, kv_cache, md, normed=normed,
-                                       next_norm=self.norm.weight[...], **kw)
-        return (self.norm(x) if out is None else out), kv_cache
+            x, kv_cache = self._layer(i, x, positions, kv_cache, md)
+        return x, kv_cache
 
     def _layer(self, i: int, x: jax.Array, positions: jax.Array, kv_cache: jax.Array,
-               md: AttentionMetadata, **kw: Any
-               ) -> tuple[jax.Array, jax.Array | None, jax.Array]:
+               md: AttentionMetadata, **kw: Any) -> tuple[jax.Array, jax.Array]:
         i %= len(self.layers)
         qk_norms = None if self.qk_norms is None else self.qk_norms[...]  # the stack, read by layer
         if self.kv_scales is not None:
