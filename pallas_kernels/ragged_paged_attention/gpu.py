@@ -28,9 +28,9 @@ into the first call's output (aliased), so every row is written exactly once.
 
 Split-KV. With `num_kv_splits = S > 1` every program only walks its 1/S of the
 item's KV blocks and writes an unnormalised partial (normalised output plus
-log-sum-exp, float32); a small kernel (`combine_splits`) merges them. The wrapper turns it on
-for decode-shaped calls (few tokens) where (items x kv heads) alone would not
-fill the GPU.
+log-sum-exp, float32); a small kernel (`combine_splits`) merges them. The wrapper
+turns it on for decode-shaped calls (few tokens) where (items x kv heads) alone
+would not fill the GPU.
 
 Padding. Rows past `cu_q_lens[num_seqs]` are written as zeros by padding items;
 requests at index >= num_seqs own no item and are never read.
