@@ -146,8 +146,8 @@ def add_model_args(ap: Any) -> None:
                     help="weight quantization (jaxllm/layers/quant.py)")
     ap.add_argument("--kv-cache-dtype", default="auto", help="auto: the model dtype")
     ap.add_argument("--num-gpu-blocks-override", type=int, default=None,
-                    help="a fixed KV cache of this many blocks, as vLLM's (for allocators "
-                         "whose memory statistics do not size it, e.g. XLA's VMM one)")
+                    help="a fixed KV cache of this many blocks, as vLLM's (runs compared "
+                         "at one cache size, whatever memory each device has free)")
 
 
 def add_parallel_args(ap: Any) -> None:

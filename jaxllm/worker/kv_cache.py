@@ -110,10 +110,11 @@ class PagedKVCache:
             limit, used = stats.get("bytes_limit", 0), stats.get("bytes_in_use", 0)
             # hbm_utilization is a share of the device's whole memory, as vLLM's
             # gpu_memory_utilization; the allocator's pool may be smaller.
-            total = device_memory_total(device.platform, limit)
             if not limit and device.platform == "gpu":  # an allocator without statistics
                 free, total = gpu_memory(device)
                 limit, used = total, total - free
+            else:
+                total = device_memory_total(device.platform, limit)
             budget = min(int(total * cache.hbm_utilization), limit) - used
             budget -= activation_reserve()
             budget *= self.mesh.shape["model"]  # the cache is sharded over kv heads
