@@ -25,6 +25,11 @@ sized from CUDA's own free-memory count, `worker/kv_cache.gpu_memory`). Only fro
 first jaxlib that was seen to take the flag: XLA aborts on a flag it does not know, and
 jaxlib 0.10.2 does not know this one.
 
+Programmatic dependent launch is on (Hopper and later; XLA ignores it before). A kernel
+XLA emits then signals its dependents once its main loop is done, and the next kernel's
+launch and prologue overlap this one's tail: a decode step is a chain of short
+kernels, each of which otherwise waits for the last to drain before it starts.
+
 Only where a CUDA plugin of JAX is installed; a flag the user already sets wins, and
 `JAXLLM_XLA_FLAGS=0` leaves `XLA_FLAGS` alone.
 """
@@ -40,6 +45,7 @@ GPU_FLAGS = (
     "--xla_gpu_enable_command_buffer=+COLLECTIVES,+WHILE,+CONDITIONAL",
     "--xla_gpu_graph_min_graph_size=1",
     "--xla_disable_hlo_passes=rematerialization",
+    "--xla_gpu_enable_pdl=true",
 )
 SKIP_TEMP_FLAG = "--xla_gpu_command_buffer_update_mode=SKIP_TEMP"
 SKIP_TEMP_JAXLIB = (0, 11, 2)
