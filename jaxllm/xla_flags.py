@@ -25,10 +25,10 @@ sized from CUDA's own free-memory count, `worker/kv_cache.gpu_memory`). Only fro
 first jaxlib that was seen to take the flag: XLA aborts on a flag it does not know, and
 jaxlib 0.10.2 does not know this one.
 
-Programmatic dependent launch is on (Hopper and later; XLA ignores it before). A kernel
-XLA emits then signals its dependents once its main loop is done, and the next kernel's
-launch and prologue overlap this one's tail: a decode step is a chain of short
-kernels, each of which otherwise waits for the last to drain before it starts.
+Programmatic dependent launch is on (XLA applies it from Hopper on). The kernels XLA
+emits may then let the next kernel launch before they end, its launch and prologue
+overlapping their tail: a decode step is a chain of short kernels, each of which
+otherwise waits for the last to drain before it starts (BENCHMARKS.md, Qwen3-30B-A3B).
 
 Only where a CUDA plugin of JAX is installed; a flag the user already sets wins, and
 `JAXLLM_XLA_FLAGS=0` leaves `XLA_FLAGS` alone.
