@@ -58,7 +58,8 @@ def test_greedy_tokens_equal_transformers_on_the_gpu(checkpoints, arch, tp):
     llm = LLM(model=model_dir, dtype="float32", max_model_len=256, tensor_parallel_size=tp,
               num_gpu_blocks_override=256)
     outs = llm.generate([{"prompt_token_ids": p} for p in prompts],
-                        SamplingParams(temperature=0.0, max_tokens=NEW_TOKENS, ignore_eos=True))
+                        SamplingParams(temperature=0.0, max_tokens=NEW_TOKENS, ignore_eos=True),
+                        use_tqdm=False)
     got = [list(o.outputs[0].token_ids) for o in outs]
     del llm
     gc.collect()
