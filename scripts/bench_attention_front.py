@@ -105,7 +105,7 @@ def main() -> None:
     variants = [("unfused", None), ("fused", fused_gpu.BlockSizes())]
     if args.sweep:
         variants += [(f"fused {kw}", dataclasses.replace(fused_gpu.BlockSizes(), **kw))
-                     for kw in SWEEP if hidden % kw.get("block_k", 1) == 0]
+                     for kw in SWEEP if hidden % kw.get("block_k", 16) == 0]
     for t in (int(s) for s in args.tokens.split(",")):
         c = make_layers(hidden, kv, group, d, layers, t, dtype)
         bodies = {}

@@ -37,17 +37,21 @@ MAX_ROWS = 64  # every row's accumulator sits in registers
 
 @dataclasses.dataclass(frozen=True)
 class BlockSizes:
-    block_k: int = 256  # reduction chunk of H: a power of two dividing it
+    # Reduction chunk of H, a power of two of at least 16 dividing it (None: the largest
+    # up to 256).
+    block_k: int | None = None
     num_warps: int = 4
     num_stages: int = 3
 
+    def chunk(self, hidden: int) -> int:
+        return self.block_k or min(hidden & -hidden, 256)
 
-def supported(head_dim: int, rotary_dim: int, hidden: int, tokens: int,
-              block_k: int = BlockSizes.block_k) -> bool:
-    """Whole-head rotation of a power-of-two head (each half one tile), H a multiple of
-    the chunk, and at most MAX_ROWS rows."""
+
+def supported(head_dim: int, rotary_dim: int, hidden: int, tokens: int) -> bool:
+    """Whole-head rotation of a power-of-two head whose halves are tensor-core tiles,
+    H a multiple of 16, and at most MAX_ROWS rows."""
     return (rotary_dim == head_dim and head_dim >= 2 * MIN_ROWS
-            and head_dim & (head_dim - 1) == 0 and hidden % block_k == 0
+            and head_dim & (head_dim - 1) == 0 and hidden % MIN_ROWS == 0
             and tokens <= MAX_ROWS)
 
 
@@ -182,12 +186,15 @@ def norm_project_qkv(x: jax.Array, in_norm: jax.Array, w_qkv: jax.Array,
         raise ValueError(f"kv_cache {kv_cache.shape} does not hold w_qkv {w_qkv.shape}'s heads")
     if inv_freq.shape != (d // 2,):
         raise ValueError(f"inv_freq {inv_freq.shape} must be [{d // 2}]")
-    if not supported(d, d, hidden, t, bs.block_k) or bs.block_k & (bs.block_k - 1):
-        raise ValueError(f"unsupported: head_dim {d}, hidden {hidden}, {t} rows, "
-                         f"block_k {bs.block_k}")
+    block_k = bs.chunk(hidden)
+    if not supported(d, d, hidden, t):
+        raise ValueError(f"unsupported: head_dim {d}, hidden {hidden}, {t} rows")
+    if block_k < MIN_ROWS or block_k & (block_k - 1) or hidden % block_k:
+        raise ValueError(f"block_k={block_k} must be a power of two of at least {MIN_ROWS} "
+                         f"dividing hidden={hidden}")
     rows = max(MIN_ROWS, pl.next_power_of_2(t))
     norms = (qk_norms if qk_norms is not None else jnp.zeros((1, 2, d), x.dtype))
-    kernel = functools.partial(_kernel, rows=rows, block_k=bs.block_k, group=group,
+    kernel = functools.partial(_kernel, rows=rows, block_k=block_k, group=group,
                                kv_heads=kv_heads, page_size=page_size, eps=float(eps),
                                offset=offset, qk_norm=qk_norms is not None)
     q, cache = pl.pallas_call(

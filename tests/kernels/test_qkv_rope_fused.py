@@ -79,6 +79,6 @@ def test_the_kernel_equals_the_unfused_path(tokens, group, qk_norm, offset, dtyp
 
 def test_unsupported_shapes_are_refused_with_the_reason():
     c = _case(0, 1, kv_heads=2, group=2, dtype=jnp.float32)
-    with pytest.raises(ValueError, match="block_k"):
+    with pytest.raises(ValueError, match="block_k=96"):
         _fused(c, qk_norm=True, offset=False, block_k=96)
     assert not fused_gpu.supported(D, D, HIDDEN, fused_gpu.MAX_ROWS + 1)
