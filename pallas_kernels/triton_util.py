@@ -1,12 +1,15 @@
 """Helpers shared by the Pallas GPU kernels with the Triton lowering: masked loads and
 stores across the two `pallas.triton` signatures JAX has shipped (an index argument, or
-a ref already indexed), and compiler parameters by whichever class the installed JAX
-names."""
+a ref already indexed), a float32 `a @ b.T`, and compiler parameters by whichever class
+the installed JAX names."""
 
 from __future__ import annotations
 
 import inspect
 
+import jax
+import jax.numpy as jnp
+from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plt
 
@@ -25,6 +28,13 @@ def store(ref, idx, val, *, mask=None):
     if _LOAD_TAKES_IDX:
         return plt.store(ref, idx, val, mask=mask)
     return plt.store(ref.at[idx], val, mask=mask)
+
+
+def dot_t(a: jax.Array, b: jax.Array) -> jax.Array:
+    """`a @ b.T` in float32 (float32 operands at full precision, not TF32)."""
+    precision = lax.Precision.HIGHEST if a.dtype == jnp.float32 else None
+    return lax.dot_general(a, b, (((1,), (1,)), ((), ())), precision=precision,
+                           preferred_element_type=jnp.float32)
 
 
 def compiler_params(num_warps: int, num_stages: int):

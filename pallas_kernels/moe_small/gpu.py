@@ -42,6 +42,7 @@ from jax.experimental import pallas as pl
 
 from pallas_kernels.moe_small import routing
 from pallas_kernels.triton_util import compiler_params as _compiler_params
+from pallas_kernels.triton_util import dot_t as _dot_t
 from pallas_kernels.triton_util import load as _load
 
 MIN_TILE = 16  # the smallest tensor-core dot dimension Triton takes
@@ -90,13 +91,6 @@ def default_block_sizes(hidden: int, inter: int) -> BlockSizes:
     return BlockSizes(block_n=MIN_TILE, block_k=_pow2_divisor(hidden, 256),
                       block_h=MIN_TILE, block_k_down=_pow2_divisor(inter, 256),
                       down_splits=8, num_warps=2)
-
-
-def _dot_t(a: jax.Array, b: jax.Array) -> jax.Array:
-    """`a @ b.T` in float32 (float32 operands at full precision, not TF32)."""
-    precision = lax.Precision.HIGHEST if a.dtype == jnp.float32 else None
-    return lax.dot_general(a, b, (((1,), (1,)), ((), ())), precision=precision,
-                           preferred_element_type=jnp.float32)
 
 
 def _gate_up_kernel(experts_ref, count_ref, x_ref, gate_up_ref, h_ref, *, block_n: int,

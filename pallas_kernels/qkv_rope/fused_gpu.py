@@ -27,7 +27,9 @@ import jax.numpy as jnp
 from jax import lax
 from jax.experimental import pallas as pl
 
+from pallas_kernels.qkv_rope.gpu import head_rms_norm
 from pallas_kernels.triton_util import compiler_params as _compiler_params
+from pallas_kernels.triton_util import dot_t as _dot_t
 from pallas_kernels.triton_util import load as _load
 from pallas_kernels.triton_util import store as _store
 
@@ -53,13 +55,6 @@ def supported(head_dim: int, rotary_dim: int, hidden: int, tokens: int) -> bool:
     return (rotary_dim == head_dim and head_dim >= 2 * MIN_ROWS
             and head_dim & (head_dim - 1) == 0 and hidden % MIN_ROWS == 0
             and tokens <= MAX_ROWS)
-
-
-def _dot_t(a: jax.Array, b: jax.Array) -> jax.Array:
-    """`a @ b.T` in float32 (float32 operands at full precision, not TF32)."""
-    precision = lax.Precision.HIGHEST if a.dtype == jnp.float32 else None
-    return lax.dot_general(a, b, (((1,), (1,)), ((), ())), precision=precision,
-                           preferred_element_type=jnp.float32)
 
 
 def _kernel(pos_ref, slot_ref, off_ref, layer_ref, freq_ref, x_ref, in_norm_ref, w_ref,
@@ -116,24 +111,11 @@ def _kernel(pos_ref, slot_ref, off_ref, layer_ref, freq_ref, x_ref, in_norm_ref,
     is_k = j == group
 
     def head_norm(x):
-        """The q or k head's RMSNorm (weight row 2 * layer + 0 or 1), rounded as
-        `qkv_rope.gpu` rounds it."""
+        """The q or k head's RMSNorm (weight row 2 * layer + 0 or 1)."""
         if not qk_norm:
             return x
-        sq = jnp.sum(x[0] * x[0], axis=1, keepdims=True) + jnp.sum(x[1] * x[1], axis=1,
-                                                                   keepdims=True)
-        r = lax.rsqrt(sq / d + eps)
-        row = jnp.full((1, half), 2 * layer_ref[0] + is_k.astype(jnp.int32), jnp.int32)
-        kc = lax.broadcasted_iota(jnp.int32, (1, half), 1)
-        out = []
-        for i in (0, 1):
-            w = _load(qk_norm_ref, (row, kc + i * half)).astype(f32)
-            if offset:
-                out.append((x[i] * r * (1.0 + w)).astype(dtype).astype(f32))
-            else:
-                n = (x[i] * r).astype(dtype).astype(f32)
-                out.append((w * n).astype(dtype).astype(f32))
-        return out
+        return head_rms_norm(x, qk_norm_ref, 2 * layer_ref[0] + is_k.astype(jnp.int32),
+                             eps=eps, offset=offset, dtype=dtype)
 
     pos = _load(pos_ref, (t_col,), mask=t_col < tokens, other=0).astype(f32)
     angles = pos * freq_ref[...].reshape(1, half)

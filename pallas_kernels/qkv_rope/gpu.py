@@ -42,6 +42,28 @@ def supported(head_dim: int, rotary_dim: int) -> bool:
     return rotary_dim == head_dim and head_dim >= 16 and head_dim & (head_dim - 1) == 0
 
 
+def head_rms_norm(x: list, norm_ref, row, *, eps: float, offset: bool, dtype) -> list:
+    """RMSNorm of each row of a head held as two float32 halves `x` (`[rows, D / 2]`
+    each), with the weight at row `row` of `norm_ref [*, D]`, rounded as
+    layers/norm.py's `rms_norm` (the normalized value cast to `dtype`, then times the
+    weight; Gemma's `1 + w` in float32 then cast); the halves back in float32."""
+    half = x[0].shape[1]
+    ss = jnp.sum(x[0] * x[0], axis=1, keepdims=True) + jnp.sum(x[1] * x[1], axis=1,
+                                                               keepdims=True)
+    r = lax.rsqrt(ss / (2 * half) + eps)
+    rows = jnp.full((1, half), row, jnp.int32)
+    cols = lax.broadcasted_iota(jnp.int32, (1, half), 1)
+    out = []
+    for k in (0, 1):
+        w = _load(norm_ref, (rows, cols + k * half)).astype(jnp.float32)
+        if offset:
+            out.append((x[k] * r * (1.0 + w)).astype(dtype).astype(jnp.float32))
+        else:
+            n = (x[k] * r).astype(dtype).astype(jnp.float32)
+            out.append((w * n).astype(dtype).astype(jnp.float32))
+    return out
+
+
 def _kernel(pos_ref, slot_ref, off_ref, layer_ref, freq_ref, qkv_ref, norm_ref, cache_ref,
             q_out_ref, cache_out_ref, *, group: int, kv_heads: int, page_size: int, eps: float,
             offset: bool, qk_norm: bool):
@@ -66,24 +88,10 @@ def _kernel(pos_ref, slot_ref, off_ref, layer_ref, freq_ref, qkv_ref, norm_ref, 
     v_rows = [_load(qkv_ref, (base + group + 1 + kr, kc + k * half)) for k in (0, 1)]
 
     def norm(x, which):
-        """RMSNorm of each row of the two halves `x`, with weight row `which` (0 q, 1 k),
-        rounded as layers/norm.py's `rms_norm`."""
         if not qk_norm:  # x holds model-dtype values already
             return x
-        ss = jnp.sum(x[0] * x[0], axis=1, keepdims=True) + jnp.sum(x[1] * x[1], axis=1,
-                                                                   keepdims=True)
-        r = lax.rsqrt(ss / d + eps)
-        out = []
-        for k in (0, 1):
-            row = jnp.full((1, half), 2 * layer_ref[0] + which, jnp.int32)
-            w = _load(norm_ref, (row, kc + k * half))
-            w = w.astype(jnp.float32)
-            if offset:
-                out.append((x[k] * r * (1.0 + w)).astype(dtype).astype(jnp.float32))
-            else:
-                n = (x[k] * r).astype(dtype).astype(jnp.float32)
-                out.append((w * n).astype(dtype).astype(jnp.float32))
-        return out
+        return head_rms_norm(x, norm_ref, 2 * layer_ref[0] + which, eps=eps, offset=offset,
+                             dtype=dtype)
 
     angles = pos_ref[t].astype(jnp.float32) * freq_ref[...].reshape(1, half)
     cos, sin = jnp.cos(angles), jnp.sin(angles)
