@@ -40,13 +40,13 @@ MAX_ROWS = 64  # every row's accumulator sits in registers
 @dataclasses.dataclass(frozen=True)
 class BlockSizes:
     # Reduction chunk of H, a power of two of at least 16 dividing it (None: the largest
-    # up to 256).
+    # up to 128, so that three stages of a head's two weight halves fit in shared memory).
     block_k: int | None = None
     num_warps: int = 4
     num_stages: int = 3
 
     def chunk(self, hidden: int) -> int:
-        return self.block_k or min(hidden & -hidden, 256)
+        return self.block_k or min(hidden & -hidden, 128)
 
 
 def supported(head_dim: int, rotary_dim: int, hidden: int, tokens: int) -> bool:
