@@ -108,6 +108,7 @@ def main() -> None:
                      for kw in SWEEP if hidden % kw.get("block_k", 16) == 0]
     for t in (int(s) for s in args.tokens.split(",")):
         c = make_layers(hidden, kv, group, d, layers, t, dtype)
+        cache0 = c.pop("cache")  # passed apart, donated, not inside `c`
         bodies = {}
         for name, bs in variants:
             if bs is None:
@@ -115,14 +116,14 @@ def main() -> None:
             else:
                 f = functools.partial(fused_layer, qk_norm=qk_norm, interpret=interpret, bs=bs)
             bodies[name] = stack(f, layers, hidden)
-        want_x, want_cache = bodies["unfused"](c, jnp.copy(c["cache"]))
-        got_x, got_cache = bodies["fused"](c, jnp.copy(c["cache"]))
+        want_x, want_cache = bodies["unfused"](c, jnp.copy(cache0))
+        got_x, got_cache = bodies["fused"](c, jnp.copy(cache0))
         err, xerr = _max_diff(got_cache, want_cache), _max_diff(got_x, want_x)
         row = dict(cache_max_abs_diff=err, x_max_abs_diff=xerr, us_per_layer={})
         print(f"T={t}: fused vs unfused max |diff| cache {err:.3g}, stream {xerr:.3g}")
         if not interpret:
             for name, body in bodies.items():
-                cache = jnp.copy(c["cache"])
+                cache = jnp.copy(cache0)
                 try:  # a sweep point may not compile (shared memory)
                     s = median_time(lambda cache, body=body, c=c: body(c, cache)[1], cache,
                                     iters=10, reps=5, chain=True)

@@ -27,7 +27,7 @@ import jax.numpy as jnp
 from jax import lax
 from jax.experimental import pallas as pl
 
-from pallas_kernels.qkv_rope.gpu import head_rms_norm
+from pallas_kernels.qkv_rope.gpu import cache_k_row, call_operands, head_rms_norm, rotate
 from pallas_kernels.triton_util import compiler_params as _compiler_params
 from pallas_kernels.triton_util import dot_t as _dot_t
 from pallas_kernels.triton_util import load as _load
@@ -121,7 +121,7 @@ def _kernel(pos_ref, slot_ref, off_ref, layer_ref, freq_ref, x_ref, in_norm_ref,
     angles = pos * freq_ref[...].reshape(1, half)
     cos, sin = jnp.cos(angles), jnp.sin(angles)
     x = head_norm(y)
-    roped = [(x[0] * cos - x[1] * sin).astype(dtype), (x[1] * cos + x[0] * sin).astype(dtype)]
+    roped = rotate(x, cos, sin, dtype)
 
     # A query head: q out viewed as [T * KV * G, D].
     q_row = (t_iota * kv_heads + h) * group + j
@@ -130,8 +130,7 @@ def _kernel(pos_ref, slot_ref, off_ref, layer_ref, freq_ref, x_ref, in_norm_ref,
 
     # K (normed, rotated) or V (as projected) to the token's cache slot.
     slot = _load(slot_ref, (t_col,), mask=t_col < tokens, other=0)
-    page = slot // page_size + off_ref[0]
-    k_row = (page * (2 * kv_heads) + 2 * h) * page_size + slot % page_size
+    k_row = cache_k_row(slot, off_ref[0], h, kv_heads=kv_heads, page_size=page_size)
     # Rows past the step point past the cache: masked either way, but interpret mode
     # writes a masked lane's old value back, which must not race a live row's store.
     k_row = jnp.where(t_col < tokens, k_row, cache_out_ref.shape[0] + page_size)
@@ -160,35 +159,27 @@ def norm_project_qkv(x: jax.Array, in_norm: jax.Array, w_qkv: jax.Array,
     t, hidden = x.shape
     kv_heads, g2, d, w_hidden = w_qkv.shape
     group = g2 - 2
-    num_pages, two_h, page_size, _ = kv_cache.shape
     bs = block_sizes or BlockSizes()
     if w_hidden != hidden or in_norm.shape != (hidden,):
         raise ValueError(f"w_qkv {w_qkv.shape} / in_norm {in_norm.shape} do not take x {x.shape}")
-    if two_h != 2 * kv_heads or kv_cache.shape[3] != d:
+    if kv_cache.shape[3] != d:
         raise ValueError(f"kv_cache {kv_cache.shape} does not hold w_qkv {w_qkv.shape}'s heads")
-    if inv_freq.shape != (d // 2,):
-        raise ValueError(f"inv_freq {inv_freq.shape} must be [{d // 2}]")
     block_k = bs.chunk(hidden)
     if not supported(d, d, hidden, t):
         raise ValueError(f"unsupported: head_dim {d}, hidden {hidden}, {t} rows")
     if block_k < MIN_ROWS or block_k & (block_k - 1) or hidden % block_k:
         raise ValueError(f"block_k={block_k} must be a power of two of at least {MIN_ROWS} "
                          f"dividing hidden={hidden}")
-    rows = max(MIN_ROWS, pl.next_power_of_2(t))
-    norms = (qk_norms if qk_norms is not None else jnp.zeros((1, 2, d), x.dtype))
-    kernel = functools.partial(_kernel, rows=rows, block_k=block_k, group=group,
-                               kv_heads=kv_heads, page_size=page_size, eps=float(eps),
-                               offset=offset, qk_norm=qk_norms is not None)
+    out_shape, scalars, norms, cache_rows = call_operands(
+        kv_cache, kv_heads, group, t, w_qkv.dtype, inv_freq, qk_norms, positions,
+        slot_mapping, page_offset, layer, holder=f"w_qkv {w_qkv.shape}")
+    kernel = functools.partial(_kernel, rows=max(MIN_ROWS, pl.next_power_of_2(t)),
+                               block_k=block_k, group=group, kv_heads=kv_heads,
+                               page_size=kv_cache.shape[2], eps=float(eps), offset=offset,
+                               qk_norm=qk_norms is not None)
     q, cache = pl.pallas_call(
-        kernel,
-        out_shape=(jax.ShapeDtypeStruct((t * kv_heads * group, d), w_qkv.dtype),
-                   jax.ShapeDtypeStruct((num_pages * two_h * page_size, d), kv_cache.dtype)),
-        grid=(kv_heads, g2),
-        input_output_aliases={9: 1},
+        kernel, out_shape=out_shape, grid=(kv_heads, g2), input_output_aliases={9: 1},
         compiler_params=_compiler_params(bs.num_warps, bs.num_stages),
         interpret=interpret, name="norm_qkv_rope_write",
-    )(positions.astype(jnp.int32), slot_mapping.astype(jnp.int32),
-      jnp.asarray(page_offset, jnp.int32).reshape(1), jnp.asarray(layer, jnp.int32).reshape(1),
-      inv_freq.astype(jnp.float32), x, in_norm, w_qkv, norms.reshape(-1, d),
-      kv_cache.reshape(-1, d))
+    )(*scalars, x, in_norm, w_qkv, norms, cache_rows)
     return q.reshape(t, kv_heads * group, d), cache.reshape(kv_cache.shape)
