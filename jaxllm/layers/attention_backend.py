@@ -22,13 +22,6 @@ from jaxllm.layers.quant import FP8_MAX
 from pallas_kernels.ragged_paged_attention import xla
 
 
-def attention_front_enabled() -> bool:
-    """Whether a GPU body may run a decode step's input norm, QKV projection, q/k norms,
-    rotary and K/V write as one kernel (`JAXLLM_ATTENTION_FRONT_KERNEL=1`; off by
-    default until measured on a GPU; part of the on-disk program cache's key)."""
-    return os.environ.get("JAXLLM_ATTENTION_FRONT_KERNEL", "0") == "1"
-
-
 def qkv_kernel_enabled() -> bool:
     """Whether a GPU body may run `project_qkv` as its one kernel: `JAXLLM_QKV_KERNEL=0`
     keeps the XLA ops (a benchmark's A/B knob; part of the on-disk program cache's key)."""
@@ -91,16 +84,6 @@ class AttentionBackend:
     def write_kv(self, kv_cache: jax.Array, k: jax.Array, v: jax.Array,
                  md: AttentionMetadata, page_offset: int = 0) -> jax.Array:
         return xla.write_kv(kv_cache, k, v, md.slot_mapping, page_offset)
-
-    def norm_project_qkv(self, x: jax.Array, in_norm: jax.Array, w_qkv: jax.Array,
-                         positions: jax.Array, kv_cache: jax.Array, md: AttentionMetadata,
-                         page_offset: int, *, rope: Any, qk_norms: jax.Array | None,
-                         layer: int, eps: float, offset: bool
-                         ) -> tuple[jax.Array, jax.Array] | None:
-        """`project_qkv` of `rms_norm(x, in_norm) @ w_qkv` (`w_qkv [KV, G + 2, D, H]`,
-        no bias) as one kernel where a body has one and it applies; None otherwise (the
-        caller then runs the norm, the projection and `project_qkv`)."""
-        return None
 
     def project_qkv(self, qkv: jax.Array, positions: jax.Array, kv_cache: jax.Array,
                     md: AttentionMetadata, page_offset: int, *, rope: Any,

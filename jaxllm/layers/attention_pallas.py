@@ -23,12 +23,7 @@ import jax.numpy as jnp
 import numpy as np
 from jax.sharding import PartitionSpec as P
 
-from jaxllm.layers.attention_backend import (
-    AttentionBackend,
-    AttentionMetadata,
-    attention_front_enabled,
-    qkv_kernel_enabled,
-)
+from jaxllm.layers.attention_backend import AttentionBackend, AttentionMetadata, qkv_kernel_enabled
 from pallas_kernels.ragged_paged_attention import paged_layout
 
 
@@ -101,7 +96,6 @@ class PallasGPUBackend(_PallasBackend):
         self._attend_jit = jax.jit(self._attend,
                                    static_argnames=("sm_scale", "sliding_window", "soft_cap"))
         self._project_jit = jax.jit(self._project, static_argnames=("eps", "offset"))
-        self._front_jit = jax.jit(self._front, static_argnames=("eps", "offset"))
 
     @staticmethod
     def _kernel():
@@ -122,32 +116,6 @@ class PallasGPUBackend(_PallasBackend):
         return gpu.project_qkv(qkv, positions, inv_freq, kv_cache, slot_mapping, page_offset,
                                qk_norms, layer, eps=eps, offset=offset,
                                interpret=self.interpret)
-
-    def _front(self, x, in_norm, w_qkv, positions, inv_freq, kv_cache, slot_mapping,
-               page_offset, qk_norms, layer, *, eps, offset):
-        from pallas_kernels.qkv_rope import fused_gpu
-
-        return fused_gpu.norm_project_qkv(x, in_norm, w_qkv, positions, inv_freq, kv_cache,
-                                          slot_mapping, page_offset, qk_norms, layer, eps=eps,
-                                          offset=offset, interpret=self.interpret)
-
-    def norm_project_qkv(self, x: jax.Array, in_norm: jax.Array, w_qkv: jax.Array,
-                         positions: jax.Array, kv_cache: jax.Array, md: AttentionMetadata,
-                         page_offset: int, *, rope: Any, qk_norms: jax.Array | None,
-                         layer: int, eps: float, offset: bool
-                         ) -> tuple[jax.Array, jax.Array] | None:
-        """The attention front in one kernel (pallas_kernels/qkv_rope/fused_gpu.py) at
-        steps of a few rows, where it is turned on (`attention_front_enabled`)."""
-        from pallas_kernels.qkv_rope import fused_gpu
-
-        if (not attention_front_enabled() or not qkv_kernel_enabled()
-                or not fused_gpu.supported(rope.head_dim, rope.rotary_dim, x.shape[1],
-                                           x.shape[0])):
-            return None
-        inv_freq = jnp.asarray(np.asarray(rope.inv_freq, np.float32))
-        return self._front_jit(x, in_norm, w_qkv, positions, inv_freq, kv_cache,
-                               md.slot_mapping, jnp.int32(page_offset), qk_norms,
-                               jnp.int32(layer), eps=eps, offset=offset)
 
     def project_qkv(self, qkv: jax.Array, positions: jax.Array, kv_cache: jax.Array,
                     md: AttentionMetadata, page_offset: int, *, rope: Any,

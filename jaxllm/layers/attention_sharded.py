@@ -62,11 +62,6 @@ class ShardedAttention:
 
         return self._map(body, (cache, heads, heads, P()), cache)(kv_cache, k, v, md)
 
-    def norm_project_qkv(self, *args: Any, **kwargs: Any) -> None:
-        """Not fused across the mesh: the caller runs the norm, the projection and
-        `project_qkv`."""
-        return None
-
     def project_qkv(self, qkv: jax.Array, positions: jax.Array, kv_cache: jax.Array,
                     md: AttentionMetadata, page_offset: int, *, rope: Any,
                     qk_norms: jax.Array | None, layer: int, eps: float, offset: bool,

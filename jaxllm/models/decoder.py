@@ -114,14 +114,10 @@ class DecoderAttention(nnx.Module):
     def __call__(self, x: jax.Array, positions: jax.Array, kv_cache: jax.Array,
                  md: AttentionMetadata, qk_norms: jax.Array | None, residual: jax.Array,
                  post_norm: jax.Array | None = None, rows: jax.Array | None = None,
-                 write: bool = True, kv_scale: jax.Array | None = None,
-                 in_norm: jax.Array | None = None) -> tuple[jax.Array, jax.Array]:
+                 write: bool = True, kv_scale: jax.Array | None = None
+                 ) -> tuple[jax.Array, jax.Array]:
         """`residual` plus the attention block's output (for the normed input `x`;
         normed by `post_norm` first where given), and the updated cache.
-
-        `in_norm`: `x` is the residual stream and this the layer's input RMSNorm weight,
-        applied here, so that a body may fuse it with the projection
-        (`AttentionBackend.norm_project_qkv`).
 
         `rows` (one per request, its last token): every token's K/V still goes to the
         cache, but only those rows' outputs are computed and returned. `write=False`:
@@ -136,22 +132,11 @@ class DecoderAttention(nnx.Module):
             page_offset = self.kv_slot * (kv_cache.shape[0] // self.pages_per_block)
         else:  # every layer's pages; this layer's come after the previous ones'
             page_offset = self.layer * (kv_cache.shape[0] // self.num_layers)
-        front = None
-        if (in_norm is not None and write and kv_scale is None and self.qkv_proj.plain
-                and self.qkv_proj.bias is None and self.qkv_proj.lora is None):
-            front = self.attn_backend.norm_project_qkv(
-                x, in_norm, self.qkv_proj.weight[...], positions, kv_cache, md, page_offset,
-                rope=self.rope, qk_norms=qk_norms if self.qk_norm else None,
-                layer=self.layer, eps=self.eps, offset=self.offset)
-        if front is not None:
-            q, kv_cache = front
-        else:
-            if in_norm is not None:
-                x = rms_norm(x, in_norm, self.eps, self.offset)
-            q, kv_cache = self.attn_backend.project_qkv(
-                self.qkv_proj(x), positions, kv_cache, md, page_offset, rope=self.rope,
-                qk_norms=qk_norms if self.qk_norm else None, layer=self.layer, eps=self.eps,
-                offset=self.offset, kv_scale=kv_scale, write=write)
+        q, kv_cache = self.attn_backend.project_qkv(
+            self.qkv_proj(x), positions, kv_cache, md, page_offset, rope=self.rope,
+            qk_norms=qk_norms if self.qk_norm else None, layer=self.layer, eps=self.eps,
+            offset=self.offset,
+            kv_scale=kv_scale, write=write)
         if rows is not None:
             q, residual, md = q[rows], residual[rows], md.last_queries()
         o = self.attn_backend.attend(q, kv_cache, md, sm_scale=self.sm_scale,
@@ -186,10 +171,9 @@ class DecoderLayer(nnx.Module):
         def norm(y: jax.Array, i: int) -> jax.Array:
             return rms_norm(y, norms[i], self.eps, self.offset)
 
-        x, kv_cache = self.self_attn(x, positions, kv_cache, md, qk_norms, residual=x,
+        x, kv_cache = self.self_attn(norm(x, 0), positions, kv_cache, md, qk_norms, residual=x,
                                      post_norm=norms[1] if self.sandwich else None,
-                                     rows=rows, write=write, kv_scale=kv_scale,
-                                     in_norm=norms[0])
+                                     rows=rows, write=write, kv_scale=kv_scale)
         # The real rows lead: the step's tokens, or with `rows` one per real request.
         num_tokens = md.cu_q_lens[-1] if rows is None else md.num_seqs[0]
         if self.sandwich:

@@ -42,63 +42,6 @@ def supported(head_dim: int, rotary_dim: int) -> bool:
     return rotary_dim == head_dim and head_dim >= 16 and head_dim & (head_dim - 1) == 0
 
 
-def head_rms_norm(x: list, norm_ref, row, *, eps: float, offset: bool, dtype) -> list:
-    """RMSNorm of each row of a head held as two float32 halves `x` (`[rows, D / 2]`
-    each), with the weight at row `row` of `norm_ref [*, D]`, rounded as
-    layers/norm.py's `rms_norm` (the normalized value cast to `dtype`, then times the
-    weight; Gemma's `1 + w` in float32 then cast); the halves back in float32."""
-    half = x[0].shape[1]
-    ss = jnp.sum(x[0] * x[0], axis=1, keepdims=True) + jnp.sum(x[1] * x[1], axis=1,
-                                                               keepdims=True)
-    r = lax.rsqrt(ss / (2 * half) + eps)
-    rows = jnp.full((1, half), row, jnp.int32)
-    cols = lax.broadcasted_iota(jnp.int32, (1, half), 1)
-    out = []
-    for k in (0, 1):
-        w = _load(norm_ref, (rows, cols + k * half)).astype(jnp.float32)
-        if offset:
-            out.append((x[k] * r * (1.0 + w)).astype(dtype).astype(jnp.float32))
-        else:
-            n = (x[k] * r).astype(dtype).astype(jnp.float32)
-            out.append((w * n).astype(dtype).astype(jnp.float32))
-    return out
-
-
-def rotate(x: list, cos: jax.Array, sin: jax.Array, dtype) -> list:
-    """Rotary ("rotate half") of a head held as two float32 halves, in `dtype`."""
-    return [(x[0] * cos - x[1] * sin).astype(dtype), (x[1] * cos + x[0] * sin).astype(dtype)]
-
-
-def cache_k_row(slot, page_offset, head, *, kv_heads: int, page_size: int):
-    """The row of kv head `head`'s K for cache `slot` (pages counted from `page_offset`)
-    in the paged layout viewed as `[pages * 2 * KV * page_size, D]`; V is `page_size`
-    rows further."""
-    page = slot // page_size + page_offset
-    return (page * (2 * kv_heads) + 2 * head) * page_size + slot % page_size
-
-
-def call_operands(kv_cache: jax.Array, kv_heads: int, group: int, t: int, q_dtype,
-                  inv_freq: jax.Array, qk_norms: jax.Array | None, positions: jax.Array,
-                  slot_mapping: jax.Array, page_offset, layer, holder: str):
-    """What this kernel and the attention front share around their `pallas_call`: the
-    checks that the cache holds the `kv_heads` heads and `inv_freq` their rotation
-    (`holder` names the caller's projection in the error), the output shapes (q as
-    `[T * KV * G, D]`, the cache as rows), the leading scalar operands, the q/k norm
-    stack (zeros where absent) and the cache as rows."""
-    num_pages, two_h, page_size, d = kv_cache.shape
-    if two_h != 2 * kv_heads:
-        raise ValueError(f"kv_cache {kv_cache.shape} does not hold {holder}'s heads")
-    if inv_freq.shape != (d // 2,):
-        raise ValueError(f"inv_freq {inv_freq.shape} must be [{d // 2}]")
-    out_shape = (jax.ShapeDtypeStruct((t * kv_heads * group, d), q_dtype),
-                 jax.ShapeDtypeStruct((num_pages * two_h * page_size, d), kv_cache.dtype))
-    scalars = (positions.astype(jnp.int32), slot_mapping.astype(jnp.int32),
-               jnp.asarray(page_offset, jnp.int32).reshape(1),
-               jnp.asarray(layer, jnp.int32).reshape(1), inv_freq.astype(jnp.float32))
-    norms = qk_norms if qk_norms is not None else jnp.zeros((1, 2, d), q_dtype)
-    return out_shape, scalars, norms.reshape(-1, d), kv_cache.reshape(-1, d)
-
-
 def _kernel(pos_ref, slot_ref, off_ref, layer_ref, freq_ref, qkv_ref, norm_ref, cache_ref,
             q_out_ref, cache_out_ref, *, group: int, kv_heads: int, page_size: int, eps: float,
             offset: bool, qk_norm: bool):
@@ -123,24 +66,42 @@ def _kernel(pos_ref, slot_ref, off_ref, layer_ref, freq_ref, qkv_ref, norm_ref, 
     v_rows = [_load(qkv_ref, (base + group + 1 + kr, kc + k * half)) for k in (0, 1)]
 
     def norm(x, which):
+        """RMSNorm of each row of the two halves `x`, with weight row `which` (0 q, 1 k),
+        rounded as layers/norm.py's `rms_norm`."""
         if not qk_norm:  # x holds model-dtype values already
             return x
-        return head_rms_norm(x, norm_ref, 2 * layer_ref[0] + which, eps=eps, offset=offset,
-                             dtype=dtype)
+        ss = jnp.sum(x[0] * x[0], axis=1, keepdims=True) + jnp.sum(x[1] * x[1], axis=1,
+                                                                   keepdims=True)
+        r = lax.rsqrt(ss / d + eps)
+        out = []
+        for k in (0, 1):
+            row = jnp.full((1, half), 2 * layer_ref[0] + which, jnp.int32)
+            w = _load(norm_ref, (row, kc + k * half))
+            w = w.astype(jnp.float32)
+            if offset:
+                out.append((x[k] * r * (1.0 + w)).astype(dtype).astype(jnp.float32))
+            else:
+                n = (x[k] * r).astype(dtype).astype(jnp.float32)
+                out.append((w * n).astype(dtype).astype(jnp.float32))
+        return out
 
     angles = pos_ref[t].astype(jnp.float32) * freq_ref[...].reshape(1, half)
     cos, sin = jnp.cos(angles), jnp.sin(angles)
 
-    q = rotate(norm(lo, 0), cos, sin, dtype)
-    k = rotate(norm(k_rows, 1), cos, sin, dtype)
+    def rope(x):
+        return [(x[0] * cos - x[1] * sin).astype(dtype), (x[1] * cos + x[0] * sin).astype(dtype)]
+
+    q = rope(norm(lo, 0))
+    k = rope(norm(k_rows, 1))
 
     # q out viewed as [T * KV * G, D].
     q_row = (t * kv_heads + h) * group + g_iota
     for i in (0, 1):
         _store(q_out_ref, (q_row, c_iota + i * half), q[i], mask=in_group)
 
-    k_row = cache_k_row(slot_ref[t], off_ref[0], h, kv_heads=kv_heads,
-                        page_size=page_size) + kr
+    slot = slot_ref[t]
+    page = slot // page_size + off_ref[0]
+    k_row = ((page * (2 * kv_heads) + 2 * h) * page_size + slot % page_size) + kr
     cdt = cache_out_ref.dtype
     for i in (0, 1):
         _store(cache_out_ref, (k_row, kc + i * half), k[i].astype(cdt))
@@ -162,17 +123,24 @@ def project_qkv(qkv: jax.Array, positions: jax.Array, inv_freq: jax.Array,
     """
     t, kv_heads, g2, d = qkv.shape
     group = g2 - 2
-    if kv_cache.shape[3] != d:
+    num_pages, two_h, page_size, _ = kv_cache.shape
+    if two_h != 2 * kv_heads or kv_cache.shape[3] != d:
         raise ValueError(f"kv_cache {kv_cache.shape} does not hold qkv {qkv.shape}'s heads")
-    out_shape, scalars, norms, cache_rows = call_operands(
-        kv_cache, kv_heads, group, t, qkv.dtype, inv_freq, qk_norms, positions, slot_mapping,
-        page_offset, layer, holder=f"qkv {qkv.shape}")
-    kernel = functools.partial(_kernel, group=group, kv_heads=kv_heads,
-                               page_size=kv_cache.shape[2], eps=float(eps), offset=offset,
-                               qk_norm=qk_norms is not None)
+    if inv_freq.shape != (d // 2,):
+        raise ValueError(f"inv_freq {inv_freq.shape} must be [{d // 2}]")
+    norms = (qk_norms if qk_norms is not None else jnp.zeros((1, 2, d), qkv.dtype))
+    kernel = functools.partial(_kernel, group=group, kv_heads=kv_heads, page_size=page_size,
+                               eps=float(eps), offset=offset, qk_norm=qk_norms is not None)
     q, cache = pl.pallas_call(
-        kernel, out_shape=out_shape, grid=(t, kv_heads), input_output_aliases={7: 1},
+        kernel,
+        out_shape=(jax.ShapeDtypeStruct((t * kv_heads * group, d), qkv.dtype),
+                   jax.ShapeDtypeStruct((num_pages * two_h * page_size, d), kv_cache.dtype)),
+        grid=(t, kv_heads),
+        input_output_aliases={7: 1},
         compiler_params=_compiler_params(num_warps, 1),
         interpret=interpret, name="qkv_rope_write",
-    )(*scalars, qkv.reshape(t * kv_heads * g2, d), norms, cache_rows)
+    )(positions.astype(jnp.int32), slot_mapping.astype(jnp.int32),
+      jnp.asarray(page_offset, jnp.int32).reshape(1), jnp.asarray(layer, jnp.int32).reshape(1),
+      inv_freq.astype(jnp.float32), qkv.reshape(t * kv_heads * g2, d),
+      norms.reshape(-1, d), kv_cache.reshape(-1, d))
     return q.reshape(t, kv_heads * group, d), cache.reshape(kv_cache.shape)

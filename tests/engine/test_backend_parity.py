@@ -107,36 +107,3 @@ def test_engine_on_the_fused_swiglu_kernel_in_interpret_mode_matches_transformer
     hidden, q_width = hf.hidden_size, hf.num_attention_heads * runner.kv_layout.head_dim
     want_add = {((256, q_width), (hidden, q_width)), ((256, inter), (hidden, inter))}
     assert set(traced_add) == (want_add if tp == 1 else set()), traced_add
-
-
-@pytest.fixture(scope="module")
-def qwen3_dir(tmp_path_factory):
-    """A tiny float32 Qwen3 (q/k norms) with 32-wide heads, the fused front's smallest."""
-    from tests.models.tiny_checkpoints import make_tiny_checkpoint
-
-    return make_tiny_checkpoint(tmp_path_factory.mktemp("qwen3"), arch="qwen3", head_dim=32)
-
-
-def test_engine_on_the_attention_front_kernel_in_interpret_mode_matches_transformers_greedy(
-        qwen3_dir, monkeypatch):
-    """`JAXLLM_ATTENTION_FRONT_KERNEL=1`: every layer's input norm, QKV projection, q/k
-    norms, rotary and K/V write through the one fused kernel (the steps here are at most
-    32 rows, within its limit), in interpret mode, inside the engine's step."""
-    from pallas_kernels.qkv_rope import fused_gpu
-
-    prompts = random_prompts(checkpoint_vocab_size(qwen3_dir), LENGTHS, seed=7)
-    want = hf_greedy(qwen3_dir, prompts, NEW_TOKENS)[0]
-    traced = []
-    real = fused_gpu.norm_project_qkv
-
-    def counting(x, *args, **kw):
-        traced.append(x.shape)
-        return real(x, *args, **kw)
-
-    monkeypatch.setattr(fused_gpu, "norm_project_qkv", counting)
-    monkeypatch.setenv("JAXLLM_ATTENTION_FRONT_KERNEL", "1")
-    llm = LLM(qwen3_dir, attention_backend="pallas_gpu", attention_interpret=True, **ENGINE)
-    params = SamplingParams(temperature=0.0, max_tokens=NEW_TOKENS, ignore_eos=True)
-    outs = llm.generate([{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False)
-    assert [o.outputs[0].token_ids for o in outs] == want
-    assert traced, "the fused kernel was not used"
