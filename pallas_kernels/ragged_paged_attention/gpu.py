@@ -51,6 +51,7 @@ from jax.experimental import pallas as pl
 from pallas_kernels.ragged_paged_attention.paged_layout import kv_cache_shape as kv_cache_shape
 from pallas_kernels.ragged_paged_attention.paged_layout import write_kv as write_kv
 from pallas_kernels.triton_util import compiler_params as _compiler_params
+from pallas_kernels.triton_util import dot_t as _dot_t
 from pallas_kernels.triton_util import load as _load
 from pallas_kernels.triton_util import store as _store
 
@@ -268,9 +269,7 @@ def _kernel(item_req_ref, item_tok_ref, cu_ref, kvlen_ref, pidx_ref, off_ref, q_
                 v = _load(kv_ref, (krow + page_size, kd_iota), eviction_policy=evict)
             if k.dtype != q.dtype:  # an fp8 cache: its scales are applied outside the kernel
                 k, v = k.astype(q.dtype), v.astype(q.dtype)
-            s = lax.dot_general(q, k, (((1,), (1,)), ((), ())), precision=precision,
-                                preferred_element_type=jnp.float32)
-            s = s * scale
+            s = _dot_t(q, k) * scale
             if soft_cap is not None:
                 s = (soft_cap * LOG2E) * jnp.tanh(s / soft_cap)
             if masked:
