@@ -43,3 +43,27 @@ def compiler_params(num_warps: int, num_stages: int):
     if cls is not None:
         return cls(num_warps=num_warps, num_stages=num_stages)
     return dict(triton=dict(num_warps=num_warps, num_stages=num_stages))
+
+
+def atomic_add(ref, idx, val, *, mask=None, interpret: bool = False):
+    """`ref[idx] += val` on the lanes inside `mask`, atomically (acquire-release, GPU
+    scope), returning the old values. Pallas interpret mode, which runs one program at a
+    time and has no masked atomics, gets the plain read-modify-write instead."""
+    if interpret:
+        old = load(ref, idx, mask=mask, other=jnp.zeros((), ref.dtype))
+        store(ref, idx, old + val, mask=mask)
+        return old
+    return plt.atomic_add(ref, idx, val, mask=mask)
+
+
+def atomic_take(ref, idx, *, mask=None, interpret: bool = False):
+    """The values at `ref[idx]`, leaving zeros there, in one atomic exchange a lane (a
+    read served by the L2 cache, never a stale line of this SM's L1); interpret mode as
+    `atomic_add`'s."""
+    shape = jnp.broadcast_shapes(*(jnp.shape(i) for i in idx))
+    zeros = jnp.zeros(shape, ref.dtype)
+    if interpret:
+        old = load(ref, idx, mask=mask, other=jnp.zeros((), ref.dtype))
+        store(ref, idx, zeros, mask=mask)
+        return old
+    return plt.atomic_xchg(ref, idx, zeros, mask=mask)

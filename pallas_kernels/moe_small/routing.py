@@ -30,8 +30,12 @@ import jax
 import jax.numpy as jnp
 from jax import lax
 from jax.experimental import pallas as pl
+from jax.experimental.pallas import triton as plt
 
+from pallas_kernels.triton_util import atomic_add as _atomic_add
+from pallas_kernels.triton_util import atomic_take as _atomic_take
 from pallas_kernels.triton_util import compiler_params as _compiler_params
+from pallas_kernels.triton_util import dot_t as _dot_t
 from pallas_kernels.triton_util import load as _load
 from pallas_kernels.triton_util import store as _store
 
@@ -45,14 +49,26 @@ def num_slots(tokens: int, top_k: int, local: int) -> int:
 def _route_kernel(logits_ref, first_ref, tokens_ref, experts_ref, count_ref, w_ref, mask_ref,
                   *, top_k: int, renormalize: bool, local: int):
     t, e = logits_ref.shape
-    slots, rows = w_ref.shape
+    rows = w_ref.shape[1]
     width = pl.next_power_of_2(e)
     row = lax.broadcasted_iota(jnp.int32, (rows, width), 0)
     col = lax.broadcasted_iota(jnp.int32, (rows, width), 1)
-    # Rows past the step's read as zeros (finite, dropped below); columns past E as -inf,
-    # which no softmax weight or top-k round takes.
+    # Rows past the step's read as zeros (finite, dropped in `_route`).
     logits = _load(logits_ref, (row, col), mask=(row < t) & (col < e), other=0.0)
-    logits = jnp.where(col < e, logits.astype(jnp.float32), -jnp.inf)
+    _route(logits.astype(jnp.float32), e, t, first_ref[0], tokens_ref[0], experts_ref,
+           count_ref, w_ref, mask_ref, top_k=top_k, renormalize=renormalize, local=local)
+
+
+def _route(logits, e: int, t: int, first, tokens, experts_ref, count_ref, w_ref, mask_ref, *,
+           top_k: int, renormalize: bool, local: int):
+    """Steps 1-4 of the module docstring for one program's `[rows, width]` float32 tile
+    of logits (columns from `e` on, and rows from `t` on, are ignored)."""
+    slots, rows = w_ref.shape
+    width = logits.shape[1]
+    row = lax.broadcasted_iota(jnp.int32, (rows, width), 0)
+    col = lax.broadcasted_iota(jnp.int32, (rows, width), 1)
+    # Columns past E as -inf, which no softmax weight or top-k round takes.
+    logits = jnp.where(col < e, logits, -jnp.inf)
     p = jnp.exp(logits - jnp.max(logits, axis=1, keepdims=True))
     probs = p / jnp.sum(p, axis=1, keepdims=True)
 
@@ -68,8 +84,7 @@ def _route_kernel(logits_ref, first_ref, tokens_ref, experts_ref, count_ref, w_r
         cand = jnp.where(hit, -jnp.inf, cand)
     weight = probs / total if renormalize else probs
 
-    first = first_ref[0]
-    real = jnp.minimum(tokens_ref[0], t)
+    real = jnp.minimum(tokens, t)
     expert = col - first
     kept = chosen & (row < real) & (expert >= 0) & (expert < local)
     present = jnp.max(kept.astype(jnp.int32), axis=0)  # [width]
@@ -125,3 +140,110 @@ def route_slots(logits: jax.Array, top_k: int, renormalize: bool, local: int, ro
         name="moe_small_route",
     )(logits.astype(jnp.float32), jnp.asarray(first_expert, jnp.int32).reshape(1),
       jnp.asarray(tokens, jnp.int32).reshape(1))
+
+
+# Hidden columns per program of `norm_route_slots`: each program's share of the router
+# (E x 64) is small, and H / 64 programs (32 at H = 2048) keep the atomics few.
+NORM_ROUTE_BLOCK = 64
+
+
+def _norm_route_kernel(h_ref, norm_ref, router_ref, first_ref, tokens_ref, scratch_in,
+                       experts_ref, count_ref, w_ref, mask_ref, scale_ref, scratch_ref, *,
+                       top_k: int, renormalize: bool, local: int, eps: float, block: int,
+                       interpret: bool):
+    del scratch_in  # the same buffer as scratch_ref (aliased)
+    j = pl.program_id(0)
+    t, hidden = h_ref.shape
+    e = router_ref.shape[0]
+    rows, width = w_ref.shape[1], scratch_ref.shape[1]
+    # Scratch rows past the logits' (see `norm_route_slots`); the ticket's index as arrays,
+    # which interpret mode's loads take.
+    sums_row = rows
+    ticket = (jnp.int32(rows + 1), jnp.int32(0))
+
+    # This program's columns: its rows of h (rows past the step's read as zeros), their
+    # sums of squares, and their partial router logits `(h * w) @ router.T`.
+    row = lax.broadcasted_iota(jnp.int32, (rows, block), 0)
+    col = j * block + lax.broadcasted_iota(jnp.int32, (rows, block), 1)
+    x = _load(h_ref, (row, col), mask=row < t, other=0.0).astype(jnp.float32)
+    xw = x * norm_ref[pl.ds(pl.multiple_of(j * block, block), block)].astype(jnp.float32)
+    er = lax.broadcasted_iota(jnp.int32, (width, block), 0)
+    ec = j * block + lax.broadcasted_iota(jnp.int32, (width, block), 1)
+    r = _load(router_ref, (er, ec), mask=er < e, other=0.0).astype(jnp.float32)
+    part = _dot_t(xw, r)  # [rows, width]
+    lrow = lax.broadcasted_iota(jnp.int32, (rows, width), 0)
+    lcol = lax.broadcasted_iota(jnp.int32, (rows, width), 1)
+    srow = lax.broadcasted_iota(jnp.int32, (rows,), 0)
+    sums = (jnp.full((rows,), sums_row, jnp.int32), srow)
+    _atomic_add(scratch_ref, (lrow, lcol), part, mask=lrow < t, interpret=interpret)
+    _atomic_add(scratch_ref, sums, jnp.sum(x * x, axis=1), mask=srow < t, interpret=interpret)
+    # Every lane's adds land before this program's ticket (one thread takes it, with
+    # release semantics, after the barrier), so the program holding the last ticket sees
+    # all of them.
+    if not interpret:
+        plt.debug_barrier()
+    mine = _atomic_add(scratch_ref, ticket, jnp.float32(1.0), interpret=interpret)
+
+    @pl.when(mine == hidden // block - 1)
+    def _last():
+        logits = _atomic_take(scratch_ref, (lrow, lcol), mask=lrow < t, interpret=interpret)
+        ss = _atomic_take(scratch_ref, sums, mask=srow < t, interpret=interpret)
+        _atomic_take(scratch_ref, ticket, interpret=interpret)
+        # rms_norm's factor: rsqrt(mean(h^2) + eps).
+        scale = lax.rsqrt(ss / hidden + eps)
+        _store(scale_ref, (srow,), scale)
+        _route(logits * scale[:, None], e, t, first_ref[0], tokens_ref[0], experts_ref,
+               count_ref, w_ref, mask_ref, top_k=top_k, renormalize=renormalize, local=local)
+
+
+def norm_route_slots(h: jax.Array, norm: jax.Array, router: jax.Array, eps: float,
+                     top_k: int, renormalize: bool, local: int, rows: int,
+                     first_expert: jax.Array | int = 0,
+                     num_tokens: jax.Array | int | None = None, *, interpret: bool = False
+                     ) -> tuple[jax.Array, ...]:
+    """`route_slots` of the router logits of `rms_norm(h, norm, eps)`, from the residual
+    stream `h [T, H]` itself, in one kernel where XLA runs four (the norm, the router's
+    product, its split-K sum, the routing): the slot tables, then the norm's factor
+    `rsqrt(mean(h^2) + eps)` per row, `[rows]` float32, for the gate/up kernel to apply.
+
+    The norm is deferred past the router's product: per row it is one factor `s`, so
+    `(w * h * s) @ R.T = s * ((w * h) @ R.T)`. Each program takes `NORM_ROUTE_BLOCK`
+    columns of H: its partial logits and sums of squares go into a float32 scratch by
+    atomic adds, then it takes a ticket; the program holding the last ticket reads the
+    sums and routes. In float32 this equals the unfused
+    path to rounding; in bfloat16 the unfused path rounds the normed input to bf16 before
+    the router's product, this one does not.
+    """
+    t, hidden = h.shape
+    e = router.shape[0]
+    if router.shape[1] != hidden or norm.shape != (hidden,):
+        raise ValueError(f"router {router.shape} / norm {norm.shape} do not match h {h.shape}")
+    if not 1 <= top_k <= e:
+        raise ValueError(f"top_k={top_k} must be in [1, {e}] (the experts)")
+    if rows < t or rows & (rows - 1):
+        raise ValueError(f"rows={rows} must be a power of two of at least the {t} tokens")
+    block = min(NORM_ROUTE_BLOCK, hidden & -hidden)
+    if block < 16:
+        raise ValueError(f"hidden={hidden} must be a multiple of 16")
+    slots = num_slots(t, top_k, local)
+    width = max(16, pl.next_power_of_2(e))  # a tensor-core tile at least
+    tokens = t if num_tokens is None else num_tokens
+    # Rows 0..rows-1 the logits, row `rows` the sums of squares, row `rows + 1` the
+    # ticket counter (in float32, exact far past any grid's size).
+    scratch = jnp.zeros((rows + 2, max(width, rows)), jnp.float32)
+    *slot_tables, scale, _ = pl.pallas_call(
+        functools.partial(_norm_route_kernel, top_k=top_k, renormalize=renormalize,
+                          local=local, eps=float(eps), block=block, interpret=interpret),
+        out_shape=(jax.ShapeDtypeStruct((slots,), jnp.int32),
+                   jax.ShapeDtypeStruct((1,), jnp.int32),
+                   jax.ShapeDtypeStruct((slots, rows), jnp.float32),
+                   jax.ShapeDtypeStruct((slots, rows), jnp.int32),
+                   jax.ShapeDtypeStruct((rows,), jnp.float32),
+                   jax.ShapeDtypeStruct(scratch.shape, jnp.float32)),
+        grid=(hidden // block,),
+        input_output_aliases={5: 5},
+        compiler_params=_compiler_params(4 if rows * width <= 32 * 4 * 32 else 8, 1),
+        interpret=interpret, name="moe_small_norm_route",
+    )(h, norm, router, jnp.asarray(first_expert, jnp.int32).reshape(1),
+      jnp.asarray(tokens, jnp.int32).reshape(1), scratch)
+    return (*slot_tables, scale)
