@@ -95,9 +95,9 @@ def default_block_sizes(hidden: int, inter: int) -> BlockSizes:
 
 def _gate_up_kernel(experts_ref, count_ref, x_ref, *refs, block_n: int, block_k: int,
                     hidden: int, normed: bool):
-    # normed: x is the residual stream and the norm's weight `[H]` and per-row factor
-    # `[rows]` come first (`moe_small_from_hidden`).
-    norm_ref, scale_ref, gate_up_ref, h_ref = refs if normed else (None, None, *refs)
+    # normed: x is `h * w` (the residual stream times the norm's weight) and the norm's
+    # per-row factor `[rows]` comes first, applied to the products (`moe_small_from_hidden`).
+    scale_ref, gate_up_ref, h_ref = refs if normed else (None, *refs)
     u, j = pl.program_id(0), pl.program_id(1)
     tokens, rows = x_ref.shape[0], h_ref.shape[1]
     dtype = h_ref.dtype
@@ -106,7 +106,6 @@ def _gate_up_kernel(experts_ref, count_ref, x_ref, *refs, block_n: int, block_k:
     def _compute():
         e = experts_ref[u]
         cols = pl.ds(pl.multiple_of(j * block_n, block_n), block_n)
-        scale = scale_ref[...][:, None] if normed else None
 
         def chunk(c, carry):
             gate, up = carry
@@ -117,15 +116,15 @@ def _gate_up_kernel(experts_ref, count_ref, x_ref, *refs, block_n: int, block_k:
                 row = lax.broadcasted_iota(jnp.int32, (rows, block_k), 0)
                 col = c * block_k + lax.broadcasted_iota(jnp.int32, (rows, block_k), 1)
                 xs = _load(x_ref, (row, col), mask=row < tokens, other=0.0)
-            if normed:  # rms_norm's rounding: weight * (x * factor) cast to the dtype
-                xs = (xs.astype(jnp.float32) * scale).astype(dtype).astype(jnp.float32)
-                xs = (norm_ref[ks].astype(jnp.float32)[None, :] * xs).astype(dtype)
             gate += _dot_t(xs, gate_up_ref[e, 0, cols, ks])
             up += _dot_t(xs, gate_up_ref[e, 1, cols, ks])
             return gate, up
 
         zero = jnp.zeros((rows, block_n), jnp.float32)
         gate, up = lax.fori_loop(0, hidden // block_k, chunk, (zero, zero))
+        if normed:  # the norm's factor, one per row, outside the products
+            scale = scale_ref[...][:, None]
+            gate, up = gate * scale, up * scale
         # Rounded to the model dtype first, as the unfused products are.
         gate, up = gate.astype(dtype).astype(jnp.float32), up.astype(dtype).astype(jnp.float32)
         h_ref[u, :, cols] = (gate / (1.0 + jnp.exp(-gate)) * up).astype(dtype)
@@ -208,14 +207,14 @@ def moe_small_from_hidden(h: jax.Array, norm: jax.Array, eps: float, router: jax
     """`moe_small_from_logits` of `rms_norm(h, norm, eps)` and its router logits, from the
     residual stream `h [T, H]` (model dtype), `norm [H]` and `router [E, H]`: the norm,
     the router's product and the routing in one kernel (routing.py's
-    `norm_route_slots`), the gate/up kernel normalizing its own chunks of `h` with the
-    factor that kernel leaves, so the layer runs three kernels where XLA's norm and
-    router product add three more. `[T, H]` float32."""
+    `norm_route_slots`, which also writes `h * norm`), and the gate/up kernel scaling its
+    products by the norm's per-row factor, so the layer runs three kernels where XLA's
+    norm and router product add three more. `[T, H]` float32."""
     t = h.shape[0]
-    *slots, scale = routing.norm_route_slots(h, norm, router, eps, top_k, renormalize,
-                                             gate_up.shape[0], _rows(t), first_expert,
-                                             num_tokens, interpret=interpret)
-    return _experts(h, gate_up, down, *slots, block_sizes, interpret, norm=(norm, scale))
+    *slots, scale, hw = routing.norm_route_slots(h, norm, router, eps, top_k, renormalize,
+                                                 gate_up.shape[0], _rows(t), first_expert,
+                                                 num_tokens, interpret=interpret)
+    return _experts(hw, gate_up, down, *slots, block_sizes, interpret, scale=scale)
 
 
 def _rows(tokens: int) -> int:
@@ -226,11 +225,11 @@ def _rows(tokens: int) -> int:
 def _experts(x: jax.Array, gate_up: jax.Array, down: jax.Array, experts: jax.Array,
              count: jax.Array, w: jax.Array, mask: jax.Array,
              block_sizes: BlockSizes | None, interpret: bool,
-             norm: tuple[jax.Array, jax.Array] | None = None) -> jax.Array:
+             scale: jax.Array | None = None) -> jax.Array:
     """The two expert kernels over slot tables already padded to `_rows(T)` rows: `w`
-    float32 and `mask` int32, `[U, rows]`; `count` int32 `[1]`. `norm` (the norm's
-    weight `[H]`, its factor `[rows]` float32): `x` is the residual stream, normalized
-    chunk by chunk in the gate/up kernel."""
+    float32 and `mask` int32, `[U, rows]`; `count` int32 `[1]`. `scale` (`[rows]`
+    float32): a factor per row for the gate/up products (an RMSNorm's, `x` being the
+    un-normed input times the norm's weight)."""
     t, hidden = x.shape
     inter = gate_up.shape[2]
     slots = experts.shape[0]
@@ -249,11 +248,11 @@ def _experts(x: jax.Array, gate_up: jax.Array, down: jax.Array, experts: jax.Arr
 
     h = pl.pallas_call(
         functools.partial(_gate_up_kernel, block_n=bs.block_n, block_k=bs.block_k,
-                          hidden=hidden, normed=norm is not None),
+                          hidden=hidden, normed=scale is not None),
         out_shape=jax.ShapeDtypeStruct((slots, rows, inter), gate_up.dtype),
         grid=(slots, inter // bs.block_n),
         compiler_params=params, interpret=interpret, name="moe_small_gate_up",
-    )(experts, count, x.astype(gate_up.dtype), *(norm or ()), gate_up)
+    )(experts, count, x.astype(gate_up.dtype), *(() if scale is None else (scale,)), gate_up)
     out = pl.pallas_call(
         functools.partial(_down_kernel, block_h=bs.block_h, block_k=bs.block_k_down,
                           inter=inter, splits=bs.down_splits),

@@ -148,7 +148,8 @@ NORM_ROUTE_BLOCK = 64
 
 
 def _norm_route_kernel(h_ref, norm_ref, router_ref, first_ref, tokens_ref, scratch_in,
-                       experts_ref, count_ref, w_ref, mask_ref, scale_ref, scratch_ref, *,
+                       experts_ref, count_ref, w_ref, mask_ref, scale_ref, hw_ref, scratch_ref,
+                       *,
                        top_k: int, renormalize: bool, local: int, eps: float, block: int,
                        interpret: bool):
     del scratch_in  # the same buffer as scratch_ref (aliased)
@@ -162,11 +163,13 @@ def _norm_route_kernel(h_ref, norm_ref, router_ref, first_ref, tokens_ref, scrat
     ticket = (jnp.int32(rows + 1), jnp.int32(0))
 
     # This program's columns: its rows of h (rows past the step's read as zeros), their
-    # sums of squares, and their partial router logits `(h * w) @ router.T`.
+    # sums of squares, `h * w` for the gate/up kernel, and their partial router logits
+    # `(h * w) @ router.T`.
     row = lax.broadcasted_iota(jnp.int32, (rows, block), 0)
     col = j * block + lax.broadcasted_iota(jnp.int32, (rows, block), 1)
     x = _load(h_ref, (row, col), mask=row < t, other=0.0).astype(jnp.float32)
     xw = x * norm_ref[pl.ds(pl.multiple_of(j * block, block), block)].astype(jnp.float32)
+    _store(hw_ref, (row, col), xw.astype(hw_ref.dtype), mask=row < t)
     er = lax.broadcasted_iota(jnp.int32, (width, block), 0)
     ec = j * block + lax.broadcasted_iota(jnp.int32, (width, block), 1)
     r = _load(router_ref, (er, ec), mask=er < e, other=0.0).astype(jnp.float32)
@@ -204,15 +207,16 @@ def norm_route_slots(h: jax.Array, norm: jax.Array, router: jax.Array, eps: floa
     """`route_slots` of the router logits of `rms_norm(h, norm, eps)`, from the residual
     stream `h [T, H]` itself, in one kernel where XLA runs four (the norm, the router's
     product, its split-K sum, the routing): the slot tables, then the norm's factor
-    `rsqrt(mean(h^2) + eps)` per row, `[rows]` float32, for the gate/up kernel to apply.
+    `rsqrt(mean(h^2) + eps)` per row, `[rows]` float32, and `h * norm` `[T, H]` in h's
+    dtype, for the gate/up kernel (`rms_norm(h) @ W.T = factor * ((h * norm) @ W.T)`).
 
-    The norm is deferred past the router's product: per row it is one factor `s`, so
+    The norm is deferred past the products: per row it is one factor `s`, so
     `(w * h * s) @ R.T = s * ((w * h) @ R.T)`. Each program takes `NORM_ROUTE_BLOCK`
     columns of H: its partial logits and sums of squares go into a float32 scratch by
     atomic adds, then it takes a ticket; the program holding the last ticket reads the
     sums and routes. In float32 this equals the unfused
-    path to rounding; in bfloat16 the unfused path rounds the normed input to bf16 before
-    the router's product, this one does not.
+    path to rounding; in bfloat16 the unfused path rounds `w * (h * s)` to bf16 where
+    this one rounds `h * w` (the gate/up input) or nothing (the router's).
     """
     t, hidden = h.shape
     e = router.shape[0]
@@ -231,7 +235,7 @@ def norm_route_slots(h: jax.Array, norm: jax.Array, router: jax.Array, eps: floa
     # Rows 0..rows-1 the logits, row `rows` the sums of squares, row `rows + 1` the
     # ticket counter (in float32, exact far past any grid's size).
     scratch = jnp.zeros((rows + 2, max(width, rows)), jnp.float32)
-    *slot_tables, scale, _ = pl.pallas_call(
+    *slot_tables, scale, hw, _ = pl.pallas_call(
         functools.partial(_norm_route_kernel, top_k=top_k, renormalize=renormalize,
                           local=local, eps=float(eps), block=block, interpret=interpret),
         out_shape=(jax.ShapeDtypeStruct((slots,), jnp.int32),
@@ -239,11 +243,12 @@ def norm_route_slots(h: jax.Array, norm: jax.Array, router: jax.Array, eps: floa
                    jax.ShapeDtypeStruct((slots, rows), jnp.float32),
                    jax.ShapeDtypeStruct((slots, rows), jnp.int32),
                    jax.ShapeDtypeStruct((rows,), jnp.float32),
+                   jax.ShapeDtypeStruct((t, hidden), h.dtype),
                    jax.ShapeDtypeStruct(scratch.shape, jnp.float32)),
         grid=(hidden // block,),
-        input_output_aliases={5: 5},
+        input_output_aliases={5: 6},
         compiler_params=_compiler_params(4 if rows * width <= 32 * 4 * 32 else 8, 1),
         interpret=interpret, name="moe_small_norm_route",
     )(h, norm, router, jnp.asarray(first_expert, jnp.int32).reshape(1),
       jnp.asarray(tokens, jnp.int32).reshape(1), scratch)
-    return (*slot_tables, scale)
+    return (*slot_tables, scale, hw)

@@ -161,13 +161,15 @@ def _hidden(t, h, n, seed):
 def test_norm_route_kernel_gives_the_slots_of_the_normed_inputs_logits(
         t, e, k, renormalize, n, first, local, ties):
     """`norm_route_slots` (norm, router product and routing in one kernel, the norm's
-    factor deferred past the product, partial sums gathered by atomics over 32-column
+    factor deferred past the product, partial sums gathered by atomics over 64-column
     programs) against `route_slots` of XLA's `rms_norm` and router einsum in float32:
-    the same experts, count and mask, weights to float32 rounding, and rms_norm's factor."""
+    the same experts, count and mask, weights to float32 rounding, rms_norm's factor and
+    `h * w`."""
     del ties  # the logits here come from a product; ties are the route kernel's cases
     h = 128
     x, norm = _hidden(t, h, n, seed=t * e + k)
-    router = np.random.default_rng(e + k).normal(size=(e, h)).astype(np.float32)
+    # Logits of order one: float32 sums in another order move them by ~1e-7 each.
+    router = (np.random.default_rng(e + k).normal(size=(e, h)) / np.sqrt(h)).astype(np.float32)
     rows, eps = _rows(t), 1e-6
     got = jax.jit(lambda x, w, r, f, m: routing.norm_route_slots(
         x, w, r, eps, k, renormalize, local, rows, f, m, interpret=_interpret()))(
@@ -176,13 +178,14 @@ def test_norm_route_kernel_gives_the_slots_of_the_normed_inputs_logits(
                         precision="highest")
     want = routing.route_slots(logits, k, renormalize, local, rows, first, n,
                                interpret=_interpret())
-    *slots, scale = map(np.asarray, got)
+    *slots, scale, hw = map(np.asarray, got)
     for g, w in zip(slots[:2] + slots[3:], want[:2] + want[3:], strict=True):
         np.testing.assert_array_equal(g, np.asarray(w))
     np.testing.assert_allclose(slots[2], np.asarray(want[2]), rtol=1e-5, atol=1e-7)
     x64 = x[:n].astype(np.float64)
     assert scale.shape == (rows,)
     np.testing.assert_allclose(scale[:n], 1 / np.sqrt((x64 ** 2).mean(1) + eps), rtol=1e-6)
+    np.testing.assert_array_equal(hw[:n], x[:n] * norm)  # the gate/up kernel's input
 
 
 @pytest.mark.parametrize("t,n,first,dtype", [(1, 1, 0, jnp.float32), (5, 4, 4, jnp.float32),
@@ -190,10 +193,10 @@ def test_norm_route_kernel_gives_the_slots_of_the_normed_inputs_logits(
                                              (3, 3, 0, jnp.bfloat16)])
 def test_kernels_from_the_hidden_state_equal_the_kernels_from_the_normed_logits(t, n, first,
                                                                                 dtype):
-    """`moe_small_from_hidden` (the norm applied in the gate/up kernel) equals
+    """`moe_small_from_hidden` (the norm's factor applied to the gate/up products) equals
     `moe_small_from_logits` fed XLA's `rms_norm` and router product: float32 to rounding;
-    bfloat16 with the same routing (the gate/up inputs are rounded as rms_norm rounds
-    them, so only the router logits' rounding differs)."""
+    bfloat16 within a bf16 rounding of the output's scale (the gate/up input is rounded
+    as `h * w` rather than as `w * (h * factor)`)."""
     k, e, h = 2, 8, 32
     _, _, _, gate_up, down = _draw(t=t, e=e, k=k, h=h, i=48, seed=t + 3)
     x, norm = _hidden(t, h, n, seed=t)
