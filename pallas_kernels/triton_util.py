@@ -16,11 +16,13 @@ from jax.experimental.pallas import triton as plt
 _LOAD_TAKES_IDX = "idx" in inspect.signature(plt.load).parameters
 
 
-def load(ref, idx, *, mask=None, other=None, eviction_policy=None):
-    """`ref[idx]`, lanes outside `mask` read as `other`."""
+def load(ref, idx, *, mask=None, other=None, eviction_policy=None, volatile=False):
+    """`ref[idx]`, lanes outside `mask` read as `other`; `volatile`: a strong load that
+    no cache of this SM serves (data other programs of the same kernel wrote)."""
+    kw = dict(mask=mask, other=other, eviction_policy=eviction_policy, volatile=volatile)
     if _LOAD_TAKES_IDX:
-        return plt.load(ref, idx, mask=mask, other=other, eviction_policy=eviction_policy)
-    return plt.load(ref.at[idx], mask=mask, other=other, eviction_policy=eviction_policy)
+        return plt.load(ref, idx, **kw)
+    return plt.load(ref.at[idx], **kw)
 
 
 def store(ref, idx, val, *, mask=None):
@@ -55,15 +57,3 @@ def atomic_add(ref, idx, val, *, mask=None, interpret: bool = False):
         return old
     return plt.atomic_add(ref, idx, val, mask=mask)
 
-
-def atomic_take(ref, idx, *, mask=None, interpret: bool = False):
-    """The values at `ref[idx]`, leaving zeros there, in one atomic exchange a lane (a
-    read served by the L2 cache, never a stale line of this SM's L1); interpret mode as
-    `atomic_add`'s."""
-    shape = jnp.broadcast_shapes(*(jnp.shape(i) for i in idx))
-    zeros = jnp.zeros(shape, ref.dtype)
-    if interpret:
-        old = load(ref, idx, mask=mask, other=jnp.zeros((), ref.dtype))
-        store(ref, idx, zeros, mask=mask)
-        return old
-    return plt.atomic_xchg(ref, idx, zeros, mask=mask)

@@ -73,6 +73,7 @@ from jaxllm.layers.grouped_matmul import GroupedMatmul, default_grouped_matmul
 from jaxllm.layers.linear import make_param
 from jaxllm.layers.norm import rms_norm
 from jaxllm.layers.quant import quantize_traced
+from pallas_kernels.moe_small.routing import NORM_ROUTE_MAX_TOKENS
 
 _shard_map = getattr(jax, "shard_map", None)
 if _shard_map is None:  # jax < 0.7
@@ -354,7 +355,8 @@ class SparseMoE(nnx.Module):
         small = x.shape[0] <= self.small_tokens  # static: the step's bucket
         tp = 1 if self.mesh is None else self.mesh.shape["model"]
         fused = small and self._fused(x, experts[0].shape[0] // tp, *experts[0].shape[2:])
-        from_hidden = fused and norm is not None and norm_route_enabled()
+        from_hidden = (fused and norm is not None and norm_route_enabled()
+                       and x.shape[0] <= NORM_ROUTE_MAX_TOKENS)
         if norm is not None and not from_hidden:
             x = rms_norm(x, norm[0], norm[1])
         if from_hidden:  # the norm, the router's product and the routing in the kernels

@@ -33,7 +33,6 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plt
 
 from pallas_kernels.triton_util import atomic_add as _atomic_add
-from pallas_kernels.triton_util import atomic_take as _atomic_take
 from pallas_kernels.triton_util import compiler_params as _compiler_params
 from pallas_kernels.triton_util import dot_t as _dot_t
 from pallas_kernels.triton_util import load as _load
@@ -143,28 +142,27 @@ def route_slots(logits: jax.Array, top_k: int, renormalize: bool, local: int, ro
 
 
 # Hidden columns per program of `norm_route_slots`: each program's share of the router
-# (E x 64) is small, and H / 64 programs (32 at H = 2048) keep the atomics few.
+# (E x 64) is small, and H / 64 programs (32 at H = 2048) keep the last program's sum short.
 NORM_ROUTE_BLOCK = 64
+# The most rows `norm_route_slots` takes: its last program sums every program's partial
+# logits for each row in turn.
+NORM_ROUTE_MAX_TOKENS = 4
 
 
-def _norm_route_kernel(h_ref, norm_ref, router_ref, first_ref, tokens_ref, scratch_in,
-                       experts_ref, count_ref, w_ref, mask_ref, scale_ref, hw_ref, scratch_ref,
-                       *,
-                       top_k: int, renormalize: bool, local: int, eps: float, block: int,
-                       interpret: bool):
-    del scratch_in  # the same buffer as scratch_ref (aliased)
+def _norm_route_kernel(h_ref, norm_ref, router_ref, first_ref, tokens_ref, ticket_in,
+                       experts_ref, count_ref, w_ref, mask_ref, scale_ref, hw_ref, part_ref,
+                       sums_ref, ticket_ref, *, top_k: int, renormalize: bool, local: int,
+                       eps: float, block: int, interpret: bool):
+    del ticket_in  # the same buffer as ticket_ref (aliased)
     j = pl.program_id(0)
     t, hidden = h_ref.shape
     e = router_ref.shape[0]
-    rows, width = w_ref.shape[1], scratch_ref.shape[1]
-    # Scratch rows past the logits' (see `norm_route_slots`); the ticket's index as arrays,
-    # which interpret mode's loads take.
-    sums_row = rows
-    ticket = (jnp.int32(rows + 1), jnp.int32(0))
+    rows, width = w_ref.shape[1], part_ref.shape[1]
+    programs = hidden // block
 
-    # This program's columns: its rows of h (rows past the step's read as zeros), their
-    # sums of squares, `h * w` for the gate/up kernel, and their partial router logits
-    # `(h * w) @ router.T`.
+    # This program's columns: its rows of h (rows past the step's read as zeros), `h * w`
+    # for the gate/up kernel, and into this program's own slots the rows' sums of squares
+    # and partial router logits `(h * w) @ router.T`.
     row = lax.broadcasted_iota(jnp.int32, (rows, block), 0)
     col = j * block + lax.broadcasted_iota(jnp.int32, (rows, block), 1)
     x = _load(h_ref, (row, col), mask=row < t, other=0.0).astype(jnp.float32)
@@ -173,25 +171,31 @@ def _norm_route_kernel(h_ref, norm_ref, router_ref, first_ref, tokens_ref, scrat
     er = lax.broadcasted_iota(jnp.int32, (width, block), 0)
     ec = j * block + lax.broadcasted_iota(jnp.int32, (width, block), 1)
     r = _load(router_ref, (er, ec), mask=er < e, other=0.0).astype(jnp.float32)
-    part = _dot_t(xw, r)  # [rows, width]
     lrow = lax.broadcasted_iota(jnp.int32, (rows, width), 0)
     lcol = lax.broadcasted_iota(jnp.int32, (rows, width), 1)
+    _store(part_ref, (j * t + lrow, lcol), _dot_t(xw, r), mask=lrow < t)
     srow = lax.broadcasted_iota(jnp.int32, (rows,), 0)
-    sums = (jnp.full((rows,), sums_row, jnp.int32), srow)
-    _atomic_add(scratch_ref, (lrow, lcol), part, mask=lrow < t, interpret=interpret)
-    _atomic_add(scratch_ref, sums, jnp.sum(x * x, axis=1), mask=srow < t, interpret=interpret)
-    # Every lane's adds land before this program's ticket (one thread takes it, with
-    # release semantics, after the barrier), so the program holding the last ticket sees
-    # all of them.
+    _store(sums_ref, (j * t + srow,), jnp.sum(x * x, axis=1), mask=srow < t)
+    # Every thread's stores come before this program's ticket (one thread takes it, an
+    # acquire-release atomic, after the barrier), so the program holding the last ticket
+    # sees every program's partials (strong loads).
     if not interpret:
         plt.debug_barrier()
-    mine = _atomic_add(scratch_ref, ticket, jnp.float32(1.0), interpret=interpret)
+    index = (jnp.int32(0),)  # an array, which interpret mode's loads take
+    mine = _atomic_add(ticket_ref, index, jnp.float32(1.0), interpret=interpret)
 
-    @pl.when(mine == hidden // block - 1)
+    @pl.when(mine == programs - 1)
     def _last():
-        logits = _atomic_take(scratch_ref, (lrow, lcol), mask=lrow < t, interpret=interpret)
-        ss = _atomic_take(scratch_ref, sums, mask=srow < t, interpret=interpret)
-        _atomic_take(scratch_ref, ticket, interpret=interpret)
+        prog = lax.broadcasted_iota(jnp.int32, (programs, width), 0)
+        pcol = lax.broadcasted_iota(jnp.int32, (programs, width), 1)
+        sprog = lax.broadcasted_iota(jnp.int32, (programs,), 0)
+        logits = jnp.zeros((rows, width), jnp.float32)
+        ss = jnp.zeros((rows,), jnp.float32)
+        for k in range(t):  # row k's partials, over every program
+            part = _load(part_ref, (prog * t + k, pcol), volatile=True)
+            logits = jnp.where(lrow == k, jnp.sum(part, axis=0)[None, :], logits)
+            sums = _load(sums_ref, (sprog * t + k,), volatile=True)
+            ss = jnp.where(srow == k, jnp.sum(sums), ss)
         # rms_norm's factor: rsqrt(mean(h^2) + eps).
         scale = lax.rsqrt(ss / hidden + eps)
         _store(scale_ref, (srow,), scale)
@@ -205,18 +209,19 @@ def norm_route_slots(h: jax.Array, norm: jax.Array, router: jax.Array, eps: floa
                      num_tokens: jax.Array | int | None = None, *, interpret: bool = False
                      ) -> tuple[jax.Array, ...]:
     """`route_slots` of the router logits of `rms_norm(h, norm, eps)`, from the residual
-    stream `h [T, H]` itself, in one kernel where XLA runs four (the norm, the router's
-    product, its split-K sum, the routing): the slot tables, then the norm's factor
-    `rsqrt(mean(h^2) + eps)` per row, `[rows]` float32, and `h * norm` `[T, H]` in h's
-    dtype, for the gate/up kernel (`rms_norm(h) @ W.T = factor * ((h * norm) @ W.T)`).
+    stream `h [T, H]` itself (T <= NORM_ROUTE_MAX_TOKENS), in one kernel where XLA runs
+    four (the norm, the router's product, its split-K sum, the routing): the slot tables,
+    then the norm's factor `rsqrt(mean(h^2) + eps)` per row, `[rows]` float32, and
+    `h * norm` `[T, H]` in h's dtype, for the gate/up kernel
+    (`rms_norm(h) @ W.T = factor * ((h * norm) @ W.T)`).
 
     The norm is deferred past the products: per row it is one factor `s`, so
     `(w * h * s) @ R.T = s * ((w * h) @ R.T)`. Each program takes `NORM_ROUTE_BLOCK`
-    columns of H: its partial logits and sums of squares go into a float32 scratch by
-    atomic adds, then it takes a ticket; the program holding the last ticket reads the
-    sums and routes. In float32 this equals the unfused
-    path to rounding; in bfloat16 the unfused path rounds `w * (h * s)` to bf16 where
-    this one rounds `h * w` (the gate/up input) or nothing (the router's).
+    columns of H and writes its partial logits and sums of squares to its own slots,
+    then takes a ticket (an atomic add); the program holding the last ticket sums the
+    slots and routes. In float32 this equals the unfused path to rounding; in bfloat16
+    the unfused path rounds `w * (h * s)` to bf16 where this one rounds `h * w` (the
+    gate/up input) or nothing (the router's).
     """
     t, hidden = h.shape
     e = router.shape[0]
@@ -226,16 +231,16 @@ def norm_route_slots(h: jax.Array, norm: jax.Array, router: jax.Array, eps: floa
         raise ValueError(f"top_k={top_k} must be in [1, {e}] (the experts)")
     if rows < t or rows & (rows - 1):
         raise ValueError(f"rows={rows} must be a power of two of at least the {t} tokens")
+    if t > NORM_ROUTE_MAX_TOKENS:
+        raise ValueError(f"{t} rows: at most {NORM_ROUTE_MAX_TOKENS}")
     block = min(NORM_ROUTE_BLOCK, hidden & -hidden)
     if block < 16:
         raise ValueError(f"hidden={hidden} must be a multiple of 16")
+    programs = hidden // block
     slots = num_slots(t, top_k, local)
     width = max(16, pl.next_power_of_2(e))  # a tensor-core tile at least
     tokens = t if num_tokens is None else num_tokens
-    # Rows 0..rows-1 the logits, row `rows` the sums of squares, row `rows + 1` the
-    # ticket counter (in float32, exact far past any grid's size).
-    scratch = jnp.zeros((rows + 2, max(width, rows)), jnp.float32)
-    *slot_tables, scale, hw, _ = pl.pallas_call(
+    *slot_tables, scale, hw, _, _, _ = pl.pallas_call(
         functools.partial(_norm_route_kernel, top_k=top_k, renormalize=renormalize,
                           local=local, eps=float(eps), block=block, interpret=interpret),
         out_shape=(jax.ShapeDtypeStruct((slots,), jnp.int32),
@@ -244,11 +249,14 @@ def norm_route_slots(h: jax.Array, norm: jax.Array, router: jax.Array, eps: floa
                    jax.ShapeDtypeStruct((slots, rows), jnp.int32),
                    jax.ShapeDtypeStruct((rows,), jnp.float32),
                    jax.ShapeDtypeStruct((t, hidden), h.dtype),
-                   jax.ShapeDtypeStruct(scratch.shape, jnp.float32)),
-        grid=(hidden // block,),
-        input_output_aliases={5: 6},
+                   # each program's partial logits and sums of squares, by (program, row)
+                   jax.ShapeDtypeStruct((programs * t, width), jnp.float32),
+                   jax.ShapeDtypeStruct((programs * t,), jnp.float32),
+                   jax.ShapeDtypeStruct((1,), jnp.float32)),  # the tickets taken
+        grid=(programs,),
+        input_output_aliases={5: 8},
         compiler_params=_compiler_params(4 if rows * width <= 32 * 4 * 32 else 8, 1),
         interpret=interpret, name="moe_small_norm_route",
     )(h, norm, router, jnp.asarray(first_expert, jnp.int32).reshape(1),
-      jnp.asarray(tokens, jnp.int32).reshape(1), scratch)
+      jnp.asarray(tokens, jnp.int32).reshape(1), jnp.zeros((1,), jnp.float32))
     return (*slot_tables, scale, hw)
