@@ -144,9 +144,9 @@ def route_slots(logits: jax.Array, top_k: int, renormalize: bool, local: int, ro
 # Hidden columns per program of `norm_route_slots`: each program's share of the router
 # (E x 64) is small, and H / 64 programs (32 at H = 2048) keep the last program's sum short.
 NORM_ROUTE_BLOCK = 64
-# The most rows `norm_route_slots` takes: its last program sums every program's partial
-# logits for each row in turn.
-NORM_ROUTE_MAX_TOKENS = 4
+# The most rows `norm_route_slots` takes (the small steps'): its last program sums every
+# program's partial logits for each real row in turn.
+NORM_ROUTE_MAX_TOKENS = 16
 
 
 def _norm_route_kernel(h_ref, norm_ref, router_ref, first_ref, tokens_ref, ticket_in,
@@ -159,10 +159,12 @@ def _norm_route_kernel(h_ref, norm_ref, router_ref, first_ref, tokens_ref, ticke
     e = router_ref.shape[0]
     rows, width = w_ref.shape[1], part_ref.shape[1]
     programs = hidden // block
+    real = jnp.minimum(tokens_ref[0], t)  # the step's tokens; the rows after are padding
 
     # This program's columns: its rows of h (rows past the step's read as zeros), `h * w`
-    # for the gate/up kernel, and into this program's own slots the rows' sums of squares
-    # and partial router logits `(h * w) @ router.T`.
+    # for the gate/up kernel, and into this program's own slots the real rows' sums of
+    # squares and partial router logits `(h * w) @ router.T` (in the router's dtype, as
+    # the unfused product takes the normed input).
     row = lax.broadcasted_iota(jnp.int32, (rows, block), 0)
     col = j * block + lax.broadcasted_iota(jnp.int32, (rows, block), 1)
     x = _load(h_ref, (row, col), mask=row < t, other=0.0).astype(jnp.float32)
@@ -170,12 +172,12 @@ def _norm_route_kernel(h_ref, norm_ref, router_ref, first_ref, tokens_ref, ticke
     _store(hw_ref, (row, col), xw.astype(hw_ref.dtype), mask=row < t)
     er = lax.broadcasted_iota(jnp.int32, (width, block), 0)
     ec = j * block + lax.broadcasted_iota(jnp.int32, (width, block), 1)
-    r = _load(router_ref, (er, ec), mask=er < e, other=0.0).astype(jnp.float32)
+    r = _load(router_ref, (er, ec), mask=er < e, other=0.0)
     lrow = lax.broadcasted_iota(jnp.int32, (rows, width), 0)
     lcol = lax.broadcasted_iota(jnp.int32, (rows, width), 1)
-    _store(part_ref, (j * t + lrow, lcol), _dot_t(xw, r), mask=lrow < t)
+    _store(part_ref, (j * t + lrow, lcol), _dot_t(xw.astype(r.dtype), r), mask=lrow < real)
     srow = lax.broadcasted_iota(jnp.int32, (rows,), 0)
-    _store(sums_ref, (j * t + srow,), jnp.sum(x * x, axis=1), mask=srow < t)
+    _store(sums_ref, (j * t + srow,), jnp.sum(x * x, axis=1), mask=srow < real)
     # Every thread's stores come before this program's ticket (one thread takes it, an
     # acquire-release atomic, after the barrier), so the program holding the last ticket
     # sees every program's partials (strong loads).
@@ -191,15 +193,16 @@ def _norm_route_kernel(h_ref, norm_ref, router_ref, first_ref, tokens_ref, ticke
         sprog = lax.broadcasted_iota(jnp.int32, (programs,), 0)
         logits = jnp.zeros((rows, width), jnp.float32)
         ss = jnp.zeros((rows,), jnp.float32)
-        for k in range(t):  # row k's partials, over every program
-            part = _load(part_ref, (prog * t + k, pcol), volatile=True)
+        for k in range(t):  # real row k's partials, over every program
+            part = _load(part_ref, (prog * t + k, pcol), mask=k < real, other=0.0,
+                         volatile=True)
             logits = jnp.where(lrow == k, jnp.sum(part, axis=0)[None, :], logits)
-            sums = _load(sums_ref, (sprog * t + k,), volatile=True)
+            sums = _load(sums_ref, (sprog * t + k,), mask=k < real, other=0.0, volatile=True)
             ss = jnp.where(srow == k, jnp.sum(sums), ss)
         # rms_norm's factor: rsqrt(mean(h^2) + eps).
         scale = lax.rsqrt(ss / hidden + eps)
         _store(scale_ref, (srow,), scale)
-        _route(logits * scale[:, None], e, t, first_ref[0], tokens_ref[0], experts_ref,
+        _route(logits * scale[:, None], e, t, first_ref[0], real, experts_ref,
                count_ref, w_ref, mask_ref, top_k=top_k, renormalize=renormalize, local=local)
 
 
@@ -217,9 +220,9 @@ def norm_route_slots(h: jax.Array, norm: jax.Array, router: jax.Array, eps: floa
 
     The norm is deferred past the products: per row it is one factor `s`, so
     `(w * h * s) @ R.T = s * ((w * h) @ R.T)`. Each program takes `NORM_ROUTE_BLOCK`
-    columns of H and writes its partial logits and sums of squares to its own slots,
-    then takes a ticket (an atomic add); the program holding the last ticket sums the
-    slots and routes. In float32 this equals the unfused path to rounding; in bfloat16
+    columns of H and writes the real rows' partial logits and sums of squares to its own
+    slots, then takes a ticket (an atomic add); the program holding the last ticket sums
+    the slots and routes. In float32 this equals the unfused path to rounding; in bfloat16
     the unfused path rounds `w * (h * s)` to bf16 where this one rounds `h * w` (the
     gate/up input) or nothing (the router's).
     """
