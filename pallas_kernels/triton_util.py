@@ -16,13 +16,11 @@ from jax.experimental.pallas import triton as plt
 _LOAD_TAKES_IDX = "idx" in inspect.signature(plt.load).parameters
 
 
-def load(ref, idx, *, mask=None, other=None, eviction_policy=None, volatile=False):
-    """`ref[idx]`, lanes outside `mask` read as `other`; `volatile`: a strong load that
-    no cache of this SM serves (data other programs of the same kernel wrote)."""
-    kw = dict(mask=mask, other=other, eviction_policy=eviction_policy, volatile=volatile)
+def load(ref, idx, *, mask=None, other=None, eviction_policy=None):
+    """`ref[idx]`, lanes outside `mask` read as `other`."""
     if _LOAD_TAKES_IDX:
-        return plt.load(ref, idx, **kw)
-    return plt.load(ref.at[idx], **kw)
+        return plt.load(ref, idx, mask=mask, other=other, eviction_policy=eviction_policy)
+    return plt.load(ref.at[idx], mask=mask, other=other, eviction_policy=eviction_policy)
 
 
 def store(ref, idx, val, *, mask=None):
@@ -45,15 +43,3 @@ def compiler_params(num_warps: int, num_stages: int):
     if cls is not None:
         return cls(num_warps=num_warps, num_stages=num_stages)
     return dict(triton=dict(num_warps=num_warps, num_stages=num_stages))
-
-
-def atomic_add(ref, idx, val, *, mask=None, interpret: bool = False):
-    """`ref[idx] += val` on the lanes inside `mask`, atomically (acquire-release, GPU
-    scope), returning the old values. Pallas interpret mode, which runs one program at a
-    time and has no masked atomics, gets the plain read-modify-write instead."""
-    if interpret:
-        old = load(ref, idx, mask=mask, other=jnp.zeros((), ref.dtype))
-        store(ref, idx, old + val, mask=mask)
-        return old
-    return plt.atomic_add(ref, idx, val, mask=mask)
-

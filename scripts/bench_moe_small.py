@@ -2,13 +2,9 @@
 (pallas_kernels/moe_small) against the per-expert loop (`routed_expert_ffn`), at the
 Qwen3-30B-A3B layer shape (128 experts, top 8, H 2048, I 768, bf16) on one GPU.
 `loop`, `kernel` and `kernel_only` start from the routed pairs; `route_kernel` (the jnp
-routing, then the kernels) and `logits_kernel` (the routing kernel, then the kernels)
-start from the router logits, so their difference is what the routing kernel saves.
-`norm_logits_kernel` (XLA's RMSNorm and router product, then `logits_kernel`) and
-`hidden_kernel` (the norm, router product and routing in one kernel, the gate/up kernel
-applying the norm: the layer's path at steps of at most 4 rows) start from the un-normed
-residual stream, so their
-difference is what folding the norm and the router into the kernels saves.
+routing, then the kernels) and `logits_kernel` (the routing kernel, then the kernels: the
+layer's path) start from the router logits, so their difference is what the routing
+kernel saves.
 
 Each timed call runs `--layers` layers, each with its own weights and routing (as a
 model's stack does), so no layer's experts are still in L2 when it runs; times are per
@@ -37,101 +33,71 @@ from jaxllm.layers.moe import (
     route,
     routed_expert_ffn,
     routed_expert_kernel,
-    routed_hidden_kernel,
     routed_logits_kernel,
     routed_slots,
 )
-from jaxllm.layers.norm import rms_norm
-from pallas_kernels.moe_small import gpu, routing
+from pallas_kernels.moe_small import gpu
 
 SWEEP = [dict(block_n=32), dict(block_n=64), dict(block_h=32), dict(down_splits=2),
          dict(down_splits=4), dict(down_splits=16), dict(num_warps=4), dict(num_warps=1),
          dict(num_stages=2), dict(num_stages=4), dict(block_k=128, block_k_down=128)]
 
 
-EPS = 1e-6
-
-
 def make_layers(args: argparse.Namespace, t: int, seed: int = 0) -> dict:
-    """`args.layers` layers' weights and routing for a `t`-row step, on the device: the
-    un-normed input `hidden`, its RMSNorm weight and each layer's router, the normed
-    input `x` and the routing its router logits give."""
+    """`args.layers` layers' weights and routing for a `t`-row step, on the device."""
     dtype = jnp.dtype(args.dtype)
-    keys = jax.random.split(jax.random.key(seed), 6)
+    keys = jax.random.split(jax.random.key(seed), 5)
     n, e, h, i = args.layers, args.experts, args.hidden, args.inter
-    hidden = (3 * jax.random.normal(keys[1], (t, h), jnp.float32)).astype(dtype)
-    norm = (1 + 0.1 * jax.random.normal(keys[4], (h,), jnp.float32)).astype(dtype)
-    routers = [(0.05 * jax.random.normal(k, (e, h), jnp.float32)).astype(dtype)
-               for k in jax.random.split(keys[5], n)]
-    x = rms_norm(hidden, norm, EPS)
-    logits = jnp.stack([jnp.einsum("th,eh->te", x, r, preferred_element_type=jnp.float32)
-                        for r in routers])
+    logits = jax.random.normal(keys[0], (n, t, e), jnp.float32)
     weights, ids = jax.vmap(lambda lg: route(lg, args.top_k, True))(logits)
     # One array per layer, as a model holds them: a slice of one stacked array would be
     # copied out (every expert of the layer) before the kernel could read it.
     return dict(
-        x=x, logits=logits, weights=weights, ids=ids, hidden=hidden, norm=norm,
-        routers=routers,
+        x=jax.random.normal(keys[1], (t, h), jnp.float32).astype(dtype),
+        logits=logits, weights=weights, ids=ids,
         gate_up=[(0.05 * jax.random.normal(k, (e, 2, i, h), jnp.float32)).astype(dtype)
                  for k in jax.random.split(keys[2], n)],
         down=[(0.05 * jax.random.normal(k, (e, h, i), jnp.float32)).astype(dtype)
               for k in jax.random.split(keys[3], n)])
 
 
-OPERANDS = ("x", "logits", "weights", "ids", "gate_up", "down", "hidden", "norm", "routers")
-
-
 def stacked(ffn):
-    """A jitted step over every layer (each its own weights and routing; `gate_up`,
-    `down` and `routers` lists of per-layer arrays), the outputs summed so none is dead
-    code."""
-    def run(x, logits, weights, ids, gate_up, down, hidden, norm, routers):
-        return sum(ffn(x, logits[n], weights[n], ids[n], gate_up[n], down[n], hidden, norm,
-                       routers[n])
+    """A jitted step over every layer (each its own weights and routing; `gate_up` and
+    `down` lists of per-layer arrays), the outputs summed so none is dead code."""
+    def run(x, logits, weights, ids, gate_up, down):
+        return sum(ffn(x, logits[n], weights[n], ids[n], gate_up[n], down[n])
                    for n in range(weights.shape[0]))
     return jax.jit(run)
 
 
 def bodies(interpret: bool, top_k: int, block_sizes: gpu.BlockSizes | None = None) -> dict:
-    """name -> per-layer function of (x, logits, weights, ids, gate_up, down, hidden, norm,
-    router)."""
-    def kernel_only(x, lg, w, ids, gu, dn, *_):
+    """name -> per-layer function of (x, logits, weights, ids, gate_up, down)."""
+    def kernel_only(x, lg, w, ids, gu, dn):
         slots = routed_slots(w, ids, 0, gu.shape[0])
         return gpu.moe_small(x, gu, dn, *slots, block_sizes=block_sizes, interpret=interpret)
 
-    def norm_logits_kernel(x, lg, w, ids, gu, dn, hidden, norm, router):
-        xn = rms_norm(hidden, norm, EPS)
-        logits = jnp.einsum("th,eh->te", xn, router, preferred_element_type=jnp.float32)
-        return routed_logits_kernel(xn, logits, gu, dn, top_k, True, interpret=interpret)
-
     out = {"kernel_only": kernel_only}
     if block_sizes is None:
-        out = {"loop": lambda x, lg, w, ids, gu, dn, *_: routed_expert_ffn(x, w, ids, gu, dn),
-               "kernel": lambda x, lg, w, ids, gu, dn, *_: routed_expert_kernel(
-                   x, w, ids, gu, dn, interpret=interpret),
-               "route_kernel": lambda x, lg, w, ids, gu, dn, *_: routed_expert_kernel(
+        out = {"loop": lambda x, lg, *a: routed_expert_ffn(x, *a),
+               "kernel": lambda x, lg, *a: routed_expert_kernel(x, *a, interpret=interpret),
+               "route_kernel": lambda x, lg, w, ids, gu, dn: routed_expert_kernel(
                    x, *route(lg, top_k, True), gu, dn, interpret=interpret),
-               "logits_kernel": lambda x, lg, w, ids, gu, dn, *_: routed_logits_kernel(
-                   x, lg, gu, dn, top_k, True, interpret=interpret),
-               "norm_logits_kernel": norm_logits_kernel,
-               "hidden_kernel": lambda x, lg, w, ids, gu, dn, hidden, norm, router:
-                   routed_hidden_kernel(hidden, norm, router, EPS, gu, dn, top_k, True,
-                                        interpret=interpret),
-               **out}
+               "logits_kernel": lambda x, lg, w, ids, gu, dn: routed_logits_kernel(
+                   x, lg, gu, dn, top_k, True, interpret=interpret), **out}
     return out
 
 
 def bench_rows(args: argparse.Namespace, t: int, bw: float) -> dict:
     data = make_layers(args, t)
-    operands = tuple(data[k] for k in OPERANDS)
+    operands = (data["x"], data["logits"], data["weights"], data["ids"], data["gate_up"],
+                data["down"])
     itemsize = jnp.dtype(args.dtype).itemsize
     distinct = [int(np.unique(np.asarray(data["ids"][n])).size) for n in range(args.layers)]
     roofline = sum(distinct) * 3 * args.hidden * args.inter * itemsize / bw / args.layers
     row = {"tokens": t, "distinct_experts_per_layer": float(np.mean(distinct)),
            "roofline_us": roofline * 1e6, "bodies": {}}
     timed = dict(iters=args.iters, reps=args.reps)
-    fns = {name: stacked(f) for name, f in bodies(args.small, args.top_k).items()
-           if name != "hidden_kernel" or t <= routing.NORM_ROUTE_MAX_TOKENS}
+    fns = {name: stacked(f) for name, f in bodies(args.small, args.top_k).items()}
     want = np.asarray(fns["loop"](*operands), np.float32)
     scale = float(np.abs(want).max())
     bound = (2 ** -7 if itemsize == 2 else 1e-5) * scale * args.layers

@@ -71,9 +71,7 @@ from jax.sharding import PartitionSpec as P
 from jaxllm.errors import ParameterError
 from jaxllm.layers.grouped_matmul import GroupedMatmul, default_grouped_matmul
 from jaxllm.layers.linear import make_param
-from jaxllm.layers.norm import rms_norm
 from jaxllm.layers.quant import quantize_traced
-from pallas_kernels.moe_small.routing import NORM_ROUTE_MAX_TOKENS
 
 _shard_map = getattr(jax, "shard_map", None)
 if _shard_map is None:  # jax < 0.7
@@ -119,13 +117,6 @@ def small_step_kernel(mesh: Mesh | None = None) -> str:
                                  f"must be one of {', '.join(SMALL_KERNELS)}, got {chosen!r}")
         return chosen
     return "pallas" if _platform(mesh) == "gpu" else "loop"
-
-
-def norm_route_enabled() -> bool:
-    """Whether the fused small step also takes the layer's input norm and router product
-    (`routed_hidden_kernel`): `JAXLLM_MOE_NORM_ROUTE=0` keeps them in XLA (a device A/B
-    knob), on otherwise."""
-    return os.environ.get("JAXLLM_MOE_NORM_ROUTE", "1") != "0"
 
 
 def _platform(mesh: Mesh | None) -> str:
@@ -242,21 +233,6 @@ def routed_logits_kernel(x: jax.Array, logits: jax.Array, gate_up: jax.Array,
                                      first_expert, num_tokens, interpret=interpret)
 
 
-def routed_hidden_kernel(h: jax.Array, norm: jax.Array, router: jax.Array, eps: float,
-                         gate_up: jax.Array, down: jax.Array, top_k: int, renormalize: bool,
-                         first_expert: jax.Array | int = 0,
-                         num_tokens: jax.Array | int | None = None,
-                         interpret: bool = False) -> jax.Array:
-    """`routed_logits_kernel` of `rms_norm(h, norm, eps)` and its router logits, from the
-    un-normed `h`: the norm, the router's product and the routing one kernel
-    (pallas_kernels/moe_small/routing.py's `norm_route_slots`), the gate/up kernel
-    applying the norm to its own chunks of `h`."""
-    from pallas_kernels.moe_small import gpu
-
-    return gpu.moe_small_from_hidden(h, norm, eps, router, gate_up, down, top_k, renormalize,
-                                     first_expert, num_tokens, interpret=interpret)
-
-
 def expert_ffn(x: jax.Array, weights: jax.Array, ids: jax.Array, gate_up: jax.Array,
                down: jax.Array, gmm: GroupedMatmul, first_expert: jax.Array | int = 0,
                method: Any = None, gate_up_scale: jax.Array | None = None,
@@ -305,9 +281,6 @@ class SparseMoE(nnx.Module):
     """The routed experts of one layer; `mesh` (several 'model' devices) makes them
     expert parallel."""
 
-    # The decoder may hand it the un-normed input with the norm (`__call__`'s `norm`).
-    takes_norm = True
-
     def __init__(self, *, num_experts: int, top_k: int, intermediate_size: int,
                  hidden_size: int, renormalize: bool, dtype: jnp.dtype, rngs: nnx.Rngs,
                  gmm: GroupedMatmul | None = None, mesh: Mesh | None = None,
@@ -337,14 +310,12 @@ class SparseMoE(nnx.Module):
              make_param(rngs, (), jnp.float32, P(), "ones")) if static else (None, None))
 
     def __call__(self, x: jax.Array, residual: jax.Array | None,
-                 num_tokens: jax.Array | None = None,
-                 norm: tuple[jax.Array, float] | None = None) -> jax.Array:
+                 num_tokens: jax.Array | None = None) -> jax.Array:
         """`residual` plus the experts' weighted output for the normed input `x` (the
         output alone when `residual` is None), as the decoder calls every MLP. Rows
-        from `num_tokens` on (the step's padding; None: none) get no expert output.
-        `norm` (an RMSNorm's weight and eps, `takes_norm`): `x` is not normed yet and
-        the layer applies the norm itself, inside its kernels where the fused small
-        step runs (`routed_hidden_kernel`)."""
+        from `num_tokens` on (the step's padding; None: none) get no expert output."""
+        logits = jnp.einsum("th,eh->te", x, self.router[...],
+                            preferred_element_type=jnp.float32)
         experts = (self.gate_up_proj[...], self.down_proj[...])
         if self.method is not None:
             experts += (self.gate_up_proj_scale[...], self.down_proj_scale[...])
@@ -355,23 +326,10 @@ class SparseMoE(nnx.Module):
         small = x.shape[0] <= self.small_tokens  # static: the step's bucket
         tp = 1 if self.mesh is None else self.mesh.shape["model"]
         fused = small and self._fused(x, experts[0].shape[0] // tp, *experts[0].shape[2:])
-        from_hidden = (fused and norm is not None and norm_route_enabled()
-                       and x.shape[0] <= NORM_ROUTE_MAX_TOKENS)
-        if norm is not None and not from_hidden:
-            x = rms_norm(x, norm[0], norm[1])
-        if from_hidden:  # the norm, the router's product and the routing in the kernels
-            routing = (norm[0], self.router[...])
-        else:
-            logits = jnp.einsum("th,eh->te", x, self.router[...],
-                                preferred_element_type=jnp.float32)
-            # The fused path routes inside its kernels; the others take `route`'s pairs.
-            routing = logits if fused else route(logits, self.top_k, self.renormalize)
+        # The fused path routes inside its kernels; the others take `route`'s pairs.
+        routing = logits if fused else route(logits, self.top_k, self.renormalize)
 
         def ffn(x, routing, statics, num_tokens, *experts, first=0):
-            if from_hidden:
-                return routed_hidden_kernel(x, *routing, norm[1], *experts[:2], self.top_k,
-                                            self.renormalize, first, num_tokens,
-                                            self.kernel_interpret)
             if fused:
                 return routed_logits_kernel(x, routing, *experts[:2], self.top_k,
                                             self.renormalize, first, num_tokens,

@@ -83,11 +83,8 @@ def sparse_moe(arch: DecoderArch, layer: int, *, dtype: jnp.dtype, rngs: nnx.Rng
 # `mlp(x, residual, num_tokens)` -> `residual + mlp(x)` (`mlp(x)` when residual is
 # None), `num_tokens` the rows of `x` that are the step's tokens, the rest padding
 # whose output nothing reads (the experts skip them; a dense MLP computes them);
-# its checkpoint tensors are decoder_weights.MLP_WEIGHTS[kind]. An MLP whose `takes_norm`
-# is true is called `mlp(x, residual, num_tokens, norm=(weight, eps))` with `x` un-normed
-# and applies its input RMSNorm itself (the MoE's fused small step folds it into its
-# kernels). `mesh`: the mesh the attention is split over (layers/attention_sharded.py;
-# None on one device).
+# its checkpoint tensors are decoder_weights.MLP_WEIGHTS[kind]. `mesh`: the mesh the
+# attention is split over (layers/attention_sharded.py; None on one device).
 MLP_FACTORIES: dict[str, Callable[..., nnx.Module]] = {"dense": dense_mlp, "moe": sparse_moe}
 
 
@@ -181,9 +178,6 @@ class DecoderLayer(nnx.Module):
         num_tokens = md.cu_q_lens[-1] if rows is None else md.num_seqs[0]
         if self.sandwich:
             return x + norm(self.mlp(norm(x, 2), None, num_tokens), 3), kv_cache
-        if getattr(self.mlp, "takes_norm", False) and not self.offset:
-            # The MLP applies its input norm itself (inside its kernels where it can).
-            return self.mlp(x, x, num_tokens, norm=(norms[1], self.eps)), kv_cache
         return self.mlp(norm(x, 1), x, num_tokens), kv_cache
 
 

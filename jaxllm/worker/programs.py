@@ -36,7 +36,7 @@ from tqdm.auto import tqdm
 from jaxllm.config import EngineConfig, compilation_cache_dir
 from jaxllm.layers.attention_backend import qkv_kernel_enabled
 from jaxllm.layers.grouped_matmul import default_grouped_matmul
-from jaxllm.layers.moe import norm_route_enabled, small_step_kernel, small_token_limit
+from jaxllm.layers.moe import small_step_kernel, small_token_limit
 from jaxllm.layers.quant import fp8_weight_only_tokens, xla_compiler_options
 from jaxllm.lora.layers import set_lora_masks
 from jaxllm.sample.metadata import SamplingMetadata, variant_metadata
@@ -162,7 +162,7 @@ def aot_context(config: EngineConfig, attn_backend: Any, swiglu: Any,
                                        if (mc.quantization or "").startswith("fp8") else None),
             # Mixture-of-experts bodies chosen by environment knobs (layers/moe.py).
             "moe": [default_grouped_matmul(mesh).kernel, small_token_limit(mesh),
-                    small_step_kernel(mesh), norm_route_enabled()],
+                    small_step_kernel(mesh)],
             # The GPU bodies' q/k norm, rotary and K/V write kernel, or XLA's ops.
             "qkv_kernel": qkv_kernel_enabled(),
             # An EAGLE head's capture changes the forward's outputs (absent: none).

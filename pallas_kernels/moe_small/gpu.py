@@ -93,14 +93,10 @@ def default_block_sizes(hidden: int, inter: int) -> BlockSizes:
                       down_splits=8, num_warps=2)
 
 
-def _gate_up_kernel(experts_ref, count_ref, x_ref, *refs, block_n: int, block_k: int,
-                    hidden: int, normed: bool):
-    # normed: x is `h * w` (the residual stream times the norm's weight) and the norm's
-    # per-row factor `[rows]` comes first, applied to the products (`moe_small_from_hidden`).
-    scale_ref, gate_up_ref, h_ref = refs if normed else (None, *refs)
+def _gate_up_kernel(experts_ref, count_ref, x_ref, gate_up_ref, h_ref, *, block_n: int,
+                    block_k: int, hidden: int):
     u, j = pl.program_id(0), pl.program_id(1)
     tokens, rows = x_ref.shape[0], h_ref.shape[1]
-    dtype = h_ref.dtype
 
     @pl.when(u < count_ref[0])
     def _compute():
@@ -122,10 +118,8 @@ def _gate_up_kernel(experts_ref, count_ref, x_ref, *refs, block_n: int, block_k:
 
         zero = jnp.zeros((rows, block_n), jnp.float32)
         gate, up = lax.fori_loop(0, hidden // block_k, chunk, (zero, zero))
-        if normed:  # the norm's factor, one per row, outside the products
-            scale = scale_ref[...][:, None]
-            gate, up = gate * scale, up * scale
         # Rounded to the model dtype first, as the unfused products are.
+        dtype = h_ref.dtype
         gate, up = gate.astype(dtype).astype(jnp.float32), up.astype(dtype).astype(jnp.float32)
         h_ref[u, :, cols] = (gate / (1.0 + jnp.exp(-gate)) * up).astype(dtype)
 
@@ -198,25 +192,6 @@ def moe_small_from_logits(x: jax.Array, logits: jax.Array, gate_up: jax.Array,
     return _experts(x, gate_up, down, *slots, block_sizes, interpret)
 
 
-def moe_small_from_hidden(h: jax.Array, norm: jax.Array, eps: float, router: jax.Array,
-                          gate_up: jax.Array, down: jax.Array, top_k: int, renormalize: bool,
-                          first_expert: jax.Array | int = 0,
-                          num_tokens: jax.Array | int | None = None, *,
-                          block_sizes: BlockSizes | None = None,
-                          interpret: bool = False) -> jax.Array:
-    """`moe_small_from_logits` of `rms_norm(h, norm, eps)` and its router logits, from the
-    residual stream `h [T, H]` (model dtype), `norm [H]` and `router [E, H]`: the norm,
-    the router's product and the routing in one kernel (routing.py's
-    `norm_route_slots`, which also writes `h * norm`), and the gate/up kernel scaling its
-    products by the norm's per-row factor, so the layer runs three kernels where XLA's
-    norm and router product add three more. `[T, H]` float32."""
-    t = h.shape[0]
-    *slots, scale, hw = routing.norm_route_slots(h, norm, router, eps, top_k, renormalize,
-                                                 gate_up.shape[0], _rows(t), first_expert,
-                                                 num_tokens, interpret=interpret)
-    return _experts(hw, gate_up, down, *slots, block_sizes, interpret, scale=scale)
-
-
 def _rows(tokens: int) -> int:
     """The kernels' row count: a power of two of at least one tensor-core tile."""
     return max(MIN_TILE, pl.next_power_of_2(tokens))
@@ -224,12 +199,9 @@ def _rows(tokens: int) -> int:
 
 def _experts(x: jax.Array, gate_up: jax.Array, down: jax.Array, experts: jax.Array,
              count: jax.Array, w: jax.Array, mask: jax.Array,
-             block_sizes: BlockSizes | None, interpret: bool,
-             scale: jax.Array | None = None) -> jax.Array:
+             block_sizes: BlockSizes | None, interpret: bool) -> jax.Array:
     """The two expert kernels over slot tables already padded to `_rows(T)` rows: `w`
-    float32 and `mask` int32, `[U, rows]`; `count` int32 `[1]`. `scale` (`[rows]`
-    float32): a factor per row for the gate/up products (an RMSNorm's, `x` being the
-    un-normed input times the norm's weight)."""
+    float32 and `mask` int32, `[U, rows]`; `count` int32 `[1]`."""
     t, hidden = x.shape
     inter = gate_up.shape[2]
     slots = experts.shape[0]
@@ -248,11 +220,11 @@ def _experts(x: jax.Array, gate_up: jax.Array, down: jax.Array, experts: jax.Arr
 
     h = pl.pallas_call(
         functools.partial(_gate_up_kernel, block_n=bs.block_n, block_k=bs.block_k,
-                          hidden=hidden, normed=scale is not None),
+                          hidden=hidden),
         out_shape=jax.ShapeDtypeStruct((slots, rows, inter), gate_up.dtype),
         grid=(slots, inter // bs.block_n),
         compiler_params=params, interpret=interpret, name="moe_small_gate_up",
-    )(experts, count, x.astype(gate_up.dtype), *(() if scale is None else (scale,)), gate_up)
+    )(experts, count, x.astype(gate_up.dtype), gate_up)
     out = pl.pallas_call(
         functools.partial(_down_kernel, block_h=bs.block_h, block_k=bs.block_k_down,
                           inter=inter, splits=bs.down_splits),

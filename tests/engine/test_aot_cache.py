@@ -131,7 +131,6 @@ def test_the_context_follows_the_moe_fp8_and_qkv_knobs(model_dir, monkeypatch):
     for monkeypatch_env, quantization in [
             ({"JAXLLM_MOE_SMALL_TOKENS": "0"}, None),
             ({"JAXLLM_MOE_SMALL_KERNEL": "pallas"}, None),
-            ({"JAXLLM_MOE_NORM_ROUTE": "0"}, None),
             ({"JAXLLM_MOE_KERNEL": "tiled"}, None),
             ({"JAXLLM_QKV_KERNEL": "0"}, None),
             ({"JAXLLM_FP8_WEIGHT_ONLY_TOKENS": "0"}, "fp8")]:

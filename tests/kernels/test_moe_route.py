@@ -18,7 +18,6 @@ from flax import nnx
 from jax.experimental import pallas as pl
 
 from jaxllm.layers.moe import SparseMoE, route, routed_expert_kernel, routed_slots
-from jaxllm.layers.norm import rms_norm
 from pallas_kernels.moe_small import gpu, routing
 from tests.layers.test_moe import _draw
 
@@ -103,9 +102,6 @@ def test_bad_routing_arguments_are_refused():
         routing.route_slots(logits, 9, True, 8, 16, interpret=True)
     with pytest.raises(ValueError, match="rows=12 must be a power of two"):
         routing.route_slots(logits, 2, True, 8, 12, interpret=True)
-    h, router = np.zeros((17, 32), np.float32), np.zeros((8, 32), np.float32)
-    with pytest.raises(ValueError, match="17 rows: at most 16"):
-        routing.norm_route_slots(h, h[0], router, 1e-6, 2, True, 8, 32, interpret=True)
 
 
 @pytest.mark.parametrize("t,k,renormalize,n,first", [(1, 2, True, 1, 0), (5, 3, False, 4, 4),
@@ -150,97 +146,3 @@ def test_the_layers_small_step_lowers_for_cuda_with_no_sort():
     assert len(re.findall(r"custom_call @__gpu\$xla\.gpu\.triton", text)) == 3
     assert "moe_small_route" in text
     assert "sort" not in text and "stablehlo.while" not in text
-
-
-def _hidden(t, h, n, seed):
-    """A residual stream of `t` rows (NaN from row `n` on) and an RMSNorm weight."""
-    rng = np.random.default_rng(seed)
-    x = (3 * rng.normal(size=(t, h))).astype(np.float32)
-    x[n:] = np.nan
-    return x, (1 + 0.2 * rng.normal(size=h)).astype(np.float32)
-
-
-@pytest.mark.parametrize("t,e,k,renormalize,n,first,local,ties",
-                         [c for c in CASES if c[0] <= routing.NORM_ROUTE_MAX_TOKENS])
-def test_norm_route_kernel_gives_the_slots_of_the_normed_inputs_logits(
-        t, e, k, renormalize, n, first, local, ties):
-    """`norm_route_slots` (norm, router product and routing in one kernel, the norm's
-    factor deferred past the product, partial sums written by 64-column programs and
-    summed by the last to take its ticket) against `route_slots` of XLA's `rms_norm` and
-    router einsum in float32: the same experts, count and mask, weights to float32
-    rounding, rms_norm's factor and `h * w`."""
-    del ties  # the logits here come from a product; ties are the route kernel's cases
-    h = 128
-    x, norm = _hidden(t, h, n, seed=t * e + k)
-    # Logits of order one: float32 sums in another order move them by ~1e-7 each.
-    router = (np.random.default_rng(e + k).normal(size=(e, h)) / np.sqrt(h)).astype(np.float32)
-    rows, eps = _rows(t), 1e-6
-    got = jax.jit(lambda x, w, r, f, m: routing.norm_route_slots(
-        x, w, r, eps, k, renormalize, local, rows, f, m, interpret=_interpret()))(
-        x, norm, router, first, n)
-    logits = jnp.einsum("th,eh->te", rms_norm(jnp.asarray(x), jnp.asarray(norm), eps), router,
-                        precision="highest")
-    want = routing.route_slots(logits, k, renormalize, local, rows, first, n,
-                               interpret=_interpret())
-    *slots, scale, hw = map(np.asarray, got)
-    for g, w in zip(slots[:2] + slots[3:], want[:2] + want[3:], strict=True):
-        np.testing.assert_array_equal(g, np.asarray(w))
-    np.testing.assert_allclose(slots[2], np.asarray(want[2]), rtol=1e-5, atol=1e-7)
-    x64 = x[:n].astype(np.float64)
-    assert scale.shape == (rows,)
-    np.testing.assert_allclose(scale[:n], 1 / np.sqrt((x64 ** 2).mean(1) + eps), rtol=1e-6)
-    np.testing.assert_array_equal(hw[:n], x[:n] * norm)  # the gate/up kernel's input
-
-
-@pytest.mark.parametrize("t,n,first,dtype", [(1, 1, 0, jnp.float32), (4, 3, 4, jnp.float32),
-                                             (16, 13, 0, jnp.float32),
-                                             (3, 3, 0, jnp.bfloat16)])
-def test_kernels_from_the_hidden_state_equal_the_kernels_from_the_normed_logits(t, n, first,
-                                                                                dtype):
-    """`moe_small_from_hidden` (the norm's factor applied to the gate/up products) equals
-    `moe_small_from_logits` fed XLA's `rms_norm` and router product: float32 to rounding;
-    bfloat16 within a bf16 rounding of the output's scale (the gate/up input is rounded
-    as `h * w` rather than as `w * (h * factor)`)."""
-    k, e, h = 2, 8, 32
-    _, _, _, gate_up, down = _draw(t=t, e=e, k=k, h=h, i=48, seed=t + 3)
-    x, norm = _hidden(t, h, n, seed=t)
-    router = (0.1 * np.random.default_rng(t).normal(size=(e, h))).astype(np.float32)
-    local = 4 if first else 8
-    gate_up, down = gate_up[first:first + local], down[first:first + local]
-    x, norm, router, gate_up, down = (jnp.asarray(a, dtype)
-                                      for a in (x, norm, router, gate_up, down))
-    got = np.asarray(jax.jit(lambda *a: gpu.moe_small_from_hidden(
-        a[0], a[1], 1e-6, *a[2:], k, True, first, n, interpret=_interpret()))(
-        x, norm, router, gate_up, down))
-    xn = rms_norm(x, norm, 1e-6)
-    logits = jnp.einsum("th,eh->te", xn, router, preferred_element_type=jnp.float32,
-                        precision="highest")
-    want = np.asarray(jax.jit(lambda *a: gpu.moe_small_from_logits(
-        *a, k, True, first, n, interpret=_interpret()))(xn, logits, gate_up, down))
-    assert np.abs(want[:n]).max() > 0.1 and not got[n:].any()
-    atol = 1e-5 if dtype == jnp.float32 else 2e-2 * np.abs(want[:n]).max()
-    np.testing.assert_allclose(got[:n], want[:n], rtol=0, atol=atol)
-
-
-def test_the_layers_small_step_from_the_hidden_state_lowers_for_cuda():
-    """Given its norm, the layer's small step at the Qwen3-30B-A3B shape lowers for CUDA as
-    three Triton calls (norm and routing, gate/up, down) with no product, sort or loop
-    around them."""
-    t, e, h, i = 16, 128, 2048, 768
-
-    def make():
-        layer = SparseMoE(num_experts=e, top_k=8, intermediate_size=i, hidden_size=h,
-                          renormalize=True, dtype=jnp.bfloat16, rngs=nnx.Rngs(0))
-        layer.small_kernel, layer.kernel_interpret = "pallas", False
-        return layer
-
-    graphdef, state = nnx.split(nnx.eval_shape(make))
-    step = jax.jit(lambda s, x, n, w: nnx.merge(graphdef, s)(x, x, n, norm=(w, 1e-6)))
-    text = step.trace(state, jax.ShapeDtypeStruct((t, h), jnp.bfloat16),
-                      jax.ShapeDtypeStruct((), jnp.int32),
-                      jax.ShapeDtypeStruct((h,), jnp.bfloat16)).lower(
-        lowering_platforms=("cuda",)).as_text()
-    assert len(re.findall(r"custom_call @__gpu\$xla\.gpu\.triton", text)) == 3
-    assert "moe_small_norm_route" in text
-    assert "stablehlo.dot_general" not in text and "sort" not in text
-    assert "stablehlo.while" not in text

@@ -25,9 +25,7 @@ from jaxllm.layers.moe import (
     small_step_kernel,
     small_token_limit,
 )
-from jaxllm.layers.norm import rms_norm
 from jaxllm.layers.quant import Fp8Linear, linear_method, quantize_per_channel
-from pallas_kernels.moe_small.routing import NORM_ROUTE_MAX_TOKENS
 from tests.layers.test_moe import (
     QUANTIZED_EXPERTS,
     _draw,
@@ -233,44 +231,3 @@ def test_expert_parallel_fused_kernel_equals_one_device_loop(monkeypatch):
     assert np.abs(np.asarray(want)[:6] - 1).max() > 1e-3
     np.testing.assert_allclose(np.asarray(got), np.asarray(want), rtol=0, atol=1e-5)
     np.testing.assert_array_equal(np.asarray(got)[6:], 1.0)
-
-
-def _call_normed(layer, x, residual, num_tokens, norm_weight, eps=1e-5):
-    """`_call` with the layer given the un-normed `x` and its input norm."""
-    graphdef, state = nnx.split(layer)
-    if layer.mesh is not None:
-        state = jax.device_put(nnx.to_pure_dict(state), param_shardings(state, layer.mesh))
-    fn = jax.jit(lambda s, *a: nnx.merge(graphdef, s)(*a[:3], norm=(a[3], eps)))
-    args = (state, x, residual, num_tokens, norm_weight)
-    return fn(*args), jax.make_jaxpr(fn)(*args)
-
-
-@pytest.mark.parametrize("tp,fold,t", [(1, "1", 4), (1, "0", 4), (1, "1", 16),
-                                       pytest.param(2, "1", 4, marks=pytest.mark.slow)])
-def test_layer_given_its_norm_equals_the_loop_on_the_normed_input(tp, fold, t, monkeypatch):
-    """`norm=(weight, eps)` with the un-normed input: a fused small step folds the norm
-    and the router's product into its kernels (three pallas_calls, no product or
-    reduction of the input outside them; `JAXLLM_MOE_NORM_ROUTE=0` keeps both in XLA),
-    and equals the loop fed `rms_norm(x)`, padding rows (NaN here) untouched, at tp 1 and
-    on two fake devices."""
-    monkeypatch.setenv("JAXLLM_MOE_SMALL_KERNEL", "loop")
-    looped = _layers()
-    monkeypatch.setenv("JAXLLM_MOE_SMALL_KERNEL", "pallas")
-    monkeypatch.setenv("JAXLLM_MOE_NORM_ROUTE", fold)
-    fused = _layers(mesh=make_mesh(tp) if tp > 1 else None)
-    rng = np.random.default_rng(9)
-    n = t - 1
-    x = 3 * rng.normal(size=(t, 32)).astype(np.float32)
-    x[n:] = np.nan
-    x = jnp.asarray(x)
-    norm_weight = jnp.asarray(1 + 0.2 * rng.normal(size=32), jnp.float32)
-    residual = jnp.ones_like(x)
-    want, _ = _call(looped, rms_norm(x, norm_weight, 1e-5), residual, jnp.int32(n))
-    got, jaxpr = _call_normed(fused, x, residual, jnp.int32(n), norm_weight)
-    ops = _outside_kernels(jaxpr.jaxpr)
-    assert ops.count("pallas_call") == 3 and "while" not in ops and "top_k" not in ops
-    folded = fold == "1" and t <= NORM_ROUTE_MAX_TOKENS
-    assert ("dot_general" in ops or "rsqrt" in ops) != folded
-    assert np.abs(np.asarray(want)[:n] - 1).max() > 1e-3
-    np.testing.assert_allclose(np.asarray(got)[:n], np.asarray(want)[:n], rtol=0, atol=1e-5)
-    np.testing.assert_array_equal(np.asarray(got)[n:], 1.0)
