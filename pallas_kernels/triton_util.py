@@ -6,7 +6,6 @@ the installed JAX names."""
 from __future__ import annotations
 
 import inspect
-import os
 
 import jax
 import jax.numpy as jnp
@@ -44,18 +43,3 @@ def compiler_params(num_warps: int, num_stages: int):
     if cls is not None:
         return cls(num_warps=num_warps, num_stages=num_stages)
     return dict(triton=dict(num_warps=num_warps, num_stages=num_stages))
-
-
-def dependent_launch(x: jax.Array) -> jax.Array:
-    """`x` (an int32 scalar the program's work depends on) once the program has waited
-    for the kernels before it (`griddepcontrol.wait`) and let the next kernel launch
-    (`griddepcontrol.launch_dependents`): a scratch knob, JAXLLM_PDL_ASM=1."""
-    if os.environ.get("JAXLLM_PDL_ASM") != "1":
-        return x
-    # A one-element tensor (every thread holds it, so every thread runs the asm), back
-    # to a scalar by a reduction.
-    out = plt.elementwise_inline_asm(
-        "griddepcontrol.wait;\n\tgriddepcontrol.launch_dependents;\n\tmov.b32 $0, $1;",
-        args=[jnp.broadcast_to(x, (1,))], constraints="=r,r", pack=1,
-        result_shape_dtypes=[jax.ShapeDtypeStruct((1,), jnp.int32)])[0]
-    return jnp.max(out)

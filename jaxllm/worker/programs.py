@@ -165,7 +165,6 @@ def aot_context(config: EngineConfig, attn_backend: Any, swiglu: Any,
                     small_step_kernel(mesh)],
             # The GPU bodies' q/k norm, rotary and K/V write kernel, or XLA's ops.
             "qkv_kernel": qkv_kernel_enabled(),
-            "pdl_asm": os.environ.get("JAXLLM_PDL_ASM"),  # scratch knob
             # An EAGLE head's capture changes the forward's outputs (absent: none).
             **({"capture": list(head.capture)} if (head := config.eagle_head) else {})}
 

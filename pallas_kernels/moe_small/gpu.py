@@ -42,7 +42,6 @@ from jax.experimental import pallas as pl
 
 from pallas_kernels.moe_small import routing
 from pallas_kernels.triton_util import compiler_params as _compiler_params
-from pallas_kernels.triton_util import dependent_launch as _dependent_launch
 from pallas_kernels.triton_util import dot_t as _dot_t
 from pallas_kernels.triton_util import load as _load
 
@@ -96,7 +95,7 @@ def default_block_sizes(hidden: int, inter: int) -> BlockSizes:
 
 def _gate_up_kernel(experts_ref, count_ref, x_ref, gate_up_ref, h_ref, *, block_n: int,
                     block_k: int, hidden: int):
-    u, j = _dependent_launch(pl.program_id(0)), pl.program_id(1)
+    u, j = pl.program_id(0), pl.program_id(1)
     tokens, rows = x_ref.shape[0], h_ref.shape[1]
 
     @pl.when(u < count_ref[0])
@@ -127,7 +126,7 @@ def _gate_up_kernel(experts_ref, count_ref, x_ref, gate_up_ref, h_ref, *, block_
 
 def _down_kernel(experts_ref, count_ref, w_ref, mask_ref, h_ref, down_ref, o_ref, *,
                  block_h: int, block_k: int, inter: int, splits: int):
-    j, s = _dependent_launch(pl.program_id(0)), pl.program_id(1)
+    j, s = pl.program_id(0), pl.program_id(1)
     rows = h_ref.shape[1]
     cols = pl.ds(pl.multiple_of(j * block_h, block_h), block_h)
     chunks = inter // block_k

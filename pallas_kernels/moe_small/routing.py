@@ -32,7 +32,6 @@ from jax import lax
 from jax.experimental import pallas as pl
 
 from pallas_kernels.triton_util import compiler_params as _compiler_params
-from pallas_kernels.triton_util import dependent_launch as _dependent_launch
 from pallas_kernels.triton_util import load as _load
 from pallas_kernels.triton_util import store as _store
 
@@ -69,7 +68,7 @@ def _route_kernel(logits_ref, first_ref, tokens_ref, experts_ref, count_ref, w_r
         cand = jnp.where(hit, -jnp.inf, cand)
     weight = probs / total if renormalize else probs
 
-    first = _dependent_launch(first_ref[0])
+    first = first_ref[0]
     real = jnp.minimum(tokens_ref[0], t)
     expert = col - first
     kept = chosen & (row < real) & (expert >= 0) & (expert < local)

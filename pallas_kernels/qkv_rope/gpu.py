@@ -31,7 +31,6 @@ import jax.numpy as jnp
 from jax import lax
 from jax.experimental import pallas as pl
 
-from pallas_kernels import triton_util
 from pallas_kernels.triton_util import compiler_params as _compiler_params
 from pallas_kernels.triton_util import load as _load
 from pallas_kernels.triton_util import store as _store
@@ -47,7 +46,7 @@ def _kernel(pos_ref, slot_ref, off_ref, layer_ref, freq_ref, qkv_ref, norm_ref, 
             q_out_ref, cache_out_ref, *, group: int, kv_heads: int, page_size: int, eps: float,
             offset: bool, qk_norm: bool):
     del cache_ref  # aliased to cache_out_ref
-    t, h = triton_util.dependent_launch(pl.program_id(0)), pl.program_id(1)
+    t, h = pl.program_id(0), pl.program_id(1)
     d = qkv_ref.shape[1]
     half = d // 2
     gp = pl.next_power_of_2(group)

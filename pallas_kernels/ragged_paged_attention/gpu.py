@@ -48,7 +48,6 @@ from jax import lax
 from jax.experimental import pallas as pl
 
 # The shared cache layout and its update, re-exported: `gpu.write_kv`, `tpu.kv_cache_shape`.
-from pallas_kernels import triton_util
 from pallas_kernels.ragged_paged_attention.paged_layout import kv_cache_shape as kv_cache_shape
 from pallas_kernels.ragged_paged_attention.paged_layout import write_kv as write_kv
 from pallas_kernels.triton_util import compiler_params as _compiler_params
@@ -177,8 +176,7 @@ def _kernel(item_req_ref, item_tok_ref, cu_ref, kvlen_ref, pidx_ref, off_ref, q_
         out_refs = out_refs[1:]
     o_ref = out_refs[0]
     lse_ref = out_refs[1] if num_splits > 1 else None
-    item = triton_util.dependent_launch(pl.program_id(0))
-    h, split = pl.program_id(1), pl.program_id(2)
+    item, h, split = pl.program_id(0), pl.program_id(1), pl.program_id(2)
     rows = block_q * group
     head_dim = q_ref.shape[-1]
     r = item_req_ref[item]
@@ -431,7 +429,7 @@ def _call(b: BlockSizes, items: tuple[jax.Array, jax.Array], q, kv_cache, kv_len
 
 def _combine_kernel(o_ref, lse_ref, out_ref, *, head_dim: int):
     """One query row: its `[S, D]` partials and `[S]` log-sum-exps merged as `_combine`."""
-    r = triton_util.dependent_launch(pl.program_id(0))
+    r = pl.program_id(0)
     splits = lse_ref.shape[0]
     span = pl.next_power_of_2(splits)  # Triton tiles: splits past S read as empty
     s_col = lax.broadcasted_iota(jnp.int32, (span,), 0)
