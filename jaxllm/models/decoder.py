@@ -135,8 +135,7 @@ class DecoderAttention(nnx.Module):
         q, kv_cache = self.attn_backend.project_qkv(
             self.qkv_proj(x), positions, kv_cache, md, page_offset, rope=self.rope,
             qk_norms=qk_norms if self.qk_norm else None, layer=self.layer, eps=self.eps,
-            offset=self.offset,
-            kv_scale=kv_scale, write=write)
+            offset=self.offset, kv_scale=kv_scale, write=write)
         if rows is not None:
             q, residual, md = q[rows], residual[rows], md.last_queries()
         o = self.attn_backend.attend(q, kv_cache, md, sm_scale=self.sm_scale,

@@ -73,11 +73,10 @@ def _kernel(pos_ref, slot_ref, off_ref, layer_ref, freq_ref, qkv_ref, norm_ref, 
         ss = jnp.sum(x[0] * x[0], axis=1, keepdims=True) + jnp.sum(x[1] * x[1], axis=1,
                                                                    keepdims=True)
         r = lax.rsqrt(ss / d + eps)
+        row = jnp.full((1, half), 2 * layer_ref[0] + which, jnp.int32)
         out = []
         for k in (0, 1):
-            row = jnp.full((1, half), 2 * layer_ref[0] + which, jnp.int32)
-            w = _load(norm_ref, (row, kc + k * half))
-            w = w.astype(jnp.float32)
+            w = _load(norm_ref, (row, kc + k * half)).astype(jnp.float32)
             if offset:
                 out.append((x[k] * r * (1.0 + w)).astype(dtype).astype(jnp.float32))
             else:
@@ -101,7 +100,7 @@ def _kernel(pos_ref, slot_ref, off_ref, layer_ref, freq_ref, qkv_ref, norm_ref, 
 
     slot = slot_ref[t]
     page = slot // page_size + off_ref[0]
-    k_row = ((page * (2 * kv_heads) + 2 * h) * page_size + slot % page_size) + kr
+    k_row = (page * (2 * kv_heads) + 2 * h) * page_size + slot % page_size + kr
     cdt = cache_out_ref.dtype
     for i in (0, 1):
         _store(cache_out_ref, (k_row, kc + i * half), k[i].astype(cdt))
