@@ -68,6 +68,7 @@ def main(argv: list[str] | None = None) -> dict:
     from jaxllm import EngineArgs, RequestOutputKind, SamplingParams
     from jaxllm.engine.core import freeze_gc
     from jaxllm.engine.llm_engine import LLMEngine
+    from jaxllm.worker.programs import write_over
     from jaxllm.worker.step_inputs import unpack_step_inputs
 
     n = args.num_requests
@@ -90,12 +91,15 @@ def main(argv: list[str] | None = None) -> dict:
     num_reqs, width = runner.buckets.max_num_seqs, runner.buckets.max_blocks_per_req
     groups = runner.buckets.num_kv_groups
 
-    @functools.partial(jax.jit, donate_argnums=1)
-    def forward(state, kv, packed, prev_tokens):
+    def forward_core(state, kv, packed, prev_tokens):
         del state
         input_ids, *_, out_index = unpack_step_inputs(packed, num_reqs, width, groups)
         return (kv, jnp.zeros((input_ids.shape[0], 64), jnp.float32),
                 jnp.zeros((num_reqs, 64), jnp.float32), out_index)
+
+    @functools.partial(jax.jit, donate_argnums=(1, 4))
+    def forward(state, kv, packed, prev_tokens, out_bufs):
+        return write_over(out_bufs, forward_core(state, kv, packed, prev_tokens))
 
     @functools.partial(jax.jit, static_argnames="size")
     def sample(head, last_hidden, md, size):
@@ -109,7 +113,7 @@ def main(argv: list[str] | None = None) -> dict:
     # Instance attributes: they go with this engine, and later engines in the
     # process (a test's) sample for real.
     programs = runner.programs
-    programs.forward = forward
+    programs.set_forward(forward, forward_core)
     programs.executables = {}
     programs.sample_fn = sample
     # A small stand-in for the (one, all-layer) cache: the stub passes it through.

@@ -73,7 +73,9 @@ class StepHandle:
     layout_version: int  # InputBatch.layout_version at dispatch
     gen: np.ndarray  # [n] bool: a token is sampled for the request
     sampled: SamplerOutput | None  # ids padded to max_num_seqs rows, once sampled
-    last_hidden: jax.Array  # [max_num_seqs, hidden]: row i, request i's last token
+    # [max_num_seqs, hidden]: row i, request i's last token. The next forward of the
+    # same bucket donates it (programs.step_functions): read it only before that.
+    last_hidden: jax.Array
     pool_indices: list[int]  # requests whose pooled state is due
     pool_normalize: list[tuple[bool, int | None]]  # (normalize, dimensions) of each
     prompt_lp: tuple | None  # (device (ids, logprobs, ranks), {req_id: slice})
@@ -158,7 +160,7 @@ class ModelRunner:
         capture = config.eagle_head and config.eagle_head.capture  # what a head reads
         self.programs = StepPrograms(graphdef, jax.tree.structure(state), model.logits_head[...],
                                      model.head_logits, b, aot, capture,
-                                     bucket_compiler_options(config, self.mesh))
+                                     bucket_compiler_options(config, self.mesh), replicated)
         self.lora = LoRASlots.create(model, self.state, config.lora_config, self.programs)
         # What a verify program is built from (spec_verify.py; benchmarks make their own).
         self.graph = (graphdef, jax.tree.structure(state), model.head_logits)
@@ -258,6 +260,8 @@ class ModelRunner:
                                             int((q * kv - q * (q - 1) // 2).sum())))
         pool = (np.flatnonzero(ib.pools[rows] & so.samples).tolist()
                 if ib.pools[:ib.num_reqs].any() else [])
+        if pool and last_hidden is not None:  # a copy: the next forward takes the array
+            last_hidden = jnp.copy(last_hidden)
         knobs = [(p.normalize, p.dimensions) for p in (ib.pooling[rows[i]] for i in pool)]
         return StepHandle(req_ids, rows, ib.layout_version, gen, None, last_hidden, pool,
                           knobs, prompt_lp,

@@ -73,11 +73,18 @@ def last_layer_on_rows(num_tokens: int, num_reqs: int) -> bool:
     return num_tokens > num_reqs
 
 
+# The forward's outputs after the KV cache that run_forward writes over the bucket's
+# previous ones (states, last_hidden, out_index).
+NUM_OUT_BUFS = 3
+
+
 @functools.cache
 def step_functions(graphdef: Any, state_def: Any, head_logits: Any, num_reqs: int,
                    width: int, num_groups: int = 1,
-                   capture: tuple[int, ...] | None = None) -> tuple[Any, Any, Any, Any]:
-    """The jitted forward / sample / logits / prompt-logprobs for one model graph.
+                   capture: tuple[int, ...] | None = None,
+                   outputs_sharding: Any = None) -> tuple[Any, Any, Any, Any, Any]:
+    """The jitted forward / sample / logits / prompt-logprobs for one model graph, and
+    the forward's body unjitted (`forward_core`: its outputs' shapes).
 
     Cached per graph (and step-input layout) so that engines built on the same
     model in one process share compiled executables (the graph is closed over,
@@ -89,6 +96,14 @@ def step_functions(graphdef: Any, state_def: Any, head_logits: Any, num_reqs: in
     step (rare) takes all the weights: it may run the last layer again. With
     `capture` (an EAGLE head's, `DecoderForCausalLM.forward_captured`) the forward
     also returns what the head reads of every row.
+
+    The forward writes its first NUM_OUT_BUFS outputs over `out_bufs`, donated: the
+    bucket's outputs of its previous run (run_forward), placed by `outputs_sharding`.
+    XLA's command buffers hold every buffer's address, and an output that moves
+    between runs (a step's outputs are still alive when the next step launches) makes
+    XLA update the step's graph nodes before the launch; at a tensor-parallel decode
+    step that host work outlasted the devices' (BENCHMARKS.md, Several GPUs). Over the
+    donated buffers the outputs keep one address from run to run.
     """
 
     def on_rows(num_tokens: int) -> bool:
@@ -98,7 +113,7 @@ def step_functions(graphdef: Any, state_def: Any, head_logits: Any, num_reqs: in
     def merge(weights):
         return nnx.merge(graphdef, jax.tree.unflatten(state_def, weights))
 
-    def forward(weights, kv_cache, packed, prev_tokens, lora_slots=None):
+    def forward_core(weights, kv_cache, packed, prev_tokens, lora_slots=None):
         input_ids, positions, md, src, out_index = unpack_step_inputs(packed, num_reqs, width,
                                                                       num_groups)
         # Tokens sampled by the previous step that the host has not seen yet
@@ -123,6 +138,10 @@ def step_functions(graphdef: Any, state_def: Any, head_logits: Any, num_reqs: in
         # The sampler's output indices ride along, so that its keys need no host array.
         return kv_cache, states, last_hidden, out_index
 
+    def forward(weights, kv_cache, packed, prev_tokens, out_bufs, lora_slots=None):
+        return write_over(out_bufs, forward_core(weights, kv_cache, packed, prev_tokens,
+                                                 lora_slots), outputs_sharding)
+
     def logits(head, last_hidden, rows):
         return head_logits(head, last_hidden[:rows])
 
@@ -142,8 +161,29 @@ def step_functions(graphdef: Any, state_def: Any, head_logits: Any, num_reqs: in
         return compute_prompt_logprobs_chunked(lambda h: head_logits(head, h), hidden,
                                                targets, MAX_LOGPROBS, PROMPT_LOGPROBS_ROWS)
 
-    return (jax.jit(forward, donate_argnums=(1,)), jax.jit(sample, static_argnames="size"),
-            jax.jit(logits, static_argnames="rows"), jax.jit(prompt_logprobs))
+    return (jax.jit(forward, donate_argnums=(1, 4)), jax.jit(sample, static_argnames="size"),
+            jax.jit(logits, static_argnames="rows"), jax.jit(prompt_logprobs), forward_core)
+
+
+def write_over(out_bufs: tuple, outputs: tuple, sharding: Any = None) -> tuple:
+    """`outputs` (the KV cache, then the rest) with the first of the rest written over
+    `out_bufs`: each buffer is read, so tracing keeps the argument and its donation
+    aliases the output, but never selected; the output is placed by `sharding`."""
+    kv_cache, *rest = outputs
+    kept = []
+    for buf, value in zip(out_bufs, rest, strict=False):
+        value = jax.lax.select(jnp.zeros(value.shape, jnp.bool_), buf, value)
+        kept.append(value if sharding is None
+                    else jax.lax.with_sharding_constraint(value, sharding))
+    return (kv_cache, *kept, *rest[len(kept):])
+
+
+def out_buffer_specs(forward_core: Callable, args: tuple, sharding: Any
+                     ) -> tuple[jax.ShapeDtypeStruct, ...]:
+    """The shapes of `forward_core(*args)`'s outputs that the forward writes over its
+    `out_bufs` (step_functions), placed by `sharding`."""
+    outs = jax.eval_shape(forward_core, *args)[1:1 + NUM_OUT_BUFS]
+    return tuple(jax.ShapeDtypeStruct(o.shape, o.dtype, sharding=sharding) for o in outs)
 
 
 def aot_context(config: EngineConfig, attn_backend: Any, swiglu: Any,
@@ -188,14 +228,21 @@ class StepPrograms:
     def __init__(self, graphdef: Any, state_def: Any, head: jax.Array,
                  head_logits: Callable[..., jax.Array], buckets: Buckets,
                  aot_cache: ExecutableCache | None, capture: tuple[int, ...] | None = None,
-                 compiler_options: Callable[[int], dict[str, Any]] = lambda rows: {}):
+                 compiler_options: Callable[[int], dict[str, Any]] = lambda rows: {},
+                 outputs_sharding: Any = None):
         self.buckets = buckets
         # XLA options for a bucket's forward and prompt-logprobs programs, by its rows.
         self.compiler_options = compiler_options
         self.head = head  # the logits head, one of the weights (by reference)
-        self.forward, self.sample_fn, self.logits, self.prompt_logprobs = step_functions(
+        (self.forward, self.sample_fn, self.logits, self.prompt_logprobs,
+         self.forward_core) = step_functions(
             graphdef, state_def, head_logits, buckets.max_num_seqs, buckets.max_blocks_per_req,
-            buckets.num_kv_groups, capture)
+            buckets.num_kv_groups, capture, outputs_sharding)
+        self.outputs_sharding = outputs_sharding
+        # Each token bucket's forward outputs of its last run, written over by its next
+        # (step_functions); and one bucket's output shapes, the others' by their rows.
+        self._out_bufs: dict[int, tuple[jax.Array, ...]] = {}
+        self._out_specs: tuple[jax.ShapeDtypeStruct, ...] | None = None
         self.aot_cache = aot_cache
         self.executables: dict[tuple[str, int], Any] = {}
         # The forward's and prompt-logprobs' extra argument with LoRA on: each
@@ -203,11 +250,43 @@ class StepPrograms:
         self.lora_args: tuple = ()
         self.staged: StagedSampler = STAGED  # for steps `sample_fn` cannot take
 
-    def run_forward(self, *args: Any) -> tuple:
+    def run_forward(self, weights: Any, kv_cache: jax.Array, packed: Any,
+                    prev_tokens: jax.Array, *lora: Any) -> tuple:
         """(kv_cache, states, last_hidden, out_index) of `forward(weights, kv_cache,
-        packed, prev_tokens)`; the cache is donated."""
-        compiled = self.executables.get(("forward", args[2].shape[0]))
-        return (compiled or self.forward)(*args)
+        packed, prev_tokens)`; the cache is donated, and so are the bucket's outputs of
+        its previous run, whose arrays are deleted (step_functions)."""
+        size = packed.shape[0]  # the packed inputs' size: one per token bucket
+        bufs = self.out_buffers(weights, kv_cache, packed, prev_tokens, *lora)
+        compiled = self.executables.get(("forward", size))
+        outs = (compiled or self.forward)(weights, kv_cache, packed, prev_tokens, bufs, *lora)
+        self._out_bufs[size] = tuple(outs[1:1 + NUM_OUT_BUFS])
+        return outs
+
+    def set_forward(self, forward: Any, forward_core: Any) -> None:
+        """Runs `forward` (step_functions' contract; `forward_core` its body) from now on
+        in every bucket (a benchmark's stand-in)."""
+        self.forward, self.forward_core = forward, forward_core
+        self.executables = {k: v for k, v in self.executables.items() if k[0] != "forward"}
+        self._out_bufs, self._out_specs = {}, None
+
+    def out_buffers(self, weights: Any, kv_cache: jax.Array, packed: Any,
+                    prev_tokens: jax.Array, *lora: Any, tokens: int | None = None
+                    ) -> tuple[jax.Array, ...]:
+        """The buffers the next forward of `packed`'s bucket writes its outputs over: its
+        last run's outputs (taken: the run donates them), or zeros before its first.
+        `tokens`, the bucket's (precompile): its shapes without tracing once another
+        bucket's are known, as only the states' rows differ."""
+        bufs = self._out_bufs.pop(packed.shape[0], None)
+        if bufs is not None:
+            return bufs
+        if tokens is None or self._out_specs is None:
+            specs = out_buffer_specs(self.forward_core, (
+                weights, kv_cache, packed, prev_tokens, *lora), self.outputs_sharding)
+            self._out_specs = self._out_specs or specs
+        else:
+            first = self._out_specs[0]
+            specs = (first.update(shape=(tokens, *first.shape[1:])), *self._out_specs[1:])
+        return tuple(jnp.zeros(s.shape, s.dtype, device=s.sharding) for s in specs)
 
     def run_prompt_logprobs(self, *args: Any) -> tuple:
         compiled = self.executables.get(("prompt_logprobs", args[2].shape[0]))
@@ -254,9 +333,13 @@ class StepPrograms:
         for kind, arg in tqdm(jobs, desc="Precompiling buckets", unit="shape",
                               disable=os.environ.get("JAXLLM_NO_PROGRESS") == "1"):
             if kind == "forward":
-                args = (state, kv_cache, self.dummy_inputs(arg), no_prev, *self.lora_args)
-                self._load_or_compile("forward", self.forward, args, arg, donate_argnums=(1,))
-                kv_cache, states[arg], last_hidden, out_index, *_ = self.run_forward(*args)
+                args = (state, kv_cache, self.dummy_inputs(arg), no_prev)
+                bufs = self.out_buffers(*args, *self.lora_args, tokens=arg)
+                self._out_bufs[args[2].shape[0]] = bufs
+                self._load_or_compile("forward", self.forward, (*args, bufs, *self.lora_args),
+                                      arg, donate_argnums=(1, 4))
+                kv_cache, states[arg], last_hidden, out_index, *_ = self.run_forward(
+                    *args, *self.lora_args)
             elif kind == "sample":
                 # The one-program sampler for each mode, then the staged one's parts.
                 logits = self.logits(self.head, last_hidden, rows=arg)

@@ -53,6 +53,7 @@ from jaxllm.worker.programs import (
     PROMPT_LOGPROBS_ROWS,
     aot_context,
     enable_compilation_cache,
+    out_buffer_specs,
     step_functions,
 )
 from jaxllm.worker.step_inputs import pack_step_inputs
@@ -251,10 +252,10 @@ def compile_programs(config: EngineConfig, devices: Sequence[jax.Device], target
 
     aot = ExecutableCache.create(xla_cache_dir, aot_context(config, attn, swiglu, mesh),
                                  list(mesh.devices.flat))
-    forward, sample_fn, logits_fn, prompt_logprobs = step_functions(
-        graphdef, jax.tree.structure(state), model.head_logits, b.max_num_seqs,
-        b.max_blocks_per_req, b.num_kv_groups)
     replicated = NamedSharding(mesh, P())
+    forward, sample_fn, logits_fn, prompt_logprobs, forward_core = step_functions(
+        graphdef, jax.tree.structure(state), model.head_logits, b.max_num_seqs,
+        b.max_blocks_per_req, b.num_kv_groups, outputs_sharding=replicated)
     no_prev = jax.ShapeDtypeStruct((b.max_num_seqs,), jnp.int32, sharding=replicated)
     compiler = _Compiler(target, hbm, resident, on_program)
 
@@ -277,8 +278,9 @@ def compile_programs(config: EngineConfig, devices: Sequence[jax.Device], target
     outputs = {}
     for t in b.token_buckets:
         args = (weights, kv_cache, packed(t), no_prev)
+        args += (out_buffer_specs(forward_core, args, replicated),)
         outputs[t] = compiler.run("forward", t, lambda args=args: compile_step(
-            "forward", forward, args, donate_argnums=(1,)), resident)
+            "forward", forward, args, donate_argnums=(1, 4)), resident)
         kv_cache = outputs[t][0]
     last_hidden, out_index = outputs[b.token_buckets[-1]][2:4]
     for r in b.request_buckets:

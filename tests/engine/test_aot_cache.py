@@ -48,9 +48,17 @@ def test_a_restart_loads_the_forward_programs_and_generates_the_same(model_dir, 
     args = (second.state, second.kv_cache, programs.dummy_inputs(16), second._no_prev)
     # the loaded program runs
     assert programs.executables.get(("forward", args[2].shape[0])) is not None
-    second.kv_cache, *_ = programs.run_forward(*args)
+    second.kv_cache, *outs = programs.run_forward(*args)
     assert kv0.is_deleted()
     assert second.kv_cache.unsafe_buffer_pointer() == ptr
+
+    # Its outputs are written over the bucket's previous ones: one address each, run
+    # after run (programs.step_functions).
+    ptrs = [o.unsafe_buffer_pointer() for o in outs]
+    args = (second.state, second.kv_cache, programs.dummy_inputs(16), second._no_prev)
+    second.kv_cache, *again = programs.run_forward(*args)
+    assert all(o.is_deleted() for o in outs)
+    assert [o.unsafe_buffer_pointer() for o in again] == ptrs
 
     # A damaged file is traced again (and rewritten); the other one still loads.
     files[0].write_bytes(b"not a program")

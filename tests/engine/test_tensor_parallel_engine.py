@@ -150,7 +150,8 @@ def test_compiled_step_at_tp2_has_two_all_reduces_per_layer_and_no_kv_gather(
     runner = _runner(llm)
     programs = runner.programs
     args = (runner.state, runner.kv_cache, programs.dummy_inputs(16), runner._no_prev)
-    forward = programs.forward.lower(*args).compile().as_text()
+    forward = programs.forward.lower(*args[:4], programs.out_buffers(*args)
+                                     ).compile().as_text()
     assert _collectives(forward) == {"all-reduce": 2 * LAYERS + 1}
     for shape, _ in _COLLECTIVE.findall(forward):
         assert shape.startswith("f32[16,64]") or shape.startswith("f32[4,64]"), shape
@@ -180,7 +181,8 @@ def test_compiled_moe_step_at_tp2_all_reduces_like_a_dense_one_and_gathers_no_ex
     runner = _runner(llm)
     programs = runner.programs
     args = (runner.state, runner.kv_cache, programs.dummy_inputs(16), runner._no_prev)
-    forward = programs.forward.lower(*args).compile().as_text()
+    forward = programs.forward.lower(*args[:4], programs.out_buffers(*args)
+                                     ).compile().as_text()
     assert _collectives(forward) == {"all-reduce": 2 * LAYERS + 1}
     for shape, _ in _COLLECTIVE.findall(forward):
         assert shape.startswith("f32[16,64]") or shape.startswith("f32[4,64]"), shape

@@ -34,7 +34,7 @@ def _forward_ops(llm: LLM, tokens: int) -> dict[str, int]:
     """How many of each of OPS the runner's forward for a bucket of `tokens` runs."""
     runner = llm.llm_engine.engine_core.engine_core.model_runner
     programs = runner.programs
-    closed = jax.make_jaxpr(programs.forward)(runner.state, runner.kv_cache,
+    closed = jax.make_jaxpr(programs.forward_core)(runner.state, runner.kv_cache,
                                              programs.dummy_inputs(tokens), runner._no_prev,
                                              *programs.lora_args)
     counts = dict.fromkeys(OPS, 0)

@@ -105,8 +105,8 @@ def _step_program_text(model: nnx.Module, tokens: int, num_reqs: int = 4) -> str
     lowered to StableHLO text."""
     graphdef, state = nnx.split(model)
     width = 4
-    forward = step_functions(graphdef, jax.tree.structure(state), model.head_logits,
-                             num_reqs, width)[0]
+    forward = jax.jit(step_functions(graphdef, jax.tree.structure(state), model.head_logits,
+                                     num_reqs, width)[4])  # the body, without out_bufs
     arch = model.arch
     backend = model.layers[0].self_attn.attn_backend
     cache = jax.ShapeDtypeStruct(backend.kv_cache_shape(arch.num_layers * 8, 8,
