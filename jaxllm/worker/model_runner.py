@@ -4,14 +4,13 @@ It owns the weights, the paged KV cache (kv_cache.py) and the persistent InputBa
 the programs a step runs, their precompile and caches live in programs.py, the
 packing of a step's inputs in step_inputs.py and the sampler in sample/.
 
-Per step it packs a SchedulerOutput into padded device inputs (one packed
-array), runs the forward for the token bucket, which also gathers the last
-hidden state of every request (in a bucket larger than max_num_seqs its last
-layer runs for those rows alone), and samples on the device. A usual step is
-two dispatches (forward, then logits and sampling in one program) and one
-host-to-device transfer (the packed inputs; the sampling keys are made on the
-device; with LoRA on, the adapter slots too); exactly one device-to-host
-transfer: the sampled ids (plus logprobs when asked).
+Per step it packs a SchedulerOutput into padded device inputs (one packed array), runs
+the forward for the token bucket, which also gathers the last hidden state of every
+request (in a bucket larger than max_num_seqs its last layer runs for those rows alone),
+and samples on the device. A usual step is two dispatches (forward, then logits and
+sampling in one program) and one host-to-device transfer (the packed inputs; the
+sampling keys are made on the device; with LoRA on, the adapter slots too); exactly one
+device-to-host transfer: the sampled ids (plus logprobs when asked).
 """
 
 from __future__ import annotations
@@ -73,9 +72,7 @@ class StepHandle:
     layout_version: int  # InputBatch.layout_version at dispatch
     gen: np.ndarray  # [n] bool: a token is sampled for the request
     sampled: SamplerOutput | None  # ids padded to max_num_seqs rows, once sampled
-    # [max_num_seqs, hidden]: row i, request i's last token. The next forward of the
-    # same bucket donates it (programs.step_functions): read it only before that.
-    last_hidden: jax.Array
+    last_hidden: jax.Array  # [max_num_seqs, hidden]; the bucket's next forward takes it
     pool_indices: list[int]  # requests whose pooled state is due
     pool_normalize: list[tuple[bool, int | None]]  # (normalize, dimensions) of each
     prompt_lp: tuple | None  # (device (ids, logprobs, ranks), {req_id: slice})
