@@ -136,6 +136,28 @@ def _collectives(hlo: str) -> Counter:
     return Counter(kind for _, kind in _COLLECTIVE.findall(hlo))
 
 
+def test_tp2_forward_writes_its_outputs_over_its_last_ones(model_dir):
+    """A moved result makes XLA update every device's command buffers before a launch,
+    so the forward writes its outputs over the bucket's previous ones, placed whole on
+    every device (programs.step_functions): from the second run on they keep their
+    addresses, and the previous run's arrays are consumed."""
+    llm = LLM(model_dir, tensor_parallel_size=2, **{**ENGINE, "precompile": False})
+    runner = _runner(llm)
+
+    def run():
+        runner.kv_cache, *outs = runner.programs.run_forward(
+            runner.state, runner.kv_cache, runner.programs.dummy_inputs(16), runner._no_prev)
+        assert all(len(o.sharding.device_set) == 2 and o.sharding.is_fully_replicated
+                   for o in outs)
+        return outs
+
+    outs = run()
+    addresses = [o.addressable_shards[0].data.unsafe_buffer_pointer() for o in outs]
+    again = run()
+    assert all(o.is_deleted() for o in outs)
+    assert [o.addressable_shards[0].data.unsafe_buffer_pointer() for o in again] == addresses
+
+
 @pytest.mark.slow
 @pytest.mark.parametrize("backend", ["reference", "pallas_gpu"])
 def test_compiled_step_at_tp2_has_two_all_reduces_per_layer_and_no_kv_gather(
