@@ -53,6 +53,9 @@ HEARTBEAT_IVL_MS = 1000
 HEARTBEAT_TIMEOUT_MS = 5000
 _LOST_FLUSH_S = 0.5  # time for the engine error to reach the frontend before the exit
 _HELLO, _STOP = b"hello", ("stop",)
+# How long a follower whose host 0 went away waits for host 0's stop among the calls it
+# has yet to replay, before it takes the disconnect for a lost host 0.
+LEADER_GRACE_S = 10.0
 
 
 def _socket(ctx: zmq.Context, kind: int) -> tuple[zmq.Socket, zmq.Socket]:
@@ -232,7 +235,13 @@ def run_follower(spec: DistributedSpec, timeout_s: float = STARTUP_TIMEOUT_S) ->
         raise TimeoutError(f"host 0 did not answer within {timeout_s:.0f}s")
     config: EngineConfig = pickle.loads(sock.recv())
 
+    stopped = threading.Event()
+
     def leader_lost() -> None:
+        # Host 0 closes its end right after its last call, stop, and this host may still
+        # be replaying the calls before it: a disconnect is a loss only if no stop follows.
+        if stopped.wait(LEADER_GRACE_S):
+            return
         logger.error("lockstep: host 0 disconnected; this follower exits")
         os._exit(1)
 
@@ -256,6 +265,7 @@ def run_follower(spec: DistributedSpec, timeout_s: float = STARTUP_TIMEOUT_S) ->
         elif kind == "precompile":
             runner.precompile()
         elif kind == "stop":
+            stopped.set()
             break
         else:
             raise RuntimeError(f"lockstep: unknown call {kind!r} from host 0")
