@@ -67,7 +67,8 @@ def _reserve(runner, hf, max_num_seqs: int) -> int:
 
     b = runner.buckets
     return activation_reserve(hf, b.token_buckets[-1], b.request_buckets[-1], runner.vocab_size,
-                              runner.dtype, PROMPT_LOGPROBS_ROWS, max_num_seqs)
+                              runner.dtype, PROMPT_LOGPROBS_ROWS, max_num_seqs,
+                              bucket_tokens=sum(b.token_buckets))
 
 
 def _by_size(per_step: list[tuple[int, float]]) -> dict[str, dict]:

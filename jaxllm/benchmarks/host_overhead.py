@@ -99,7 +99,8 @@ def main(argv: list[str] | None = None) -> dict:
 
     @functools.partial(jax.jit, donate_argnums=(1, 4))
     def forward(state, kv, packed, prev_tokens, out_bufs):
-        return write_over(out_bufs, forward_core(state, kv, packed, prev_tokens))
+        kv, *outs = forward_core(state, kv, packed, prev_tokens)
+        return (kv, *write_over(out_bufs, outs))
 
     @functools.partial(jax.jit, static_argnames="size")
     def sample(head, last_hidden, md, size):

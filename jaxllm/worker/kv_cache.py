@@ -208,14 +208,13 @@ def model_kv_groups(model: Any) -> KVCacheGroups:
 
 
 def activation_reserve(hf_config: Any, max_tokens: int, max_reqs: int, vocab_size: int,
-                       dtype: Any, prompt_logprobs_rows: int, max_num_seqs: int = 0,
-                       bucket_tokens: int | None = None) -> int:
+                       dtype: Any, prompt_logprobs_rows: int, max_num_seqs: int = 0, *,
+                       bucket_tokens: int) -> int:
     """A generous bound on a step's transient memory (activations + logits) for the
     largest token bucket `max_tokens` and request bucket `max_reqs`, plus what is
     allocated after the cache and held: the sampler's output tables of `max_num_seqs`
     rows, and every token bucket's forward outputs (programs.step_functions): `[tokens,
-    hidden]` states for the `bucket_tokens` of all buckets together (None: twice the
-    largest, which doubling buckets stay under)."""
+    hidden]` states for the `bucket_tokens` of all buckets together."""
     hidden = hf_config.hidden_size
     inter = int(getattr(hf_config, "intermediate_size", 4 * hidden))
     itemsize = jnp.dtype(dtype).itemsize
@@ -223,7 +222,7 @@ def activation_reserve(hf_config: Any, max_tokens: int, max_reqs: int, vocab_siz
     # Sampling's logits (max_reqs rows) or the prompt-logprobs chunk's, float32, with copies.
     logits = max(max_reqs, min(max_tokens, prompt_logprobs_rows)) * vocab_size * 4 * 6
     tables = OutputState.device_bytes(max_num_seqs, vocab_size)
-    held = (2 * max_tokens if bucket_tokens is None else bucket_tokens) * hidden * itemsize
+    held = bucket_tokens * hidden * itemsize
     return int(2 * act + logits + tables + held + (256 << 20))
 
 
@@ -246,5 +245,5 @@ def engine_kv_cache(config: EngineConfig, mesh: Mesh, attn_backend: Any, buckets
         lambda: activation_reserve(mc.hf_config, buckets.token_buckets[-1],
                                    buckets.request_buckets[-1] * k1, vocab_size, dtype,
                                    prompt_logprobs_rows, sc.max_num_seqs,
-                                   sum(buckets.token_buckets)),
+                                   bucket_tokens=sum(buckets.token_buckets)),
         max_chunk=sc.max_num_batched_tokens)

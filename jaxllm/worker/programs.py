@@ -139,8 +139,8 @@ def step_functions(graphdef: Any, state_def: Any, head_logits: Any, num_reqs: in
         return kv_cache, states, last_hidden, out_index
 
     def forward(weights, kv_cache, packed, prev_tokens, out_bufs, lora_slots=None):
-        return write_over(out_bufs, forward_core(weights, kv_cache, packed, prev_tokens,
-                                                 lora_slots), outputs_sharding)
+        kv_cache, *outs = forward_core(weights, kv_cache, packed, prev_tokens, lora_slots)
+        return (kv_cache, *write_over(out_bufs, outs, outputs_sharding))
 
     def logits(head, last_hidden, rows):
         return head_logits(head, last_hidden[:rows])
@@ -165,17 +165,16 @@ def step_functions(graphdef: Any, state_def: Any, head_logits: Any, num_reqs: in
             jax.jit(logits, static_argnames="rows"), jax.jit(prompt_logprobs), forward_core)
 
 
-def write_over(out_bufs: tuple, outputs: tuple, sharding: Any = None) -> tuple:
-    """`outputs` (the KV cache, then the rest) with the first of the rest written over
-    `out_bufs`: each buffer is read, so tracing keeps the argument and its donation
-    aliases the output, but never selected; the output is placed by `sharding`."""
-    kv_cache, *rest = outputs
-    kept = []
-    for buf, value in zip(out_bufs, rest, strict=False):
+def write_over(out_bufs: tuple, values: list, sharding: Any = None) -> tuple:
+    """`values` with the first `len(out_bufs)` written over `out_bufs` (donated): each
+    buffer is read, so tracing keeps the argument and its donation aliases the value,
+    but never selected; those values are placed by `sharding`."""
+    def over(buf, value):
         value = jax.lax.select(jnp.zeros(value.shape, jnp.bool_), buf, value)
-        kept.append(value if sharding is None
-                    else jax.lax.with_sharding_constraint(value, sharding))
-    return (kv_cache, *kept, *rest[len(kept):])
+        return value if sharding is None else jax.lax.with_sharding_constraint(value, sharding)
+
+    n = len(out_bufs)
+    return (*map(over, out_bufs, values[:n]), *values[n:])
 
 
 def out_buffer_specs(forward_core: Callable, args: tuple, sharding: Any

@@ -238,7 +238,7 @@ def compile_programs(config: EngineConfig, devices: Sequence[jax.Device], target
                       groups=groups)
     reserve = activation_reserve(mc.hf_config, b.token_buckets[-1], b.request_buckets[-1],
                                  mc.vocab_size, dtype, PROMPT_LOGPROBS_ROWS, sc.max_num_seqs,
-                                 sum(b.token_buckets))
+                                 bucket_tokens=sum(b.token_buckets))
     hbm = hbm_bytes_per_device(devices[0]) if platform == "tpu" else 0
     # What the runner reads from the device once the weights are loaded.
     stats = {"bytes_limit": hbm, "bytes_in_use": weight_bytes} if hbm else None
