@@ -21,6 +21,7 @@ import os
 import subprocess
 import sys
 
+COLLECTIVE_POOL = {"XLA_PYTHON_CLIENT_COLLECTIVE_MEM_SIZE_MB": "1024"}
 # name -> (extra XLA flags, extra environment); a flag this jaxlib lacks fails that
 # setting's process alone.
 SETTINGS: dict[str, tuple[str, dict[str, str]]] = {
@@ -37,6 +38,14 @@ SETTINGS: dict[str, tuple[str, dict[str, str]]] = {
     "lhs": ("--xla_gpu_enable_latency_hiding_scheduler=true", {}),
     "nccl_ll128": ("", {"NCCL_PROTO": "LL128"}),
     "nccl_simple": ("", {"NCCL_PROTO": "Simple"}),
+    # collective buffers from a pool of NCCL's memory, registered with the communicator,
+    # and then as symmetric windows (NCCL's symmetric all-reduce kernels); jaxlib 0.11.2
+    # accepts the flags but registers nothing (BENCHMARKS.md, Several GPUs)
+    "user_buffers": ("--xla_gpu_enable_nccl_user_buffers=true", COLLECTIVE_POOL),
+    "symmetric": ("--xla_gpu_enable_nccl_user_buffers=true "
+                  "--xla_gpu_experimental_enable_nccl_symmetric_buffers=true", COLLECTIVE_POOL),
+    # NCCL's captured launches without the joins that let them mix with uncaptured ones
+    "no_graph_mixing": ("", {"NCCL_GRAPH_MIXING_SUPPORT": "0"}),
 }
 
 SHAPE_8B = {"hidden": 4096, "q": 4096, "kv": 1024, "inter": 14336, "layers": 32}
