@@ -1,9 +1,10 @@
 """The whole engine under tensor parallelism on fake CPU devices, for every attention body.
 
 A GQA checkpoint with 4 q heads over 2 kv heads: at tp 2 each device holds one kv
-head, at tp 4 each kv head is replicated on two devices. The workload is chunked
-(a 16-token budget), shares a prefix, runs twice (prefix-cache hits) and fits a
-KV cache too small for all of it (preemption). Greedy tokens must be
+head, at tp 4 each kv head is replicated on two devices. At tp 8 a checkpoint with
+the 70B's 8 kv heads (four q heads to each) puts one kv head on each device.
+The workload is chunked (a 16-token budget), shares a prefix, runs twice (prefix-cache
+hits) and fits a KV cache too small for all of it (preemption). Greedy tokens must be
 transformers' (float32) at every tp and on every body, with no compilation
 after start-up. The Pallas bodies run in interpret mode. The Gemma families
 (sliding windows shorter than the prompts, attention and final soft-caps, local
@@ -95,6 +96,30 @@ def test_greedy_under_tensor_parallelism_matches_transformers_with_chunks_hits_a
     shard = runner.kv_cache.addressable_shards[0].data
     one_device = runner.kv_cache.nbytes * KV_HEADS // max(KV_HEADS, tp)
     assert shard.nbytes == one_device // min(tp, KV_HEADS)
+
+
+@pytest.fixture(scope="module")
+def gqa8_model(tmp_path_factory):
+    """Llama-3-70B's 8 kv heads in small (four q heads to each, where the 70B has eight):
+    at tp 8 each device holds one kv head and its q heads, as run_multi_gpu.sh's 70B
+    tp 8 steps would, which no eight-GPU machine has run."""
+    model_dir = make_tiny_checkpoint(tmp_path_factory.mktemp("gqa8"), hidden_size=128, head_dim=16,
+                                     intermediate_size=256, num_attention_heads=32,
+                                     num_key_value_heads=8, num_hidden_layers=LAYERS)
+    gqa_prompts = workload(model_dir)
+    return model_dir, gqa_prompts, hf_greedy(model_dir, gqa_prompts, NEW_TOKENS)[0]
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("backend", ["reference", "pallas_gpu", "pallas_tpu"])
+def test_tp8_one_kv_head_a_device_matches_transformers_with_chunks_hits_and_preemption(
+        backend, gqa8_model):
+    model_dir, gqa_prompts, want = gqa8_model
+    llm = LLM(model_dir, attention_backend=backend, attention_interpret=backend != "reference",
+              tensor_parallel_size=8, **ENGINE)
+    _check_workload(llm, gqa_prompts, want, 8)
+    runner = _runner(llm)
+    assert runner.kv_cache.addressable_shards[0].data.nbytes == runner.kv_cache.nbytes // 8
 
 
 @pytest.fixture(scope="module", params=list(FAMILIES))
