@@ -86,10 +86,7 @@ def _runner(llm: LLM):
     ("pallas_gpu", 2), ("pallas_gpu", 4), ("pallas_tpu", 2), ("pallas_tpu", 4)])
 def test_greedy_under_tensor_parallelism_matches_transformers_with_chunks_hits_and_preemption(
         backend, tp, model_dir, prompts, hf_tokens):
-    llm = LLM(model_dir, attention_backend=backend, attention_interpret=backend != "reference",
-              tensor_parallel_size=tp, **ENGINE)
-    runner = _runner(llm)
-    _check_workload(llm, prompts, hf_tokens, tp)
+    runner = _runner(_run_case((model_dir, prompts, hf_tokens), backend, tp))
 
     # Each device holds its own kv heads: 1/tp of the one-device cache where the kv
     # heads divide, one (replicated) head of the two where they do not.
@@ -103,43 +100,49 @@ def gqa8_model(tmp_path_factory):
     """Llama-3-70B's 8 kv heads in small (four q heads to each, where the 70B has eight):
     at tp 8 each device holds one kv head and its q heads, as run_multi_gpu.sh's 70B
     tp 8 steps would, which no eight-GPU machine has run."""
-    model_dir = make_tiny_checkpoint(tmp_path_factory.mktemp("gqa8"), hidden_size=128, head_dim=16,
-                                     intermediate_size=256, num_attention_heads=32,
-                                     num_key_value_heads=8, num_hidden_layers=LAYERS)
-    gqa_prompts = workload(model_dir)
-    return model_dir, gqa_prompts, hf_greedy(model_dir, gqa_prompts, NEW_TOKENS)[0]
+    return _case(make_tiny_checkpoint(tmp_path_factory.mktemp("gqa8"), hidden_size=128,
+                                      head_dim=16, intermediate_size=256,
+                                      num_attention_heads=32, num_key_value_heads=8,
+                                      num_hidden_layers=LAYERS))
 
 
 @pytest.mark.slow
 @pytest.mark.parametrize("backend", ["reference", "pallas_gpu", "pallas_tpu"])
 def test_tp8_one_kv_head_a_device_matches_transformers_with_chunks_hits_and_preemption(
         backend, gqa8_model):
-    model_dir, gqa_prompts, want = gqa8_model
-    llm = LLM(model_dir, attention_backend=backend, attention_interpret=backend != "reference",
-              tensor_parallel_size=8, **ENGINE)
-    _check_workload(llm, gqa_prompts, want, 8)
-    runner = _runner(llm)
+    runner = _runner(_run_case(gqa8_model, backend, 8))
     assert runner.kv_cache.addressable_shards[0].data.nbytes == runner.kv_cache.nbytes // 8
 
 
 @pytest.fixture(scope="module", params=list(FAMILIES))
 def family(request, tmp_path_factory) -> tuple[str, list[list[int]], list[list[int]]]:
     """(checkpoint, prompts, transformers' greedy tokens) of a tiny model per family."""
-    model_dir = make_tiny_checkpoint(tmp_path_factory.mktemp(request.param),
-                                     num_attention_heads=HEADS, num_key_value_heads=KV_HEADS,
-                                     num_hidden_layers=LAYERS, **FAMILIES[request.param])
-    family_prompts = workload(model_dir)
-    return model_dir, family_prompts, hf_greedy(model_dir, family_prompts, NEW_TOKENS)[0]
+    return _case(make_tiny_checkpoint(tmp_path_factory.mktemp(request.param),
+                                      num_attention_heads=HEADS, num_key_value_heads=KV_HEADS,
+                                      num_hidden_layers=LAYERS, **FAMILIES[request.param]))
 
 
 @pytest.mark.slow
 @pytest.mark.parametrize("backend", ["reference", "pallas_gpu", "pallas_tpu"])
 def test_other_families_at_tp2_match_transformers_with_chunks_hits_and_preemption(
         backend, family):
-    model_dir, family_prompts, want = family
+    _run_case(family, backend, 2)
+
+
+def _case(model_dir: str) -> tuple[str, list[list[int]], list[list[int]]]:
+    """(checkpoint, its workload's prompts, transformers' greedy tokens for them)."""
+    case_prompts = workload(model_dir)
+    return model_dir, case_prompts, hf_greedy(model_dir, case_prompts, NEW_TOKENS)[0]
+
+
+def _run_case(case: tuple[str, list[list[int]], list[list[int]]], backend: str,
+              tp: int) -> LLM:
+    """An engine on `case`'s checkpoint at `tp`, checked on its workload (below)."""
+    model_dir, case_prompts, want = case
     llm = LLM(model_dir, attention_backend=backend, attention_interpret=backend != "reference",
-              tensor_parallel_size=2, **ENGINE)
-    _check_workload(llm, family_prompts, want, 2)
+              tensor_parallel_size=tp, **ENGINE)
+    _check_workload(llm, case_prompts, want, tp)
+    return llm
 
 
 def _check_workload(llm: LLM, prompts: list[list[int]], hf_tokens: list[list[int]],
