@@ -68,7 +68,6 @@ def main(argv: list[str] | None = None) -> dict:
     from jaxllm import EngineArgs, RequestOutputKind, SamplingParams
     from jaxllm.engine.core import freeze_gc
     from jaxllm.engine.llm_engine import LLMEngine
-    from jaxllm.worker.programs import write_over
     from jaxllm.worker.step_inputs import unpack_step_inputs
 
     n = args.num_requests
@@ -97,11 +96,6 @@ def main(argv: list[str] | None = None) -> dict:
         return (kv, jnp.zeros((input_ids.shape[0], 64), jnp.float32),
                 jnp.zeros((num_reqs, 64), jnp.float32), out_index)
 
-    @functools.partial(jax.jit, donate_argnums=(1, 4))
-    def forward(state, kv, packed, prev_tokens, out_bufs):
-        kv, *outs = forward_core(state, kv, packed, prev_tokens)
-        return (kv, *write_over(out_bufs, outs))
-
     @functools.partial(jax.jit, static_argnames="size")
     def sample(head, last_hidden, md, size):
         del head
@@ -114,7 +108,7 @@ def main(argv: list[str] | None = None) -> dict:
     # Instance attributes: they go with this engine, and later engines in the
     # process (a test's) sample for real.
     programs = runner.programs
-    programs.set_forward(forward, forward_core)
+    programs.set_forward(forward_core)
     programs.executables = {}
     programs.sample_fn = sample
     # A small stand-in for the (one, all-layer) cache: the stub passes it through.

@@ -138,10 +138,6 @@ def step_functions(graphdef: Any, state_def: Any, head_logits: Any, num_reqs: in
         # The sampler's output indices ride along, so that its keys need no host array.
         return kv_cache, states, last_hidden, out_index
 
-    def forward(weights, kv_cache, packed, prev_tokens, out_bufs, lora_slots=None):
-        kv_cache, *outs = forward_core(weights, kv_cache, packed, prev_tokens, lora_slots)
-        return (kv_cache, *write_over(out_bufs, outs, outputs_sharding))
-
     def logits(head, last_hidden, rows):
         return head_logits(head, last_hidden[:rows])
 
@@ -161,8 +157,20 @@ def step_functions(graphdef: Any, state_def: Any, head_logits: Any, num_reqs: in
         return compute_prompt_logprobs_chunked(lambda h: head_logits(head, h), hidden,
                                                targets, MAX_LOGPROBS, PROMPT_LOGPROBS_ROWS)
 
-    return (jax.jit(forward, donate_argnums=(1, 4)), jax.jit(sample, static_argnames="size"),
+    return (writing_over(forward_core, outputs_sharding), jax.jit(sample, static_argnames="size"),
             jax.jit(logits, static_argnames="rows"), jax.jit(prompt_logprobs), forward_core)
+
+
+def writing_over(forward_core: Callable, sharding: Any = None) -> Callable:
+    """The jitted forward of `forward_core(weights, kv_cache, packed, prev_tokens,
+    *extra)`: `forward(weights, kv_cache, packed, prev_tokens, out_bufs, *extra)`, the
+    cache and `out_bufs` donated, its first NUM_OUT_BUFS outputs after the cache written
+    over `out_bufs` (step_functions)."""
+    def forward(weights, kv_cache, packed, prev_tokens, out_bufs, *extra):
+        kv_cache, *outs = forward_core(weights, kv_cache, packed, prev_tokens, *extra)
+        return (kv_cache, *write_over(out_bufs, outs, sharding))
+
+    return jax.jit(forward, donate_argnums=(1, 4))
 
 
 def write_over(out_bufs: tuple, values: list, sharding: Any = None) -> tuple:
@@ -261,10 +269,11 @@ class StepPrograms:
         self._out_bufs[size] = tuple(outs[1:1 + NUM_OUT_BUFS])
         return outs
 
-    def set_forward(self, forward: Any, forward_core: Any) -> None:
-        """Runs `forward` (step_functions' contract; `forward_core` its body) from now on
-        in every bucket (a benchmark's stand-in)."""
-        self.forward, self.forward_core = forward, forward_core
+    def set_forward(self, forward_core: Callable) -> None:
+        """Runs `forward_core` (step_functions' forward body) from now on in every bucket,
+        writing over its outputs as the forward does (a benchmark's stand-in)."""
+        self.forward = writing_over(forward_core, self.outputs_sharding)
+        self.forward_core = forward_core
         self.executables = {k: v for k, v in self.executables.items() if k[0] != "forward"}
         self._out_bufs, self._out_specs = {}, None
 
