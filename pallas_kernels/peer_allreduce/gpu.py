@@ -1,0 +1,247 @@
+"""A one-shot all-reduce of a small bfloat16 tensor over the GPUs of one process, as one
+Pallas GPU kernel (Triton lowering) that writes into the other GPUs' memory by address.
+
+A decode step's all-reduces carry a few KiB each, where NCCL's ring pays a fixed latency
+several times the transfer; XLA's own alternatives pay a per-call exchange of the peers'
+addresses (BENCHMARKS.md, Several GPUs). Here each GPU holds one persistent workspace,
+allocated once; its address and every peer's are an argument of the program, so a call
+costs one kernel launch:
+
+1. each program (a chunk of the tensor) reads its call counter from this GPU's workspace:
+   the call's epoch is the counter plus one, and its parity picks one of two buffers;
+2. it writes its chunk into that buffer's slot for this rank in every GPU's workspace
+   (its own included), fences at system scope, and after a block barrier stores the
+   epoch into its flag slot at every GPU (release, system scope);
+3. it waits until every rank's flag for this chunk and parity reads the epoch (acquire),
+   then sums the ranks' slots in rank order in float32 (so every GPU gets the same bits)
+   and stores the counter's new value.
+
+Two buffers suffice: a rank that writes into parity p again (two calls later) has seen
+every rank's flag of the call in between, which each rank stores only after it has
+finished reading parity p. Every GPU must run the same sequence of calls (as SPMD
+programs do); a GPU that never arrives leaves the others waiting, as NCCL's would.
+
+The PTX runs as side-effecting inline assembly (Pallas's own `elementwise_inline_asm` is
+pure, which lets the compiler drop or move the stores and spin-waits). The kernel needs
+peer access between the GPUs (`enable_peer_access`) and has no interpret mode: it only
+means something on GPUs; tests/kernels/test_peer_allreduce.py checks it on them against
+a float32 `psum`.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import dataclasses
+import functools
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from jax import lax
+from jax.experimental import pallas as pl
+from jax.experimental.pallas import triton as plt
+
+from pallas_kernels.triton_util import compiler_params as _compiler_params
+
+CHUNK = 512  # 32-bit words (bf16 pairs) a program moves per rank
+MAX_WORDS = 1 << 16  # the largest tensor, in words (256 KiB): a decode step's activations
+_SLOTS = MAX_WORDS // CHUNK  # programs, each with its own counter and flags
+
+
+@dataclasses.dataclass(frozen=True)
+class Layout:
+    """Word offsets in a rank's int32 workspace: counters `[slots]`, flags
+    `[2, ranks, slots]`, data `[2, ranks, MAX_WORDS]`."""
+
+    ranks: int
+
+    @property
+    def flags(self) -> int:
+        return _SLOTS
+
+    @property
+    def data(self) -> int:
+        return _SLOTS + 2 * self.ranks * _SLOTS
+
+    @property
+    def words(self) -> int:
+        return self.data + 2 * self.ranks * MAX_WORDS
+
+
+def supported(x: jax.ShapeDtypeStruct | jax.Array) -> bool:
+    """Whether `x` fits the kernel: bfloat16 pairs, at most MAX_WORDS of them, in whole
+    chunks (or one chunk of a power of two)."""
+    words = x.size // 2
+    whole = words % CHUNK == 0 if words >= CHUNK else words & (words - 1) == 0
+    return x.dtype == jnp.bfloat16 and x.size % 2 == 0 and 0 < words <= MAX_WORDS and whole
+
+
+# Side-effecting inline PTX: a primitive of our own whose Triton lowering sets pure=False.
+def _make_asm_primitive():
+    from jax._src import core as jax_core
+    from jax._src.lib.triton import dialect as tt_dialect
+    from jax._src.pallas.triton import lowering as triton_lowering
+    from jax._src.pallas.triton import primitives as triton_primitives
+    from jax.interpreters import mlir
+
+    prim = jax_core.Primitive("jaxllm_volatile_asm")
+    prim.multiple_results = True
+
+    @prim.def_effectful_abstract_eval
+    def _abstract(*avals, asm, constraints, result_shape_dtypes):
+        del avals, asm, constraints
+        return ([jax_core.ShapedArray(s.shape, s.dtype) for s in result_shape_dtypes],
+                {triton_primitives.barrier_effect})
+
+    @triton_lowering.register_lowering(prim)
+    def _lower(ctx, *args, asm, constraints, result_shape_dtypes):
+        del result_shape_dtypes
+        (aval,) = ctx.avals_out
+        return [tt_dialect.elementwise_inline_asm(
+            [mlir.aval_to_ir_type(ctx.context.mlir_ctx, aval)], asm,
+            constraints=constraints, pure=False, packed_element=1, args=args)]
+
+    return prim
+
+
+_ASM = None
+
+
+def _asm(asm: str, constraints: str, *args: jax.Array) -> jax.Array:
+    """One int32 result per element of `args` (all one shape), the asm's `$0`."""
+    global _ASM
+    if _ASM is None:
+        _ASM = _make_asm_primitive()
+    shape = args[0].shape
+    return _ASM.bind(*args, asm=asm, constraints=constraints,
+                     result_shape_dtypes=(jax.ShapeDtypeStruct(shape, jnp.int32),))[0]
+
+
+# $1, $2: an address's low and high words; $3: a byte offset added to it.
+_ADDR = "mov.b64 a, {$1, $2}; cvt.u64.u32 o, $3; add.u64 a, a, o;"
+_REGS = ".reg .b64 a; .reg .b64 o;"
+_LOAD = f"{{ {_REGS} {_ADDR} ld.volatile.global.b32 $0, [a]; }}"
+_STORE = f"{{ {_REGS} {_ADDR} st.global.b32 [a], $4; mov.b32 $0, 0; }}"
+_SIGNAL = f"{{ {_REGS} {_ADDR} st.release.sys.global.b32 [a], $4; mov.b32 $0, 0; }}"
+_WAIT = (f"{{ {_REGS} .reg .pred p; {_ADDR} "
+         "spin: ld.acquire.sys.global.b32 $0, [a]; setp.ne.s32 p, $0, $4; @p bra spin; }")
+_FENCE = "fence.acq_rel.sys; mov.b32 $0, $1;"
+_AFTER_PRIOR = "griddepcontrol.wait; mov.b32 $0, $1;"
+
+
+def _kernel(lo_ref, hi_ref, rank_ref, x_ref, o_ref, *, ranks: int, chunk: int):
+    layout = Layout(ranks)
+    i = pl.program_id(0)
+    rank = rank_ref[0]
+
+    def vec(v, n):
+        return jnp.broadcast_to(jnp.asarray(v, jnp.int32), (n,))
+
+    # Launched as a dependent of the kernel before, wait for it to finish first.
+    _asm(_AFTER_PRIOR, "=r,r", vec(rank, 1))
+    own_lo, own_hi = lo_ref[rank], hi_ref[rank]
+    epoch = jnp.max(_asm(_LOAD, "=r,r,r,r", vec(own_lo, 1), vec(own_hi, 1), vec(i * 4, 1))) + 1
+    parity = epoch & 1
+    lane = lax.broadcasted_iota(jnp.int32, (chunk,), 0)
+
+    words = x_ref[pl.ds(pl.multiple_of(i * chunk, chunk), chunk)]
+    slot = layout.data + (parity * ranks + rank) * MAX_WORDS + i * chunk
+    for p in range(ranks):
+        _asm(_STORE, "=r,r,r,r,r", vec(lo_ref[p], chunk), vec(hi_ref[p], chunk),
+             (slot + lane) * 4, words)
+    _asm(_FENCE, "=r,r", vec(epoch, 1))
+    plt.debug_barrier()
+    peers = lax.broadcasted_iota(jnp.int32, (ranks,), 0)
+    flag = (layout.flags + (parity * ranks + rank) * _SLOTS + i) * 4
+    _asm(_SIGNAL, "=r,r,r,r,r", lo_ref[...], hi_ref[...], vec(flag, ranks), vec(epoch, ranks))
+    their_flag = (layout.flags + (parity * ranks + peers) * _SLOTS + i) * 4
+    _asm(_WAIT, "=r,r,r,r,r", vec(own_lo, ranks), vec(own_hi, ranks), their_flag,
+         vec(epoch, ranks))
+    plt.debug_barrier()
+
+    lo = jnp.zeros((chunk,), jnp.float32)
+    hi = jnp.zeros((chunk,), jnp.float32)
+    for src in range(ranks):
+        at = (layout.data + (parity * ranks + src) * MAX_WORDS + i * chunk + lane) * 4
+        w = _asm(_LOAD, "=r,r,r,r", vec(own_lo, chunk), vec(own_hi, chunk), at)
+        lo += lax.bitcast_convert_type(w << 16, jnp.float32)
+        hi += lax.bitcast_convert_type(w & jnp.int32(-65536), jnp.float32)
+
+    def rounded(v):  # float32 bits rounded to bfloat16's, to nearest even, in the top half
+        b = lax.bitcast_convert_type(v, jnp.int32)
+        return b + 0x7FFF + ((b >> 16) & 1)
+
+    out = (rounded(hi) & jnp.int32(-65536)) | ((rounded(lo) >> 16) & 0xFFFF)
+    o_ref[pl.ds(pl.multiple_of(i * chunk, chunk), chunk)] = out
+    _asm(_STORE, "=r,r,r,r,r", vec(own_lo, 1), vec(own_hi, 1), vec(i * 4, 1), vec(epoch, 1))
+
+
+def all_reduce(x: jax.Array, table: jax.Array, axis_name: str, ranks: int) -> jax.Array:
+    """The sum of `x` over `axis_name` (inside `shard_map`), bfloat16 summed in float32.
+    `table [2, ranks]` int32: every rank's workspace address (low words, high words),
+    from `Workspace.table`."""
+    if not supported(x):
+        raise ValueError(f"{x.shape} {x.dtype} is not a tensor the peer all-reduce takes")
+    flat = lax.bitcast_convert_type(x.reshape(-1, 2), jnp.int32)
+    words = flat.shape[0]
+    chunk = min(CHUNK, words)
+    rank = lax.axis_index(axis_name).astype(jnp.int32).reshape(1)
+    out = pl.pallas_call(
+        functools.partial(_kernel, ranks=ranks, chunk=chunk),
+        out_shape=jax.ShapeDtypeStruct((words,), jnp.int32),
+        grid=(words // chunk,),
+        compiler_params=_compiler_params(4, 1), name="peer_all_reduce",
+    )(table[0], table[1], rank, flat)
+    return lax.bitcast_convert_type(out, jnp.bfloat16).reshape(x.shape)
+
+
+def enable_peer_access(devices) -> None:
+    """Lets each of `devices` (CUDA GPUs of this process) read and write the others'
+    memory, through the driver API on their primary contexts (XLA's)."""
+    cuda = ctypes.CDLL("libcuda.so.1")
+    ids = [d.local_hardware_id for d in devices]
+    ctxs = {}
+    for i in ids:
+        dev, ctx = ctypes.c_int(), ctypes.c_void_p()
+        _check(cuda.cuDeviceGet(ctypes.byref(dev), i), "cuDeviceGet")
+        _check(cuda.cuDevicePrimaryCtxRetain(ctypes.byref(ctx), dev), "cuDevicePrimaryCtxRetain")
+        ctxs[i] = ctx
+    prev = ctypes.c_void_p()
+    _check(cuda.cuCtxGetCurrent(ctypes.byref(prev)), "cuCtxGetCurrent")
+    try:
+        for i in ids:
+            _check(cuda.cuCtxSetCurrent(ctxs[i]), "cuCtxSetCurrent")
+            for j in ids:
+                if i != j:
+                    # 704: already enabled (XLA or NCCL did it).
+                    _check(cuda.cuCtxEnablePeerAccess(ctxs[j], 0), "cuCtxEnablePeerAccess",
+                           ok=(0, 704))
+    finally:
+        cuda.cuCtxSetCurrent(prev)
+
+
+def _check(code: int, what: str, ok=(0,)) -> None:
+    if code not in ok:
+        raise RuntimeError(f"{what} failed with CUDA error {code}")
+
+
+class Workspace:
+    """One zeroed int32 workspace a GPU of `mesh`'s `axis`, allocated once and kept for
+    the life of the programs that use it, and the address table they take."""
+
+    def __init__(self, mesh, axis: str):
+        from jax.sharding import NamedSharding
+        from jax.sharding import PartitionSpec as P
+
+        self.ranks = mesh.shape[axis]
+        layout = Layout(self.ranks)
+        devices = list(np.asarray(mesh.devices).reshape(-1))
+        enable_peer_access(devices)
+        self.buffers = jax.device_put(np.zeros((self.ranks, layout.words), np.int32),
+                                      NamedSharding(mesh, P(axis)))
+        jax.block_until_ready(self.buffers)
+        shards = sorted(self.buffers.addressable_shards, key=lambda s: s.index[0].start or 0)
+        addrs = np.array([s.data.unsafe_buffer_pointer() for s in shards], np.uint64)
+        lo = (addrs & np.uint64(0xFFFFFFFF)).astype(np.uint32).view(np.int32)
+        hi = (addrs >> np.uint64(32)).astype(np.uint32).view(np.int32)
+        self.table = jax.device_put(np.stack([lo, hi]), NamedSharding(mesh, P()))
