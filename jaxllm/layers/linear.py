@@ -20,6 +20,7 @@ import jax.numpy as jnp
 from flax import nnx
 from jax.sharding import PartitionSpec as P
 
+from jaxllm.layers import row_reduce
 from jaxllm.layers.mlp import MatmulAdd
 from jaxllm.layers.quant import quantize_traced
 
@@ -69,6 +70,7 @@ class Linear(nnx.Module):
                  bias_spec: P | None = None, method: Any = None,
                  matmul_add: MatmulAdd | None = None):
         self.in_dims = len(in_shape)
+        self.spec = spec
         self.method = method or UnquantizedLinear()
         if isinstance(self.method, UnquantizedLinear):
             self.weight = make_param(rngs, (*out_shape, *in_shape), dtype, spec)
@@ -90,6 +92,9 @@ class Linear(nnx.Module):
         # Multi-LoRA's adapter tables (jaxllm/lora/layers.py), attached after loading
         # when LoRA is enabled; None keeps the product exactly the base one.
         self.lora: nnx.Module | None = nnx.data(None)
+        # A row-parallel projection's sum over 'model' for the steps it takes
+        # (layers/row_reduce.py), attached after loading; None: XLA's all-reduce.
+        self.reduce: nnx.Module | None = nnx.data(None)
 
     @property
     def plain(self) -> bool:
@@ -97,12 +102,18 @@ class Linear(nnx.Module):
         return isinstance(self.method, UnquantizedLinear)
 
     def __call__(self, x: jax.Array) -> jax.Array:
+        reduced = row_reduce.linear_product(self, x)
+        if reduced is not None:
+            return reduced if self.bias is None else reduced + self.bias[...]
         out = self.method.apply(self, x)
         return out if self.lora is None else out + self.lora(x)
 
     def add(self, x: jax.Array, residual: jax.Array) -> jax.Array:
         """`residual + self(x)` for a projection with one output axis (the residual
         add in the product's epilogue where the `MatmulAdd` has a kernel)."""
+        reduced = row_reduce.linear_product(self, x)
+        if reduced is not None:
+            return residual + (reduced if self.bias is None else reduced + self.bias[...])
         if self.lora is not None:
             residual = residual + self.lora(x)
         return self.method.apply_add(self, x, residual)

@@ -298,6 +298,9 @@ class SparseMoE(nnx.Module):
             raise ParameterError("tensor_parallel_size", f"{self.mesh.shape['model']} does not "
                                  f"divide the {e} experts (each device holds whole experts)")
         self.top_k, self.renormalize = top_k, renormalize
+        # The partial outputs' sum over 'model' for the steps it takes
+        # (layers/row_reduce.py), attached after loading; None: psum.
+        self.reduce: nnx.Module | None = nnx.data(None)
         self.router = make_param(rngs, (e, h), dtype, P(None, None))
         self.method = method
         self.gate_up_proj, self.gate_up_proj_scale = _experts(rngs, (e, 2, i, h), dtype, method)
@@ -345,14 +348,26 @@ class SparseMoE(nnx.Module):
         if self.mesh is None:
             out = ffn(*args)
         else:
-            def shard(x, routing, statics, num_tokens, *experts):
+            # The partial outputs' sum: the row reduce where it takes the step (sized
+            # for float32 partials), else psum.
+            reduce = self.reduce
+            if reduce is not None and not reduce.takes(*x.shape, jnp.float32):
+                reduce = None
+            table = () if reduce is None else (reduce.table[...],)
+            n = len(table)
+
+            def shard(*table_and_args):
+                local, (x, routing, statics, num_tokens, *experts) = (
+                    table_and_args[:n], table_and_args[n:])
                 first = jax.lax.axis_index("model") * experts[0].shape[0]
-                return jax.lax.psum(ffn(x, routing, statics, num_tokens, *experts,
-                                        first=first), "model")
+                out = ffn(x, routing, statics, num_tokens, *experts, first=first)
+                if reduce is None:
+                    return jax.lax.psum(out, "model")
+                return reduce.sum(out, *local)
 
             out = _shard_map(shard, mesh=self.mesh,
-                             in_specs=(P(),) * 4 + (P("model"),) * len(experts),
-                             out_specs=P(), check_vma=False)(*args)
+                             in_specs=(P(),) * (n + 4) + (P("model"),) * len(experts),
+                             out_specs=P(), check_vma=False)(*table, *args)
         out = out.astype(x.dtype)
         return out if residual is None else residual + out
 

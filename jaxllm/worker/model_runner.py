@@ -33,6 +33,7 @@ from jaxllm.core.runner_output import ModelRunnerOutput
 from jaxllm.core.sched_output import SchedulerOutput
 from jaxllm.distributed.dp_devices import core_devices
 from jaxllm.distributed.mesh import make_mesh, put_replicated
+from jaxllm.layers import row_reduce
 from jaxllm.layers.attention import get_attention_backend
 from jaxllm.layers.mlp import get_swiglu
 from jaxllm.models.loader import load_model
@@ -115,6 +116,8 @@ class ModelRunner:
         self.swiglu = get_swiglu(config.mlp_backend, config.mlp_interpret, dtype=self.dtype,
                                  mesh=self.mesh)
         model = load_model(mc, self.mesh, self.attn_backend, self.swiglu)
+        self.row_reduce = row_reduce.make(self.mesh)  # the row-parallel sums' route
+        row_reduce.attach(model, self.row_reduce)
         LoRASlots.attach(model, self.mesh, config.lora_config)  # adapter tables, if LoRA is on
         graphdef, state = nnx.split(model)
         # The weights as a flat list of arrays (see programs.step_functions).
@@ -152,7 +155,8 @@ class ModelRunner:
         self._copy_home = self.mesh.devices.flat[0].platform != "cpu"
         # Benchmarks set this to a list to get one StepRecord per executed step.
         self.step_log: list[StepRecord] | None = None
-        context = aot_context(config, self.attn_backend, self.swiglu, self.mesh)
+        context = aot_context(config, self.attn_backend, self.swiglu, self.mesh,
+                              self.row_reduce)
         aot = ExecutableCache.create(xla_cache_dir, context, list(self.mesh.devices.flat))
         capture = config.eagle_head and config.eagle_head.capture  # what a head reads
         self.programs = StepPrograms(graphdef, jax.tree.structure(state), model.logits_head[...],

@@ -194,8 +194,9 @@ def out_buffer_specs(forward_core: Callable, args: tuple, sharding: Any
 
 
 def aot_context(config: EngineConfig, attn_backend: Any, swiglu: Any,
-                mesh: jax.sharding.Mesh) -> dict[str, Any]:
-    """What the traced forward depends on beyond its arguments' shapes (aot_cache.py)."""
+                mesh: jax.sharding.Mesh, reduce: Any = None) -> dict[str, Any]:
+    """What the traced forward depends on beyond its arguments' shapes (aot_cache.py);
+    `reduce`: the model's row reduce (layers/row_reduce.py), if any."""
     mc = config.model_config
     hf = mc.hf_config
     to_dict = getattr(hf, "to_dict", None)
@@ -212,6 +213,8 @@ def aot_context(config: EngineConfig, attn_backend: Any, swiglu: Any,
                     small_step_kernel(mesh)],
             # The GPU bodies' q/k norm, rotary and K/V write kernel, or XLA's ops.
             "qkv_kernel": qkv_kernel_enabled(),
+            # The row-parallel sums' route and the peer kernel's sizes (layers/row_reduce.py).
+            "row_reduce": reduce and reduce.cache_key(),
             # An EAGLE head's capture changes the forward's outputs (absent: none).
             **({"capture": list(head.capture)} if (head := config.eagle_head) else {})}
 

@@ -68,12 +68,21 @@ class Layout:
         return self.data + 2 * self.ranks * MAX_WORDS
 
 
+def _words(x: jax.ShapeDtypeStruct | jax.Array) -> int:
+    """`x`'s size in 32-bit words (bfloat16 in pairs), 0 for a dtype the kernel refuses."""
+    if x.dtype == jnp.float32:
+        return x.size
+    if x.dtype == jnp.bfloat16 and x.size % 2 == 0:
+        return x.size // 2
+    return 0
+
+
 def supported(x: jax.ShapeDtypeStruct | jax.Array) -> bool:
-    """Whether `x` fits the kernel: bfloat16 pairs, at most MAX_WORDS of them, in whole
-    chunks (or one chunk of a power of two)."""
-    words = x.size // 2
+    """Whether `x` fits the kernel: float32, or bfloat16 of an even size; at most
+    MAX_WORDS words, in whole chunks (or one chunk of a power of two)."""
+    words = _words(x)
     whole = words % CHUNK == 0 if words >= CHUNK else words & (words - 1) == 0
-    return x.dtype == jnp.bfloat16 and x.size % 2 == 0 and 0 < words <= MAX_WORDS and whole
+    return 0 < words <= MAX_WORDS and whole
 
 
 # Side-effecting inline PTX: a primitive of our own whose Triton lowering sets pure=False.
@@ -129,7 +138,8 @@ _FENCE = "fence.acq_rel.sys; mov.b32 $0, $1;"
 _AFTER_PRIOR = "griddepcontrol.wait; mov.b32 $0, $1;"
 
 
-def _kernel(lo_ref, hi_ref, rank_ref, x_ref, o_ref, *, ranks: int, chunk: int):
+def _kernel(lo_ref, hi_ref, rank_ref, x_ref, o_ref, *, ranks: int, chunk: int,
+            pairs: bool):
     layout = Layout(ranks)
     i = pl.program_id(0)
     rank = rank_ref[0]
@@ -159,40 +169,50 @@ def _kernel(lo_ref, hi_ref, rank_ref, x_ref, o_ref, *, ranks: int, chunk: int):
          vec(epoch, ranks))
     plt.debug_barrier()
 
+    def f32(bits):
+        return lax.bitcast_convert_type(bits, jnp.float32)
+
     lo = jnp.zeros((chunk,), jnp.float32)
     hi = jnp.zeros((chunk,), jnp.float32)
     for src in range(ranks):
         at = (layout.data + (parity * ranks + src) * MAX_WORDS + i * chunk + lane) * 4
         w = _asm(_LOAD, "=r,r,r,r", vec(own_lo, chunk), vec(own_hi, chunk), at)
-        lo += lax.bitcast_convert_type(w << 16, jnp.float32)
-        hi += lax.bitcast_convert_type(w & jnp.int32(-65536), jnp.float32)
+        if pairs:  # a bfloat16 is the top half of its float32
+            lo += f32(w << 16)
+            hi += f32(w & jnp.int32(-65536))
+        else:
+            lo += f32(w)
 
     def rounded(v):  # float32 bits rounded to bfloat16's, to nearest even, in the top half
         b = lax.bitcast_convert_type(v, jnp.int32)
         return b + 0x7FFF + ((b >> 16) & 1)
 
-    out = (rounded(hi) & jnp.int32(-65536)) | ((rounded(lo) >> 16) & 0xFFFF)
+    if pairs:
+        out = (rounded(hi) & jnp.int32(-65536)) | ((rounded(lo) >> 16) & 0xFFFF)
+    else:
+        out = lax.bitcast_convert_type(lo, jnp.int32)
     o_ref[pl.ds(pl.multiple_of(i * chunk, chunk), chunk)] = out
     _asm(_STORE, "=r,r,r,r,r", vec(own_lo, 1), vec(own_hi, 1), vec(i * 4, 1), vec(epoch, 1))
 
 
 def all_reduce(x: jax.Array, table: jax.Array, axis_name: str, ranks: int) -> jax.Array:
-    """The sum of `x` over `axis_name` (inside `shard_map`), bfloat16 summed in float32.
-    `table [2, ranks]` int32: every rank's workspace address (low words, high words),
-    from `Workspace.table`."""
+    """The sum of `x` over `axis_name` (inside `shard_map`), in float32 (bfloat16 rounded
+    once at the end). `table [2, ranks]` int32: every rank's workspace address (low
+    words, high words), from `Workspace.table`."""
     if not supported(x):
         raise ValueError(f"{x.shape} {x.dtype} is not a tensor the peer all-reduce takes")
-    flat = lax.bitcast_convert_type(x.reshape(-1, 2), jnp.int32)
+    pairs = x.dtype == jnp.bfloat16
+    flat = lax.bitcast_convert_type(x.reshape(-1, 2) if pairs else x.reshape(-1), jnp.int32)
     words = flat.shape[0]
     chunk = min(CHUNK, words)
     rank = lax.axis_index(axis_name).astype(jnp.int32).reshape(1)
     out = pl.pallas_call(
-        functools.partial(_kernel, ranks=ranks, chunk=chunk),
+        functools.partial(_kernel, ranks=ranks, chunk=chunk, pairs=pairs),
         out_shape=jax.ShapeDtypeStruct((words,), jnp.int32),
         grid=(words // chunk,),
         compiler_params=_compiler_params(4, 1), name="peer_all_reduce",
     )(table[0], table[1], rank, flat)
-    return lax.bitcast_convert_type(out, jnp.bfloat16).reshape(x.shape)
+    return lax.bitcast_convert_type(out, x.dtype).reshape(x.shape)
 
 
 def enable_peer_access(devices) -> None:

@@ -20,6 +20,7 @@ from collections import Counter
 import pytest
 
 from jaxllm import LLM, SamplingParams
+from jaxllm.layers import row_reduce
 from jaxllm.sample.metadata import variant_metadata
 from tests.compilations import recorded_compilations
 from tests.engine.hf_reference import hf_greedy, random_prompts
@@ -236,3 +237,23 @@ def test_compiled_moe_step_at_tp2_all_reduces_like_a_dense_one_and_gathers_no_ex
     assert _collectives(forward) == {"all-reduce": 2 * LAYERS + 1}
     for shape, _ in _COLLECTIVE.findall(forward):
         assert shape.startswith("f32[16,64]") or shape.startswith("f32[4,64]"), shape
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("arch", ["llama", "qwen3_moe"])
+def test_row_parallel_sums_under_shard_map_match_transformers(arch, tmp_path, monkeypatch):
+    """The route the peer all-reduce takes on GPUs (layers/row_reduce.py): the output
+    and down projections, and the experts' partial outputs, summed inside `shard_map`
+    for the steps the kernel takes (here every step: `psum` stands in for the kernel on
+    CPU devices). The workload's tokens are still transformers', and the forward's
+    program holds one explicit sum per row-parallel product."""
+    monkeypatch.setenv(row_reduce.ENV, "psum")
+    case = _case(make_tiny_checkpoint(tmp_path, num_attention_heads=HEADS,
+                                      num_key_value_heads=KV_HEADS, num_hidden_layers=LAYERS,
+                                      **FAMILIES.get(arch, {})))
+    runner = _runner(_run_case(case, "reference", 2))
+    assert runner.row_reduce.mode == "psum"
+    programs = runner.programs
+    args = (runner.state, runner.kv_cache, programs.dummy_inputs(16), runner._no_prev)
+    traced = programs.forward.trace(*args[:4], programs.out_buffers(*args))
+    assert str(traced.jaxpr).count("psum") == 2 * LAYERS

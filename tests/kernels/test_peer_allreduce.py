@@ -1,0 +1,130 @@
+"""The peer all-reduce kernel (pallas_kernels/peer_allreduce) and its route's choices.
+
+The kernel writes into other GPUs' memory by address, which no interpret mode can
+stand in for: its tests run where several CUDA GPUs are visible (the device machines,
+`JAX_PLATFORMS=cuda python3 -m pytest tests/kernels/test_peer_allreduce.py`), against a
+float32 `psum` rounded once, as the kernel rounds. On CPU the sizes it takes and the
+choice of route are checked.
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from jax.sharding import Mesh, NamedSharding
+from jax.sharding import PartitionSpec as P
+
+from jaxllm.layers import row_reduce
+from pallas_kernels.peer_allreduce import gpu
+
+
+def _struct(shape, dtype=jnp.bfloat16):
+    return jax.ShapeDtypeStruct(shape, dtype)
+
+
+def test_sizes_the_kernel_takes():
+    # A decode step's sums: a few rows of the hidden size, bfloat16 or float32.
+    assert gpu.supported(_struct((1, 4096)))
+    assert gpu.supported(_struct((8, 8192)))
+    assert gpu.supported(_struct((8, 2048), jnp.float32))
+    assert gpu.supported(_struct((1, 64)))  # one chunk of a power of two
+    # Up to the workspace's size, then XLA's all-reduce.
+    assert gpu.supported(_struct((1, 2 * gpu.MAX_WORDS)))
+    assert not gpu.supported(_struct((2, 2 * gpu.MAX_WORDS)))
+    assert not gpu.supported(_struct((1, gpu.MAX_WORDS + gpu.CHUNK), jnp.float32))
+    # Not whole chunks, an odd bfloat16 size, other dtypes.
+    assert not gpu.supported(_struct((3, gpu.CHUNK + 2)))
+    assert not gpu.supported(_struct((1, 3)))
+    assert not gpu.supported(_struct((1, 48)))
+    assert not gpu.supported(_struct((1, 4096), jnp.float16))
+    assert not gpu.supported(_struct((1, 4096), jnp.int32))
+
+
+def test_workspace_layout_keeps_counters_flags_and_data_apart():
+    for ranks in (2, 4, 8):
+        layout = gpu.Layout(ranks)
+        slots = gpu.MAX_WORDS // gpu.CHUNK
+        assert layout.flags == slots  # the counters come first, one a program
+        assert layout.data == layout.flags + 2 * ranks * slots
+        assert layout.words == layout.data + 2 * ranks * gpu.MAX_WORDS
+
+
+def test_route_on_cpu_devices(monkeypatch):
+    """XLA's all-reduce on CPU devices, and at tp 1; the `psum` stand-in on request."""
+    mesh = Mesh(np.asarray(jax.devices()[:2]), ("model",))
+    one = Mesh(np.asarray(jax.devices()[:1]), ("model",))
+    monkeypatch.delenv(row_reduce.ENV, raising=False)
+    assert row_reduce.make(mesh) is None and row_reduce.make(one) is None
+    monkeypatch.setenv(row_reduce.ENV, "psum")
+    reduce = row_reduce.make(mesh)
+    assert reduce.mode == "psum" and reduce.ranks == 2 and row_reduce.make(one) is None
+    assert reduce.takes(8, 4096, jnp.bfloat16) and not reduce.takes(4096, 4096, jnp.bfloat16)
+    monkeypatch.setenv(row_reduce.ENV, "0")
+    assert row_reduce.make(mesh) is None
+
+
+def _gpus() -> list:
+    try:
+        return [d for d in jax.devices() if d.platform == "gpu"]
+    except RuntimeError:
+        return []
+
+
+needs_gpus = pytest.mark.skipif(len(_gpus()) < 2, reason="writes into other GPUs' memory: "
+                                "needs two or more CUDA GPUs")
+
+
+@pytest.fixture(scope="module", params=[2, 4])
+def ranks(request):
+    if request.param > len(_gpus()):
+        pytest.skip(f"{request.param} GPUs")
+    return request.param
+
+
+def _programs(ranks: int):
+    mesh = Mesh(np.asarray(_gpus()[:ranks]), ("x",))
+    ws = gpu.Workspace(mesh, "x")
+
+    def sm(f):
+        return jax.jit(jax.shard_map(f, mesh=mesh, in_specs=(P("x"), P()), out_specs=P("x"),
+                                     check_vma=False))
+
+    return (mesh, ws, sm(lambda b, t: gpu.all_reduce(b, t, "x", ranks)),
+            sm(lambda b, t: jax.lax.psum(b.astype(jnp.float32), "x").astype(b.dtype)))
+
+
+@needs_gpus
+@pytest.mark.parametrize("shape,dtype", [((1, 4096), jnp.bfloat16), ((8, 8192), jnp.bfloat16),
+                                         ((1, 64), jnp.bfloat16), ((32, 4096), jnp.bfloat16),
+                                         ((8, 2048), jnp.float32), ((1, 256), jnp.float32)])
+def test_kernel_sums_as_float32_psum(ranks, shape, dtype):
+    mesh, ws, mine, want = _programs(ranks)
+    x = jax.random.normal(jax.random.key(shape[0] * shape[1]), (ranks * shape[0], shape[1]))
+    x = jax.device_put(x.astype(dtype), NamedSharding(mesh, P("x")))
+    got = np.asarray(mine(x, ws.table), np.float32)
+    np.testing.assert_array_equal(got, np.asarray(want(x, ws.table), np.float32))
+    # Every rank holds the same sum.
+    rows = got.reshape(ranks, *shape)
+    assert all((rows[r] == rows[0]).all() for r in range(ranks))
+
+
+@needs_gpus
+def test_kernel_stays_exact_over_thousands_of_chained_calls(ranks):
+    """The counters and the two buffers, call after call: ones summed and scaled back
+    stay ones through 64 calls a program, run 50 times."""
+    mesh = Mesh(np.asarray(_gpus()[:ranks]), ("x",))
+    ws = gpu.Workspace(mesh, "x")
+
+    def chain(b, t):
+        for _ in range(64):
+            b = gpu.all_reduce(b, t, "x", ranks) * jnp.bfloat16(1.0 / ranks)
+        return b
+
+    f = jax.jit(jax.shard_map(chain, mesh=mesh, in_specs=(P("x"), P()), out_specs=P("x"),
+                              check_vma=False))
+    y = jax.device_put(jnp.ones((ranks * 2, 4096), jnp.bfloat16), NamedSharding(mesh, P("x")))
+    for _ in range(50):
+        y = f(y, ws.table)
+    assert (np.asarray(y, np.float32) == 1).all()
