@@ -51,6 +51,7 @@ def test_workspace_layout_keeps_counters_flags_and_data_apart():
         assert layout.words == layout.data + 2 * ranks * gpu.MAX_WORDS
 
 
+@pytest.mark.skipif(jax.default_backend() != "cpu", reason="the CPU suite's fake devices")
 def test_route_on_cpu_devices(monkeypatch):
     """XLA's all-reduce on CPU devices, and at tp 1; the `psum` stand-in on request."""
     mesh = Mesh(np.asarray(jax.devices()[:2]), ("model",))
