@@ -102,24 +102,36 @@ def measure_allreduce_seconds(devices: Any, nbytes: int) -> float:
     return t
 
 
-def measure_allreduce_chain_seconds(devices: Any, nbytes: int, chain: int = 64) -> float:
+def measure_allreduce_chain_seconds(devices: Any, nbytes: int, chain: int = 64,
+                                    peer: bool = False) -> float:
     """Seconds of one psum of `nbytes` of bf16 inside a program, as a decode step pays it:
     a jitted chain of `chain` dependent psums, less the same program without them,
     over `chain`. A lone jitted psum (`measure_allreduce_seconds`) also times the
-    host's launch on every device, which a step pays once, not per all-reduce."""
+    host's launch on every device, which a step pays once, not per all-reduce.
+    `peer`: the sum by the peer all-reduce kernel (pallas_kernels/peer_allreduce), as
+    the engine's small steps take it on GPUs, instead of XLA's."""
     from jax.sharding import PartitionSpec as P
 
     mesh, x = _psum_operand(devices, nbytes)
+    table = None
+    if peer:
+        from pallas_kernels.peer_allreduce import gpu
+
+        table = gpu.Workspace(mesh, "x").table
+
+    def reduce(b: jax.Array, t: jax.Array) -> jax.Array:
+        return gpu.all_reduce(b, t, "x", len(devices)) if peer else jax.lax.psum(b, "x")
 
     def program(links: int) -> Any:
-        def body(b: jax.Array) -> jax.Array:
+        def body(b: jax.Array, t: jax.Array) -> jax.Array:
             for _ in range(links):  # each waits for the last: nothing to combine
-                b = jax.lax.psum(b, "x") * jnp.bfloat16(0.5)
+                b = reduce(b, t) * jnp.bfloat16(0.5)
             return b
-        return jax.jit(jax.shard_map(body, mesh=mesh, in_specs=P("x"), out_specs=P("x")))
+        return jax.jit(jax.shard_map(body, mesh=mesh, in_specs=(P("x"), P()),
+                                     out_specs=P("x"), check_vma=False))
 
-    t = median_time(program(chain), x, iters=5, reps=5) - median_time(program(0), x,
-                                                                       iters=5, reps=5)
+    t = median_time(program(chain), x, table, iters=5, reps=5) - median_time(
+        program(0), x, table, iters=5, reps=5)
     del x
     return max(t, 0.0) / chain
 

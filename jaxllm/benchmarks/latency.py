@@ -142,7 +142,9 @@ def _decode(llm: Any, args: argparse.Namespace, startup: float, bw: float,
     # A decode step's all-reduces are a few KiB, where a collective's fixed latency, not
     # the bus bandwidth, sets its time: a second floor takes each at the measured time
     # of one in-program psum of [batch, hidden] bf16, to tell that cost apart from the engine's.
-    small_s = (measure_allreduce_chain_seconds(jax.devices()[:tp], b * hf.hidden_size * 2)
+    # Timed as the engine sums: the peer kernel where its small steps take it.
+    small_s = (measure_allreduce_chain_seconds(jax.devices()[:tp], b * hf.hidden_size * 2,
+                                               peer=model.get("row_reduce") == "peer")
                if tp > 1 else 0.0)
     memory_ms = step_floor(step, params, hf, bw, float("inf"), tp=tp,
                            link_bw=float("inf"), weight_nbytes=wbytes,
@@ -158,7 +160,7 @@ def _decode(llm: Any, args: argparse.Namespace, startup: float, bw: float,
         "hbm_bandwidth_GBps": bw / 1e9, "allreduce_bus_GBps": link / 1e9 if link else None,
         "ms_per_token": ms_per_token,
         "roofline_ms_per_token": floor_ms, "fraction_of_roofline": floor_ms / ms_per_token,
-        "allreduce_step_us": small_s * 1e6,
+        "allreduce_step_us": small_s * 1e6, "row_reduce": model.get("row_reduce"),
         "floor_with_allreduce_latency_ms": collective_floor_ms,
         "prefill_ms": prefill * 1e3, "startup_s": startup,
         "worker_processes": args.worker_processes, "engine_processes": model["num_processes"],
@@ -181,7 +183,8 @@ def report(result: dict, args: argparse.Namespace) -> dict:
         ("decode", f"{r['ms_per_token']:.2f} ms/token"),
         ("roofline", f"{r['roofline_ms_per_token']:.2f} ms/token"),
         ("fraction of roofline", f"{r['fraction_of_roofline']:.1%}"),
-    ] + ([("one decode all-reduce (measured)", f"{r['allreduce_step_us']:.1f} us"),
+    ] + ([("one decode all-reduce (measured)",
+           f"{r['allreduce_step_us']:.1f} us ({r['row_reduce'] or 'XLA'}'s)"),
           ("floor with all-reduces at that time",
            f"{r['floor_with_allreduce_latency_ms']:.2f} ms/token")]
          if r["tensor_parallel_size"] > 1 else []))

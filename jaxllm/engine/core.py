@@ -286,15 +286,18 @@ class EngineCore:
         """What a benchmark's roofline reads of the loaded model, from any client: its
         parameter count, the bytes its weights hold as stored (a quantized weight's
         elements and scales), the attention backend's name, and how many processes
-        drive the model's devices (several in a multi-host job)."""
+        drive the model's devices (several in a multi-host job), and how its
+        row-parallel sums run (layers/row_reduce.py: "peer", "psum", or None for XLA's)."""
         import jax
 
         from jaxllm.worker.weight_stats import param_count, weight_bytes
 
-        state = self.model_runner.state
+        runner = self.model_runner
+        state = runner.state
         return {"params": param_count(state), "weight_bytes": weight_bytes(state),
-                "attention_backend": self.model_runner.attn_backend.name,
-                "num_processes": jax.process_count()}
+                "attention_backend": runner.attn_backend.name,
+                "num_processes": jax.process_count(),
+                "row_reduce": runner.row_reduce and runner.row_reduce.mode}
 
     def shutdown(self) -> None:
         if self.structured is not None:
