@@ -1,4 +1,4 @@
-"""A one-shot all-reduce of a small bfloat16 tensor over the GPUs of one process, as one
+"""A one-shot all-reduce of a small bfloat16 or float32 tensor over the GPUs of one process, as one
 Pallas GPU kernel (Triton lowering) that writes into the other GPUs' memory by address.
 
 A decode step's all-reduces carry a few KiB each, where NCCL's ring pays a fixed latency
@@ -19,7 +19,9 @@ costs one kernel launch:
 Two buffers suffice: a rank that writes into parity p again (two calls later) has seen
 every rank's flag of the call in between, which each rank stores only after it has
 finished reading parity p. Every GPU must run the same sequence of calls (as SPMD
-programs do); a GPU that never arrives leaves the others waiting, as NCCL's would.
+programs do); a GPU that never arrives leaves the others waiting, as NCCL's would. A
+program waits only on its own index on the other GPUs, and at most `_SLOTS` programs
+of 128 threads run, which any GPU holds resident at once.
 
 The PTX runs as side-effecting inline assembly (Pallas's own `elementwise_inline_asm` is
 pure, which lets the compiler drop or move the stores and spin-waits). The kernel needs
@@ -43,7 +45,7 @@ from jax.experimental.pallas import triton as plt
 
 from pallas_kernels.triton_util import compiler_params as _compiler_params
 
-CHUNK = 512  # 32-bit words (bf16 pairs) a program moves per rank
+CHUNK = 512  # 32-bit words (a float32, or a bfloat16 pair) a program moves per rank
 MAX_WORDS = 1 << 16  # the largest tensor, in words (256 KiB): a decode step's activations
 _SLOTS = MAX_WORDS // CHUNK  # programs, each with its own counter and flags
 
@@ -139,7 +141,7 @@ _AFTER_PRIOR = "griddepcontrol.wait; mov.b32 $0, $1;"
 
 
 def _kernel(lo_ref, hi_ref, rank_ref, x_ref, o_ref, *, ranks: int, chunk: int,
-            pairs: bool):
+            pairs: bool, after_prior: bool):
     layout = Layout(ranks)
     i = pl.program_id(0)
     rank = rank_ref[0]
@@ -147,8 +149,8 @@ def _kernel(lo_ref, hi_ref, rank_ref, x_ref, o_ref, *, ranks: int, chunk: int,
     def vec(v, n):
         return jnp.broadcast_to(jnp.asarray(v, jnp.int32), (n,))
 
-    # Launched as a dependent of the kernel before, wait for it to finish first.
-    _asm(_AFTER_PRIOR, "=r,r", vec(rank, 1))
+    if after_prior:  # launched as a dependent of the kernel before: wait for it to finish
+        _asm(_AFTER_PRIOR, "=r,r", vec(rank, 1))
     own_lo, own_hi = lo_ref[rank], hi_ref[rank]
     epoch = jnp.max(_asm(_LOAD, "=r,r,r,r", vec(own_lo, 1), vec(own_hi, 1), vec(i * 4, 1))) + 1
     parity = epoch & 1
@@ -207,12 +209,20 @@ def all_reduce(x: jax.Array, table: jax.Array, axis_name: str, ranks: int) -> ja
     chunk = min(CHUNK, words)
     rank = lax.axis_index(axis_name).astype(jnp.int32).reshape(1)
     out = pl.pallas_call(
-        functools.partial(_kernel, ranks=ranks, chunk=chunk, pairs=pairs),
+        functools.partial(_kernel, ranks=ranks, chunk=chunk, pairs=pairs,
+                          after_prior=_dependent_launch()),
         out_shape=jax.ShapeDtypeStruct((words,), jnp.int32),
         grid=(words // chunk,),
         compiler_params=_compiler_params(4, 1), name="peer_all_reduce",
     )(table[0], table[1], rank, flat)
     return lax.bitcast_convert_type(out, x.dtype).reshape(x.shape)
+
+
+def _dependent_launch() -> bool:
+    """Whether the GPUs run programmatic dependent launch (Hopper on), whose
+    `griddepcontrol` instructions older GPUs do not assemble."""
+    cc = getattr(jax.devices()[0], "compute_capability", "0")
+    return int(str(cc).split(".")[0]) >= 9
 
 
 def enable_peer_access(devices) -> None:
