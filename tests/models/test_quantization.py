@@ -31,6 +31,7 @@ from flax import nnx
 from jaxllm import LLM, SamplingParams
 from jaxllm.distributed.mesh import make_mesh
 from jaxllm.errors import ParameterError
+from jaxllm.layers import row_reduce
 from jaxllm.layers.attention import get_attention_backend
 from jaxllm.layers.quant import WEIGHT_ONLY_ENV, dequantize
 from jaxllm.models.loader import load_model
@@ -173,6 +174,24 @@ def test_moe_greedy_tokens_agree_with_the_dequantized_model_over_64_prompts(arch
     rate = greedy_agreement(model_dir, twin_dir, kind, tp)
     print(f"greedy agreement {arch} {kind} tp={tp}: {rate:.4f}")
     assert rate >= MOE_AGREEMENT_FLOOR[kind]
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("arch,kind", [("llama", "int8"), ("llama", "fp8"),
+                                       ("qwen3_moe", "int8")])
+def test_quantized_row_parallel_sums_under_shard_map_agree_with_the_dequantized_model(
+        arch, kind, tmp_path, monkeypatch):
+    """The peer all-reduce's route (layers/row_reduce.py, `psum` standing in for the
+    kernel on CPU devices) takes the quantized output and down projections, each device
+    applying its shard of the weight and its scales: tokens agree with the dequantized
+    twin's as well as on XLA's route (fp8's activations are scaled per device's shard of
+    the row, as vLLM's row-parallel layers scale them)."""
+    monkeypatch.setenv(row_reduce.ENV, "psum")
+    model_dir = make_tiny_checkpoint(tmp_path, **ARCHS[arch])
+    twin_dir = dequantized_twin(model_dir, kind, tmp_path)
+    rate = greedy_agreement(model_dir, twin_dir, kind, 2)
+    floor = (MOE_AGREEMENT_FLOOR if arch == "qwen3_moe" else AGREEMENT_FLOOR)[kind]
+    assert rate >= floor
 
 
 @pytest.mark.parametrize("layout", ["per_tensor", "per_channel", "block"])
