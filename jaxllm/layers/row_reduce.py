@@ -9,7 +9,8 @@ writes into the other GPUs' memory) runs the product under `shard_map` and sums 
 shards with that kernel; larger steps (prefill, large batches) keep XLA's all-reduce,
 whose ring uses the links' bandwidth better.
 
-One `RowReduce` serves every such product of a model (`attach`). The workspaces'
+One `RowReduce` serves every such product of a model (`attach`, through the model's
+`attach_row_reduce`). The workspaces'
 address table is a variable of the model's state, so every step program takes it as an
 argument: never a constant of a cached executable, since the workspaces move from run
 to run.
@@ -134,23 +135,14 @@ def linear_product(layer: Any, x: jax.Array) -> jax.Array | None:
     return reduce.product(local, args, specs)
 
 
-def attach(model: nnx.Module, reduce: RowReduce | None) -> None:
-    """Gives every row-parallel product of a decoder (`layers[i].self_attn.o_proj`, a
-    dense MLP's `down_proj`, a mixture of experts) the shared `reduce`."""
-    from jaxllm.layers.linear import Linear
-    from jaxllm.layers.moe import SparseMoE
-
-    if reduce is None:
-        return
-    for layer in getattr(model, "layers", ()):
-        attn = getattr(layer, "self_attn", None)
-        if attn is not None:
-            attn.o_proj.reduce = reduce
-        mlp = getattr(layer, "mlp", None)
-        if isinstance(mlp, SparseMoE):
-            mlp.reduce = reduce
-        elif isinstance(getattr(mlp, "down_proj", None), Linear):
-            mlp.down_proj.reduce = reduce
+def attach(model: nnx.Module, mesh: Mesh | None) -> RowReduce | None:
+    """The reduce for `mesh` (`make`), given to every row-parallel product of `model`
+    through its `attach_row_reduce`; None where XLA's all-reduce stays (no reduce for the
+    mesh, or a model without that method)."""
+    reduce = make(mesh) if hasattr(model, "attach_row_reduce") else None
+    if reduce is not None:
+        model.attach_row_reduce(reduce)
+    return reduce
 
 
 def mode_for(mesh: Mesh) -> str | None:

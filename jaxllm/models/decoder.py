@@ -311,6 +311,17 @@ class DecoderForCausalLM(nnx.Module):
             kw["kv_scale"] = self.kv_scales[i]
         return self.layers[i](x, positions, kv_cache, md, self.layer_norms[i], qk_norms, **kw)
 
+    def attach_row_reduce(self, reduce: nnx.Module) -> None:
+        """Gives every row-parallel product (each layer's output projection, a dense
+        MLP's down projection, a mixture of experts' partial outputs) the shared
+        `reduce` that sums their shards for small steps (layers/row_reduce.py)."""
+        for layer in self.layers:
+            layer.self_attn.o_proj.reduce = reduce
+            if isinstance(layer.mlp, SparseMoE):
+                layer.mlp.reduce = reduce
+            else:
+                layer.mlp.down_proj.reduce = reduce
+
     @property
     def logits_head(self) -> nnx.Param:
         """The `[vocab, H]` matrix the logits come from (the embedding when tied)."""

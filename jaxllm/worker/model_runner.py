@@ -116,8 +116,7 @@ class ModelRunner:
         self.swiglu = get_swiglu(config.mlp_backend, config.mlp_interpret, dtype=self.dtype,
                                  mesh=self.mesh)
         model = load_model(mc, self.mesh, self.attn_backend, self.swiglu)
-        self.row_reduce = row_reduce.make(self.mesh)  # the row-parallel sums' route
-        row_reduce.attach(model, self.row_reduce)
+        self.row_reduce = row_reduce.attach(model, self.mesh)  # the row-parallel sums' route
         LoRASlots.attach(model, self.mesh, config.lora_config)  # adapter tables, if LoRA is on
         graphdef, state = nnx.split(model)
         # The weights as a flat list of arrays (see programs.step_functions).
@@ -155,8 +154,7 @@ class ModelRunner:
         self._copy_home = self.mesh.devices.flat[0].platform != "cpu"
         # Benchmarks set this to a list to get one StepRecord per executed step.
         self.step_log: list[StepRecord] | None = None
-        context = aot_context(config, self.attn_backend, self.swiglu, self.mesh,
-                              self.row_reduce)
+        context = aot_context(config, self.attn_backend, self.swiglu, self.mesh, self.row_reduce)
         aot = ExecutableCache.create(xla_cache_dir, context, list(self.mesh.devices.flat))
         capture = config.eagle_head and config.eagle_head.capture  # what a head reads
         self.programs = StepPrograms(graphdef, jax.tree.structure(state), model.logits_head[...],
@@ -254,8 +252,7 @@ class ModelRunner:
         else:
             ib.inflight_index[rows[gen]] = np.flatnonzero(gen)
         if self.step_log is not None:
-            kv = end.astype(np.int64)
-            q = nsched.astype(np.int64)
+            kv, q = end.astype(np.int64), nsched.astype(np.int64)
             self.step_log.append(StepRecord(inputs.num_tokens, inputs.padded_tokens, n,
                                             int(kv.sum()),
                                             int((q * kv - q * (q - 1) // 2).sum())))
@@ -265,8 +262,7 @@ class ModelRunner:
             last_hidden = jnp.copy(last_hidden)
         knobs = [(p.normalize, p.dimensions) for p in (ib.pooling[rows[i]] for i in pool)]
         return StepHandle(req_ids, rows, ib.layout_version, gen, None, last_hidden, pool,
-                          knobs, prompt_lp,
-                          self.buckets.pad_requests(n), out_index, verify)
+                          knobs, prompt_lp, self.buckets.pad_requests(n), out_index, verify)
 
     def _sample(self, h: StepHandle, grammar_bitmask: np.ndarray | None) -> None:
         """Launches the sampler of a step whose forward is dispatched."""
