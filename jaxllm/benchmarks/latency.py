@@ -141,8 +141,8 @@ def _decode(llm: Any, args: argparse.Namespace, startup: float, bw: float,
                           kv_itemsize=1 if args.kv_cache_dtype != "auto" else 2) * 1e3
     # A decode step's all-reduces are a few KiB, where a collective's fixed latency, not
     # the bus bandwidth, sets its time: a second floor takes each at the measured time
-    # of one in-program psum of [batch, hidden] bf16, to tell that cost apart from the engine's.
-    # Timed as the engine sums: the peer kernel where its small steps take it.
+    # of one in-program sum of [batch, hidden] bf16 as the engine sums (the peer kernel
+    # where its small steps take it), to tell that cost apart from the engine's.
     small_s = (measure_allreduce_chain_seconds(jax.devices()[:tp], b * hf.hidden_size * 2,
                                                peer=model.get("row_reduce") == "peer")
                if tp > 1 else 0.0)

@@ -104,7 +104,7 @@ class Linear(nnx.Module):
     def __call__(self, x: jax.Array) -> jax.Array:
         reduced = row_reduce.linear_product(self, x)
         if reduced is not None:
-            return reduced if self.bias is None else reduced + self.bias[...]
+            return reduced
         out = self.method.apply(self, x)
         return out if self.lora is None else out + self.lora(x)
 
@@ -113,7 +113,7 @@ class Linear(nnx.Module):
         add in the product's epilogue where the `MatmulAdd` has a kernel)."""
         reduced = row_reduce.linear_product(self, x)
         if reduced is not None:
-            return residual + (reduced if self.bias is None else reduced + self.bias[...])
+            return residual + reduced
         if self.lora is not None:
             residual = residual + self.lora(x)
         return self.method.apply_add(self, x, residual)

@@ -73,10 +73,6 @@ from jaxllm.layers.grouped_matmul import GroupedMatmul, default_grouped_matmul
 from jaxllm.layers.linear import make_param
 from jaxllm.layers.quant import quantize_traced
 
-_shard_map = getattr(jax, "shard_map", None)
-if _shard_map is None:  # jax < 0.7
-    from jax.experimental.shard_map import shard_map as _shard_map
-
 # Steps of at most this many token rows take `routed_expert_ffn` (`small_token_limit`).
 SMALL_TOKENS = 16
 # The bodies of a small step's unquantized experts (`small_step_kernel`).
@@ -348,26 +344,19 @@ class SparseMoE(nnx.Module):
         if self.mesh is None:
             out = ffn(*args)
         else:
+            def partial(x, routing, statics, num_tokens, *experts):
+                first = jax.lax.axis_index("model") * experts[0].shape[0]
+                return ffn(x, routing, statics, num_tokens, *experts, first=first)
+
+            in_specs = (P(),) * 4 + (P("model"),) * len(experts)
             # The partial outputs' sum: the row reduce where it takes the step (sized
             # for float32 partials), else psum.
-            reduce = self.reduce
-            if reduce is not None and not reduce.takes(*x.shape, jnp.float32):
-                reduce = None
-            table = () if reduce is None else (reduce.table[...],)
-            n = len(table)
-
-            def shard(*table_and_args):
-                local, (x, routing, statics, num_tokens, *experts) = (
-                    table_and_args[:n], table_and_args[n:])
-                first = jax.lax.axis_index("model") * experts[0].shape[0]
-                out = ffn(x, routing, statics, num_tokens, *experts, first=first)
-                if reduce is None:
-                    return jax.lax.psum(out, "model")
-                return reduce.sum(out, *local)
-
-            out = _shard_map(shard, mesh=self.mesh,
-                             in_specs=(P(),) * (n + 4) + (P("model"),) * len(experts),
-                             out_specs=P(), check_vma=False)(*table, *args)
+            if self.reduce is not None and self.reduce.takes(*x.shape, jnp.float32):
+                out = self.reduce.product(partial, args, in_specs)
+            else:
+                out = jax.shard_map(lambda *a: jax.lax.psum(partial(*a), "model"),
+                                    mesh=self.mesh, in_specs=in_specs, out_specs=P(),
+                                    check_vma=False)(*args)
         out = out.astype(x.dtype)
         return out if residual is None else residual + out
 

@@ -39,11 +39,6 @@ logger = logging.getLogger(__name__)
 ENV = "JAXLLM_PEER_ALLREDUCE"
 AXIS = "model"
 
-_shard_map = getattr(jax, "shard_map", None)
-if _shard_map is None:  # jax < 0.7
-    from jax.experimental.shard_map import shard_map as _shard_map
-
-
 class PeerTable(nnx.Variable):
     """The GPUs' workspace addresses `[2, ranks]` int32 (low, high words): no weight."""
 
@@ -90,25 +85,25 @@ class RowReduce(nnx.Module):
         def body(table, *local):
             return self.sum(fn(*local), table)
 
-        return _shard_map(body, mesh=self.mesh, in_specs=(P(), *in_specs), out_specs=P(),
-                          check_vma=False)(self.table[...], *args)
+        return jax.shard_map(body, mesh=self.mesh, in_specs=(P(), *in_specs), out_specs=P(),
+                             check_vma=False)(self.table[...], *args)
 
 
 @dataclasses.dataclass(frozen=True)
 class _Shard:
     """A `Linear`'s parameters as one device holds them, for its method's `apply`."""
 
-    weight: jax.Array
-    weight_scale: jax.Array | None
-    input_scale: jax.Array | None
     in_dims: int
-    bias: None = None
+    weight: jax.Array
+    weight_scale: jax.Array | None = None
+    input_scale: jax.Array | None = None
+    bias: None = None  # added once, after the sum
 
 
 def linear_product(layer: Any, x: jax.Array) -> jax.Array | None:
-    """`layer(x)` without its bias for a row-parallel `Linear` whose `reduce` takes the
-    step, summed by it; None where the layer keeps XLA's all-reduce (no reduce, an
-    adapter attached, a step the reduce does not take)."""
+    """`layer(x)` for a row-parallel `Linear` whose `reduce` takes the step, its shards
+    summed by it; None where the layer keeps XLA's all-reduce (no reduce, an adapter
+    attached, a step the reduce does not take)."""
     reduce = layer.reduce
     if reduce is None or layer.lora is not None:
         return None
@@ -117,22 +112,17 @@ def linear_product(layer: Any, x: jax.Array) -> jax.Array | None:
     if not reduce.takes(x.shape[0], int(np.prod(w.shape[:out_dims])), x.dtype):
         return None
     spec = tuple(layer.spec) + (None,) * (w.ndim - len(layer.spec))
-    args, specs = [x, w], [P(None, *spec[out_dims:]), P(*spec)]
-    optional = {}
-    for name, part in (("weight_scale", P(*spec[:out_dims])), ("input_scale", P())):
-        param = getattr(layer, name, None)
-        if param is not None:
-            optional[name] = len(args)
-            args.append(param[...])
-            specs.append(part)
+    # The weight and whatever scales its method holds, each split as it is stored.
+    parts = {"weight": P(*spec), "weight_scale": P(*spec[:out_dims]), "input_scale": P()}
+    names = [n for n in parts if getattr(layer, n, None) is not None]
 
-    def local(*arrays):
-        shard = _Shard(arrays[1], *(arrays[optional[n]] if n in optional else None
-                                    for n in ("weight_scale", "input_scale")),
-                       in_dims=layer.in_dims)
-        return layer.method.apply(shard, arrays[0])
+    def local(x, *arrays):
+        shard = _Shard(layer.in_dims, **dict(zip(names, arrays, strict=True)))
+        return layer.method.apply(shard, x)
 
-    return reduce.product(local, args, specs)
+    out = reduce.product(local, [x, *(getattr(layer, n)[...] for n in names)],
+                         [P(None, *spec[out_dims:]), *(parts[n] for n in names)])
+    return out if layer.bias is None else out + layer.bias[...]
 
 
 def attach(model: nnx.Module, mesh: Mesh | None) -> RowReduce | None:

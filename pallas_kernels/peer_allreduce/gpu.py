@@ -87,8 +87,10 @@ def supported(x: jax.ShapeDtypeStruct | jax.Array) -> bool:
     return 0 < words <= MAX_WORDS and whole
 
 
-# Side-effecting inline PTX: a primitive of our own whose Triton lowering sets pure=False.
-def _make_asm_primitive():
+@functools.cache
+def _asm_primitive():
+    """Side-effecting inline PTX: a primitive of our own whose Triton lowering sets
+    pure=False (made on first use: it reaches into JAX's Triton lowering)."""
     from jax._src import core as jax_core
     from jax._src.lib.triton import dialect as tt_dialect
     from jax._src.pallas.triton import lowering as triton_lowering
@@ -115,17 +117,12 @@ def _make_asm_primitive():
     return prim
 
 
-_ASM = None
-
-
 def _asm(asm: str, constraints: str, *args: jax.Array) -> jax.Array:
     """One int32 result per element of `args` (all one shape), the asm's `$0`."""
-    global _ASM
-    if _ASM is None:
-        _ASM = _make_asm_primitive()
     shape = args[0].shape
-    return _ASM.bind(*args, asm=asm, constraints=constraints,
-                     result_shape_dtypes=(jax.ShapeDtypeStruct(shape, jnp.int32),))[0]
+    return _asm_primitive().bind(
+        *args, asm=asm, constraints=constraints,
+        result_shape_dtypes=(jax.ShapeDtypeStruct(shape, jnp.int32),))[0]
 
 
 # $1, $2: an address's low and high words; $3: a byte offset added to it.
