@@ -1,5 +1,6 @@
 """The sum over 'model' that ends a row-parallel product: the attention's output
-projection, the dense MLP's down projection, a mixture of experts' partial outputs.
+projection, the dense MLP's down projection, a mixture of experts' partial outputs,
+and the lookup in a vocab-parallel embedding.
 
 XLA's SPMD partitioner ends each with an NCCL all-reduce. A decode step's carry a few
 KiB, where NCCL's fixed latency is several times the transfer and sets the step's pace
@@ -29,6 +30,7 @@ from collections.abc import Callable, Sequence
 from typing import Any
 
 import jax
+import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 from jax.sharding import Mesh, NamedSharding
@@ -123,6 +125,28 @@ def linear_product(layer: Any, x: jax.Array) -> jax.Array | None:
     out = reduce.product(local, [x, *(getattr(layer, n)[...] for n in names)],
                          [P(None, *spec[out_dims:]), *(parts[n] for n in names)])
     return out if layer.bias is None else out + layer.bias[...]
+
+
+def embedding_lookup(reduce: RowReduce | None, table: jax.Array,
+                     ids: jax.Array) -> jax.Array | None:
+    """The rows `ids` of a `[vocab, H]` table split over 'model' by vocabulary: each
+    device takes the rows it holds and zeros elsewhere, and the reduce sums them: exact,
+    as XLA's own lookup (which sums masked rows too), since each row has one nonzero
+    term. None where XLA's lookup stays: no reduce, or a
+    step it does not take, or a table kept whole (a vocabulary 'model' does not divide,
+    distributed/mesh.py). XLA's own lookup ends in an all-reduce, the last collective of
+    a decode step's forward: without it the forward holds none of XLA's."""
+    if (reduce is None or table.shape[0] % reduce.ranks
+            or not reduce.takes(ids.shape[0], table.shape[1], table.dtype)):
+        return None
+
+    def local(ids, shard):
+        local_ids = ids - jax.lax.axis_index(AXIS) * shard.shape[0]
+        held = (local_ids >= 0) & (local_ids < shard.shape[0])
+        rows = jnp.take(shard, jnp.where(held, local_ids, 0), axis=0)
+        return jnp.where(held[:, None], rows, jnp.zeros((), rows.dtype))
+
+    return reduce.product(local, [ids, table], [P(), P(AXIS, None)])
 
 
 def attach(model: nnx.Module, mesh: Mesh | None) -> RowReduce | None:

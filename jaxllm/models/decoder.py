@@ -50,6 +50,7 @@ from jax.sharding import Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
 from jaxllm.kv_groups import KVCacheGroups
+from jaxllm.layers import row_reduce
 from jaxllm.layers.attention import AttentionBackend, AttentionMetadata
 from jaxllm.layers.gated_mlp import GatedMLP
 from jaxllm.layers.linear import Linear, make_param
@@ -217,6 +218,8 @@ class DecoderForCausalLM(nnx.Module):
                         make_param(rngs, (arch.vocab_size, arch.hidden_size), dtype,
                                    P("model", None)))
         self.head_logits = LogitsHead(arch.final_soft_cap)
+        # The vocab-parallel lookup's sum for small steps (attach_row_reduce); None: XLA's.
+        self.embed_reduce: nnx.Module | None = nnx.data(None)
         # An fp8 KV cache's per-layer K and V scales (the checkpoint's, else 1.0 as vLLM).
         self.kv_scales = (make_param(rngs, (arch.num_layers, 2), jnp.float32, P(None, None),
                                      "ones") if kv_cache_dtype != "auto" else None)
@@ -294,7 +297,9 @@ class DecoderForCausalLM(nnx.Module):
         if kv_cache.shape[0] % runs:
             raise ValueError(f"KV cache of {kv_cache.shape[0]} pages does not split into "
                              f"{runs} runs of pages")
-        x = jnp.take(self.embed_tokens[...], input_ids, axis=0)
+        x = row_reduce.embedding_lookup(self.embed_reduce, self.embed_tokens[...], input_ids)
+        if x is None:
+            x = jnp.take(self.embed_tokens[...], input_ids, axis=0)
         if self.arch.embed_scale:  # in the model dtype, as Hugging Face rounds it
             x = x * jnp.asarray(self.arch.hidden_size ** 0.5, x.dtype)
         for i in range(len(self.layers) - 1):
@@ -314,7 +319,9 @@ class DecoderForCausalLM(nnx.Module):
     def attach_row_reduce(self, reduce: nnx.Module) -> None:
         """Gives every row-parallel product (each layer's output projection, a dense
         MLP's down projection, a mixture of experts' partial outputs) the shared
-        `reduce` that sums their shards for small steps (layers/row_reduce.py)."""
+        `reduce` that sums their shards for small steps (layers/row_reduce.py), and
+        the embedding's lookup."""
+        self.embed_reduce = reduce
         for layer in self.layers:
             layer.self_attn.o_proj.reduce = reduce
             if isinstance(layer.mlp, SparseMoE):

@@ -5,26 +5,37 @@ A decode step's all-reduces carry a few KiB each, where NCCL's ring pays a fixed
 several times the transfer; XLA's own alternatives pay a per-call exchange of the peers'
 addresses (BENCHMARKS.md, Several GPUs). Here each GPU holds one persistent workspace,
 allocated once; its address and every peer's are an argument of the program, so a call
-costs one kernel launch:
+costs one kernel launch.
 
-1. each program (a chunk of the tensor) reads its call counter from this GPU's workspace:
-   the call's epoch is the counter plus one, and its parity picks one of two buffers;
+The data carries its own arrival signal (Lamport's one-shot scheme, as TensorRT-LLM's
+all-reduce uses it): every word of a receive buffer holds a sentinel, 0x80000000, until
+a peer's word lands in it, and no word sent equals it: a float32 -0.0, or a -0.0 in the
+high half of a bfloat16 pair, is sent as +0.0 (`sendable`; a sum changes only where
+every rank holds that -0.0: +0.0 then). So a call needs no fence and no flag round trip,
+only the stores and the reads that see them land:
+
+1. each program (a chunk of the tensor) reads its call counter from this GPU's
+   workspace: the call's epoch is the counter plus one, and the epoch modulo three picks
+   one of three buffers; it puts the sentinel back into the buffer of its previous call;
 2. it writes its chunk into that buffer's slot for this rank in every GPU's workspace
-   (its own included), fences at system scope, and after a block barrier stores the
-   epoch into its flag slot at every GPU (release, system scope);
-3. it waits until every rank's flag for this chunk and parity reads the epoch (acquire),
-   then sums the ranks' slots in rank order in float32 (so every GPU gets the same bits)
-   and stores the counter's new value.
+   (its own included);
+3. it reads every rank's slot of its own buffer, all words at once so that the loads
+   overlap in flight, until no word is the sentinel; sums the ranks in rank order in
+   float32 (so every GPU gets the same bits); and stores the new counter.
 
-Two buffers suffice: a rank that writes into parity p again (two calls later) has seen
-every rank's flag of the call in between, which each rank stores only after it has
-finished reading parity p. Every GPU must run the same sequence of calls (as SPMD
-programs do); a GPU that never arrives leaves the others waiting, as NCCL's would. A
-program waits only on its own index on the other GPUs, and at most `_SLOTS` programs
-of 128 threads run, which any GPU holds resident at once.
+Three buffers suffice: a rank runs at most one call ahead of another (finishing a call
+needs every rank's data of it), so while a rank reads the buffer of call e, its peers
+write either that one or the buffer of call e + 1, and the buffer it clears, call
+e - 1's, is one whose words it has already read from every rank and no rank writes
+again before call e + 2, which waits for this rank's data of call e + 1. Every GPU must
+run the same sequence of calls (as SPMD programs do); a GPU that never arrives leaves
+the others waiting, as NCCL's would. A program waits only on its own index on the other
+GPUs, and at most `_SLOTS` programs of 128 threads run, which any GPU holds resident at
+once.
 
 The PTX runs as side-effecting inline assembly (Pallas's own `elementwise_inline_asm` is
-pure, which lets the compiler drop or move the stores and spin-waits). The kernel needs
+pure, which lets the compiler drop or move the stores, or hoist the polling loads out
+of their loop). The kernel needs
 peer access between the GPUs (`enable_peer_access`) and has no interpret mode: it only
 means something on GPUs; tests/kernels/test_peer_allreduce.py checks it on them against
 a float32 `psum`.
@@ -41,7 +52,6 @@ import jax.numpy as jnp
 import numpy as np
 from jax import lax
 from jax.experimental import pallas as pl
-from jax.experimental.pallas import triton as plt
 
 from pallas_kernels.triton_util import compiler_params as _compiler_params
 
@@ -50,24 +60,30 @@ MAX_WORDS = 1 << 16  # the largest tensor, in words (256 KiB): a decode step's a
 _SLOTS = MAX_WORDS // CHUNK  # programs, each with its own counter and flags
 
 
+SENTINEL = -(1 << 31)  # int32 0x80000000: a receive buffer's word before its data lands
+_BUFFERS = 3
+
+
 @dataclasses.dataclass(frozen=True)
 class Layout:
-    """Word offsets in a rank's int32 workspace: counters `[slots]`, flags
-    `[2, ranks, slots]`, data `[2, ranks, MAX_WORDS]`."""
+    """Word offsets in a rank's int32 workspace: counters `[slots]`, then data
+    `[3, ranks, MAX_WORDS]` (the sentinel wherever no data is in flight)."""
 
     ranks: int
 
     @property
-    def flags(self) -> int:
+    def data(self) -> int:
         return _SLOTS
 
     @property
-    def data(self) -> int:
-        return _SLOTS + 2 * self.ranks * _SLOTS
-
-    @property
     def words(self) -> int:
-        return self.data + 2 * self.ranks * MAX_WORDS
+        return self.data + _BUFFERS * self.ranks * MAX_WORDS
+
+    def initial(self) -> np.ndarray:
+        """A workspace as it must start: counters zero, every data word the sentinel."""
+        words = np.full(self.words, SENTINEL, np.int32)
+        words[:self.data] = 0
+        return words
 
 
 def _words(x: jax.ShapeDtypeStruct | jax.Array) -> int:
@@ -129,12 +145,16 @@ def _asm(asm: str, constraints: str, *args: jax.Array) -> jax.Array:
 _ADDR = "mov.b64 a, {$1, $2}; cvt.u64.u32 o, $3; add.u64 a, a, o;"
 _REGS = ".reg .b64 a; .reg .b64 o;"
 _LOAD = f"{{ {_REGS} {_ADDR} ld.volatile.global.b32 $0, [a]; }}"
-_STORE = f"{{ {_REGS} {_ADDR} st.global.b32 [a], $4; mov.b32 $0, 0; }}"
-_SIGNAL = f"{{ {_REGS} {_ADDR} st.release.sys.global.b32 [a], $4; mov.b32 $0, 0; }}"
-_WAIT = (f"{{ {_REGS} .reg .pred p; {_ADDR} "
-         "spin: ld.acquire.sys.global.b32 $0, [a]; setp.ne.s32 p, $0, $4; @p bra spin; }")
-_FENCE = "fence.acq_rel.sys; mov.b32 $0, $1;"
+_STORE = f"{{ {_REGS} {_ADDR} st.volatile.global.b32 [a], $4; mov.b32 $0, 0; }}"
 _AFTER_PRIOR = "griddepcontrol.wait; mov.b32 $0, $1;"
+
+
+def sendable(words: jax.Array, pairs: bool) -> jax.Array:
+    """int32 `words` (bfloat16 pairs, or float32) with each -0.0 that would make the
+    sentinel sent as +0.0: a bfloat16 pair's high half, or a float32."""
+    if pairs:
+        return jnp.where((words & jnp.int32(-65536)) == SENTINEL, words & 0xFFFF, words)
+    return jnp.where(words == SENTINEL, 0, words)
 
 
 def _kernel(lo_ref, hi_ref, rank_ref, x_ref, o_ref, *, ranks: int, chunk: int,
@@ -146,36 +166,45 @@ def _kernel(lo_ref, hi_ref, rank_ref, x_ref, o_ref, *, ranks: int, chunk: int,
     def vec(v, n):
         return jnp.broadcast_to(jnp.asarray(v, jnp.int32), (n,))
 
+    def slot(buffer, src, n):  # byte offsets of this program's words of `src` in `buffer`
+        lane = lax.broadcasted_iota(jnp.int32, (n,), 0)
+        return (layout.data + (buffer * ranks + src) * MAX_WORDS + i * n + lane) * 4
+
+    own_lo, own_hi = lo_ref[rank], hi_ref[rank]
+    # The counter and the buffer of this program's previous call are this kernel's own
+    # (its earlier launches finished before any later kernel of the stream started), so
+    # both are touched before the wait on the kernel before, which dependent launch may
+    # overlap.
+    epoch = jnp.max(_asm(_LOAD, "=r,r,r,r", vec(own_lo, 1), vec(own_hi, 1), vec(i * 4, 1))) + 1
+    buffer = epoch % _BUFFERS
+    previous = (epoch + _BUFFERS - 1) % _BUFFERS
+    # A program's words start at i * CHUNK in every call (one program where a call has
+    # fewer words), so clearing a whole chunk clears whatever its previous call moved.
+    for src in range(ranks):
+        _asm(_STORE, "=r,r,r,r,r", vec(own_lo, CHUNK), vec(own_hi, CHUNK),
+             slot(previous, src, CHUNK), vec(SENTINEL, CHUNK))
     if after_prior:  # launched as a dependent of the kernel before: wait for it to finish
         _asm(_AFTER_PRIOR, "=r,r", vec(rank, 1))
-    own_lo, own_hi = lo_ref[rank], hi_ref[rank]
-    epoch = jnp.max(_asm(_LOAD, "=r,r,r,r", vec(own_lo, 1), vec(own_hi, 1), vec(i * 4, 1))) + 1
-    parity = epoch & 1
-    lane = lax.broadcasted_iota(jnp.int32, (chunk,), 0)
 
-    words = x_ref[pl.ds(pl.multiple_of(i * chunk, chunk), chunk)]
-    slot = layout.data + (parity * ranks + rank) * MAX_WORDS + i * chunk
+    words = sendable(x_ref[pl.ds(pl.multiple_of(i * chunk, chunk), chunk)], pairs)
     for p in range(ranks):
         _asm(_STORE, "=r,r,r,r,r", vec(lo_ref[p], chunk), vec(hi_ref[p], chunk),
-             (slot + lane) * 4, words)
-    _asm(_FENCE, "=r,r", vec(epoch, 1))
-    plt.debug_barrier()
-    peers = lax.broadcasted_iota(jnp.int32, (ranks,), 0)
-    flag = (layout.flags + (parity * ranks + rank) * _SLOTS + i) * 4
-    _asm(_SIGNAL, "=r,r,r,r,r", lo_ref[...], hi_ref[...], vec(flag, ranks), vec(epoch, ranks))
-    their_flag = (layout.flags + (parity * ranks + peers) * _SLOTS + i) * 4
-    _asm(_WAIT, "=r,r,r,r,r", vec(own_lo, ranks), vec(own_hi, ranks), their_flag,
-         vec(epoch, ranks))
-    plt.debug_barrier()
+             slot(buffer, rank, chunk), words)
 
     def f32(bits):
         return lax.bitcast_convert_type(bits, jnp.float32)
 
+    def read(_=None):  # every rank's words at once: the loads overlap in flight
+        return tuple(_asm(_LOAD, "=r,r,r,r", vec(own_lo, chunk), vec(own_hi, chunk),
+                          slot(buffer, src, chunk)) for src in range(ranks))
+
+    def landing(received):  # whether any word is still the sentinel
+        return sum(jnp.max(jnp.where(w == SENTINEL, 1, 0)) for w in received) > 0
+
+    received = lax.while_loop(landing, read, read())
     lo = jnp.zeros((chunk,), jnp.float32)
     hi = jnp.zeros((chunk,), jnp.float32)
-    for src in range(ranks):
-        at = (layout.data + (parity * ranks + src) * MAX_WORDS + i * chunk + lane) * 4
-        w = _asm(_LOAD, "=r,r,r,r", vec(own_lo, chunk), vec(own_hi, chunk), at)
+    for w in received:
         if pairs:  # a bfloat16 is the top half of its float32
             lo += f32(w << 16)
             hi += f32(w & jnp.int32(-65536))
@@ -253,7 +282,7 @@ def _check(code: int, what: str, ok=(0,)) -> None:
 
 
 class Workspace:
-    """One zeroed int32 workspace a GPU of `mesh`'s `axis`, allocated once and kept for
+    """One int32 workspace a GPU (`Layout.initial`) of `mesh`'s `axis`, allocated once and kept for
     the life of the programs that use it, and the address table they take."""
 
     def __init__(self, mesh, axis: str):
@@ -264,7 +293,7 @@ class Workspace:
         layout = Layout(self.ranks)
         devices = list(np.asarray(mesh.devices).reshape(-1))
         enable_peer_access(devices)
-        self.buffers = jax.device_put(np.zeros((self.ranks, layout.words), np.int32),
+        self.buffers = jax.device_put(np.tile(layout.initial(), (self.ranks, 1)),
                                       NamedSharding(mesh, P(axis)))
         jax.block_until_ready(self.buffers)
         shards = sorted(self.buffers.addressable_shards, key=lambda s: s.index[0].start or 0)

@@ -245,8 +245,9 @@ def test_row_parallel_sums_under_shard_map_match_transformers(arch, tmp_path, mo
     """The route the peer all-reduce takes on GPUs (layers/row_reduce.py): the output
     and down projections, and the experts' partial outputs, summed inside `shard_map`
     for the steps the kernel takes (here every step: `psum` stands in for the kernel on
-    CPU devices). The workload's tokens are still transformers', and the forward's
-    program holds one explicit sum per row-parallel product."""
+    CPU devices), and the vocab-parallel embedding's lookup. The workload's tokens are
+    still transformers', and the forward's program holds one explicit sum per
+    row-parallel product and one for the lookup."""
     monkeypatch.setenv(row_reduce.ENV, "psum")
     case = _case(make_tiny_checkpoint(tmp_path, num_attention_heads=HEADS,
                                       num_key_value_heads=KV_HEADS, num_hidden_layers=LAYERS,
@@ -256,4 +257,4 @@ def test_row_parallel_sums_under_shard_map_match_transformers(arch, tmp_path, mo
     programs = runner.programs
     args = (runner.state, runner.kv_cache, programs.dummy_inputs(16), runner._no_prev)
     traced = programs.forward.trace(*args[:4], programs.out_buffers(*args))
-    assert str(traced.jaxpr).count("psum") == 2 * LAYERS
+    assert str(traced.jaxpr).count("psum") == 2 * LAYERS + 1

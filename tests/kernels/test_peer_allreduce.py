@@ -42,13 +42,34 @@ def test_sizes_the_kernel_takes():
     assert not gpu.supported(_struct((1, 4096), jnp.int32))
 
 
-def test_workspace_layout_keeps_counters_flags_and_data_apart():
+def test_workspace_layout_keeps_counters_and_data_apart():
     for ranks in (2, 4, 8):
         layout = gpu.Layout(ranks)
         slots = gpu.MAX_WORDS // gpu.CHUNK
-        assert layout.flags == slots  # the counters come first, one a program
-        assert layout.data == layout.flags + 2 * ranks * slots
-        assert layout.words == layout.data + 2 * ranks * gpu.MAX_WORDS
+        assert layout.data == slots  # the counters come first, one a program
+        assert layout.words == layout.data + 3 * ranks * gpu.MAX_WORDS
+        start = layout.initial()
+        assert start.shape == (layout.words,) and start.dtype == np.int32
+        assert (start[:slots] == 0).all() and (start[slots:] == gpu.SENTINEL).all()
+
+
+@pytest.mark.parametrize("dtype", [jnp.bfloat16, jnp.float32])
+def test_no_word_sent_is_the_sentinel(dtype):
+    """A word that lands in a receive buffer is its own arrival signal, so none may equal
+    the sentinel a buffer holds before: a -0.0 that would make it (a float32, or the high
+    half of a bfloat16 pair) is sent as +0.0, every other value bit for bit."""
+    values = np.array([-0.0, -0.0, 1.5, -2.25, 0.0, -0.0, -0.0, 3.0], np.float32)
+    x = jnp.asarray(values, dtype)
+    pairs = dtype == jnp.bfloat16
+    words = jax.lax.bitcast_convert_type(x.reshape(-1, 2) if pairs else x, jnp.int32)
+    sent = gpu.sendable(words, pairs)
+    assert not (np.asarray(sent) == gpu.SENTINEL).any()
+    expected = np.array(x)  # a pair's second element is its word's high half
+    high = np.arange(values.size) % 2 == 1 if pairs else np.ones(values.size, bool)
+    expected[high & (values == 0)] = 0.0
+    back = jax.lax.bitcast_convert_type(sent, dtype).reshape(-1)
+    np.testing.assert_array_equal(np.asarray(back).view(np.uint8), expected.view(np.uint8))
+    assert np.signbit(np.asarray(back, np.float32)[0]) == pairs  # a low half's -0.0 stays
 
 
 @pytest.mark.skipif(jax.default_backend() != "cpu", reason="the CPU suite's fake devices")
@@ -113,7 +134,7 @@ def test_kernel_sums_as_float32_psum(ranks, shape, dtype):
 
 @needs_gpus
 def test_kernel_stays_exact_over_thousands_of_chained_calls(ranks):
-    """The counters and the two buffers, call after call: ones summed and scaled back
+    """The counters and the three buffers, call after call: ones summed and scaled back
     stay ones through 64 calls a program, run 50 times."""
     mesh = Mesh(np.asarray(_gpus()[:ranks]), ("x",))
     ws = gpu.Workspace(mesh, "x")
@@ -129,3 +150,33 @@ def test_kernel_stays_exact_over_thousands_of_chained_calls(ranks):
     for _ in range(50):
         y = f(y, ws.table)
     assert (np.asarray(y, np.float32) == 1).all()
+
+
+@needs_gpus
+def test_kernel_mixes_sizes_and_signed_zeros_call_after_call(ranks):
+    """Calls of different sizes share the programs' counters and buffers (a call of fewer
+    words than a chunk, then whole chunks, bfloat16 and float32), and zeros of either
+    sign sit among the values (a -0.0 is the bits of the buffers' sentinel, and must
+    still land): every sum equals a float32 psum's, round after round."""
+    mesh = Mesh(np.asarray(_gpus()[:ranks]), ("x",))
+    ws = gpu.Workspace(mesh, "x")
+    cases = [((1, 64), jnp.bfloat16), ((8, 4096), jnp.bfloat16), ((1, 256), jnp.float32),
+             ((32, 4096), jnp.bfloat16), ((8, 2048), jnp.float32)]
+
+    def each(f):
+        return jax.jit(jax.shard_map(lambda t, *xs: tuple(f(x, t) for x in xs), mesh=mesh,
+                                     in_specs=(P(), *[P("x")] * len(cases)),
+                                     out_specs=tuple(P("x") for _ in cases), check_vma=False))
+
+    mine = each(lambda x, t: gpu.all_reduce(x, t, "x", ranks))
+    want = each(lambda x, t: jax.lax.psum(x.astype(jnp.float32), "x").astype(x.dtype))
+    rng = np.random.default_rng(0)
+    for _ in range(20):
+        xs = []
+        for shape, dtype in cases:
+            v = rng.standard_normal((ranks * shape[0], shape[1])).astype(np.float32)
+            v[rng.random(v.shape) < 0.3] = -0.0
+            v[:, :8] = -0.0  # on every rank: the sum is a zero too
+            xs.append(jax.device_put(jnp.asarray(v, dtype), NamedSharding(mesh, P("x"))))
+        for got, ref in zip(mine(ws.table, *xs), want(ws.table, *xs), strict=True):
+            np.testing.assert_array_equal(np.asarray(got, np.float32), np.asarray(ref, np.float32))
