@@ -170,11 +170,12 @@ def _kernel(lo_ref, hi_ref, rank_ref, x_ref, o_ref, *, ranks: int, chunk: int,
         lane = lax.broadcasted_iota(jnp.int32, (n,), 0)
         return (layout.data + (buffer * ranks + src) * MAX_WORDS + i * n + lane) * 4
 
+    # Launched as a dependent of the kernel before: wait until it has finished and its
+    # writes are visible (that kernel may be this one's previous call, whose counter
+    # store the epoch needs).
+    if after_prior:
+        _asm(_AFTER_PRIOR, "=r,r", vec(rank, 1))
     own_lo, own_hi = lo_ref[rank], hi_ref[rank]
-    # The counter and the buffer of this program's previous call are this kernel's own
-    # (its earlier launches finished before any later kernel of the stream started), so
-    # both are touched before the wait on the kernel before, which dependent launch may
-    # overlap.
     epoch = jnp.max(_asm(_LOAD, "=r,r,r,r", vec(own_lo, 1), vec(own_hi, 1), vec(i * 4, 1))) + 1
     buffer = epoch % _BUFFERS
     previous = (epoch + _BUFFERS - 1) % _BUFFERS
@@ -183,8 +184,6 @@ def _kernel(lo_ref, hi_ref, rank_ref, x_ref, o_ref, *, ranks: int, chunk: int,
     for src in range(ranks):
         _asm(_STORE, "=r,r,r,r,r", vec(own_lo, CHUNK), vec(own_hi, CHUNK),
              slot(previous, src, CHUNK), vec(SENTINEL, CHUNK))
-    if after_prior:  # launched as a dependent of the kernel before: wait for it to finish
-        _asm(_AFTER_PRIOR, "=r,r", vec(rank, 1))
 
     words = sendable(x_ref[pl.ds(pl.multiple_of(i * chunk, chunk), chunk)], pairs)
     for p in range(ranks):
