@@ -11,10 +11,9 @@ shards with that kernel; larger steps (prefill, large batches) keep XLA's all-re
 whose ring uses the links' bandwidth better.
 
 One `RowReduce` serves every such product of a model (`attach`, through the model's
-`attach_row_reduce`). The workspaces'
-address table is a variable of the model's state, so every step program takes it as an
-argument: never a constant of a cached executable, since the workspaces move from run
-to run.
+`attach_row_reduce`). The workspaces' address table is a variable of the model's state,
+so every step program takes it as an argument: never a constant of a cached executable,
+since the workspaces move from run to run.
 
 `JAXLLM_PEER_ALLREDUCE`: "0" keeps XLA's all-reduce everywhere; "psum" takes the same
 `shard_map` route with `psum` as the sum, on any platform (how the CPU tests hold the
@@ -40,6 +39,7 @@ logger = logging.getLogger(__name__)
 
 ENV = "JAXLLM_PEER_ALLREDUCE"
 AXIS = "model"
+
 
 class PeerTable(nnx.Variable):
     """The GPUs' workspace addresses `[2, ranks]` int32 (low, high words): no weight."""
@@ -132,10 +132,10 @@ def embedding_lookup(reduce: RowReduce | None, table: jax.Array,
     """The rows `ids` of a `[vocab, H]` table split over 'model' by vocabulary: each
     device takes the rows it holds and zeros elsewhere, and the reduce sums them: exact,
     as XLA's own lookup (which sums masked rows too), since each row has one nonzero
-    term. None where XLA's lookup stays: no reduce, or a
-    step it does not take, or a table kept whole (a vocabulary 'model' does not divide,
-    distributed/mesh.py). XLA's own lookup ends in an all-reduce, the last collective of
-    a decode step's forward: without it the forward holds none of XLA's."""
+    term. None where XLA's lookup stays: no reduce, a step it does not take, or a table
+    kept whole (a vocabulary 'model' does not divide, distributed/mesh.py). XLA's lookup
+    ends in an all-reduce, the last collective of a decode step's forward: without it
+    the forward holds none of XLA's."""
     if (reduce is None or table.shape[0] % reduce.ranks
             or not reduce.takes(ids.shape[0], table.shape[1], table.dtype)):
         return None

@@ -297,9 +297,10 @@ class DecoderForCausalLM(nnx.Module):
         if kv_cache.shape[0] % runs:
             raise ValueError(f"KV cache of {kv_cache.shape[0]} pages does not split into "
                              f"{runs} runs of pages")
-        x = row_reduce.embedding_lookup(self.embed_reduce, self.embed_tokens[...], input_ids)
+        table = self.embed_tokens[...]
+        x = row_reduce.embedding_lookup(self.embed_reduce, table, input_ids)
         if x is None:
-            x = jnp.take(self.embed_tokens[...], input_ids, axis=0)
+            x = jnp.take(table, input_ids, axis=0)
         if self.arch.embed_scale:  # in the model dtype, as Hugging Face rounds it
             x = x * jnp.asarray(self.arch.hidden_size ** 0.5, x.dtype)
         for i in range(len(self.layers) - 1):

@@ -281,8 +281,9 @@ def _check(code: int, what: str, ok=(0,)) -> None:
 
 
 class Workspace:
-    """One int32 workspace a GPU (`Layout.initial`) of `mesh`'s `axis`, allocated once and kept for
-    the life of the programs that use it, and the address table they take."""
+    """One int32 workspace a GPU of `mesh`'s `axis` (laid out and started as `Layout`
+    says), allocated once and kept for the life of the programs that use it, and the
+    address table they take."""
 
     def __init__(self, mesh, axis: str):
         from jax.sharding import NamedSharding
