@@ -6,6 +6,11 @@ and prints how busy the device was (the union of its kernel intervals over the
 traced wall time), the largest idle gaps, and the kernels that took the time.
 
     python scripts/profile_step.py --batch-size 1 --input-len 128 --output-len 64
+
+Under tensor parallelism (`-tp 2`) it also reads every device and host thread: how
+far apart the devices start each step (at the first row-parallel sum of the peer
+all-reduce), each device's busy fraction and time in those sums, and each device's
+launch thread (the forward's launch and the CUDA graph launch inside it).
 """
 
 from __future__ import annotations
@@ -38,11 +43,8 @@ def device_events(events: list[dict]) -> list[dict]:
     """Complete events on the first accelerator process ('/device:GPU:0' and the like):
     under tensor parallelism every device runs the same program, and a union over
     devices would hide one device's idle time behind another's kernels."""
-    procs = {e["pid"]: e["args"]["name"] for e in events
-             if e.get("ph") == "M" and e.get("name") == "process_name"}
-    names = sorted(name for name in procs.values() if "/device:" in name)
-    devices = {pid for pid, name in procs.items() if names and name == names[0]}
-    return [e for e in events if e.get("ph") == "X" and e["pid"] in devices and e.get("dur")]
+    first = device_pids(events)[:1]
+    return [e for e in events if e.get("ph") == "X" and e["pid"] in first and e.get("dur")]
 
 
 def busy_and_gaps(events: list[dict]) -> tuple[float, list[float], float]:
@@ -119,6 +121,61 @@ def summarize(events: list[dict], top: int = 15, sequence: int = 0) -> dict:
     }
 
 
+def device_pids(events: list[dict]) -> list[int]:
+    """The trace's accelerator processes ('/device:GPU:0', ...) in name order."""
+    procs = {e["pid"]: e["args"]["name"] for e in events
+             if e.get("ph") == "M" and e.get("name") == "process_name"}
+    return sorted((pid for pid, name in procs.items() if "/device:" in name),
+                  key=lambda pid: procs[pid])
+
+
+def step_skew(events: list[dict], per_step: int, marker: str = "peer_all_reduce") -> dict:
+    """Under tensor parallelism: how far apart the devices start each step, read at the
+    first of its `per_step` `marker` kernels (the row-parallel sums every device runs in
+    the same order), and each device's busy fraction and time in those kernels (a
+    device that waits for another's data spends it there)."""
+    devices = []
+    for pid in device_pids(events):
+        ev = [e for e in events if e.get("ph") == "X" and e.get("dur") and e["pid"] == pid]
+        if ev:
+            busy, _, span = busy_and_gaps(ev)
+            marks = sorted((e for e in ev if marker in e["name"]), key=lambda e: e["ts"])
+            devices.append({"busy_fraction": busy / span, "marks": marks,
+                            "marker_ms": sum(e["dur"] for e in marks) / 1e3})
+    steps = min((len(d["marks"]) for d in devices), default=0) // per_step
+    skews, firsts = [], []
+    for s in range(1, steps):  # the first step may hold the warm-up's tail
+        starts = [d["marks"][s * per_step]["ts"] for d in devices]
+        skews.append(max(starts) - min(starts))
+        firsts += [d["marks"][s * per_step]["dur"] for d in devices]
+    return {"steps": max(steps - 1, 0),
+            "start_skew_us": {"median": float(np.median(skews)) if skews else None,
+                              "max": max(skews) if skews else None},
+            "first_marker_median_us": float(np.median(firsts)) if firsts else None,
+            "devices": [{"busy_fraction": d["busy_fraction"], "marker_ms": d["marker_ms"]}
+                        for d in devices]}
+
+
+def launch_threads(events: list[dict], module: str = "jit_forward:XLA GPU module") -> list[dict]:
+    """Each host thread that launches the forward (one a device): its launches' median
+    length, and the median of the CUDA graph launches inside them."""
+    spans = collections.defaultdict(list)
+    for e in events:
+        if e.get("ph") == "X" and e.get("dur") is not None:
+            spans[(e["pid"], e["tid"])].append(e)
+    rows = []
+    for ev in spans.values():
+        launches = [e for e in ev if e["name"].startswith(module)]
+        if not launches:
+            continue
+        graphs = [e["dur"] for e in ev if e["name"].startswith("cuGraphLaunch")
+                  and any(m["ts"] <= e["ts"] < m["ts"] + m["dur"] for m in launches)]
+        rows.append({"launches": len(launches),
+                     "median_us": float(np.median([e["dur"] for e in launches])),
+                     "graph_launch_median_us": float(np.median(graphs)) if graphs else None})
+    return sorted(rows, key=lambda r: -r["median_us"])
+
+
 def kernel_sequence(dev: list[dict], n: int) -> list[dict]:
     ev = sorted(dev, key=lambda e: e["ts"])[len(dev) // 2:][:n]
     t0 = ev[0]["ts"] if ev else 0.0
@@ -171,6 +228,11 @@ def main(argv: list[str] | None = None) -> dict:
               "input_len": n_in, "output_len": args.output_len,
               "async_scheduling": args.async_scheduling, "wall_ms": wall * 1e3,
               **summarize(load_trace(log_dir), args.top, args.sequence)}
+    if args.tensor_parallel_size > 1:
+        events = load_trace(log_dir)
+        per_step = 2 * llm.llm_engine.model_config.hf_config.num_hidden_layers + 1
+        result["step_skew"] = step_skew(events, per_step)
+        result["launch_threads"] = launch_threads(events)
     if args.host_profile:
         t0 = time.perf_counter()
         result["host_profile"] = host_profile(
@@ -188,6 +250,18 @@ def main(argv: list[str] | None = None) -> dict:
     rows += [(f"  gap {g['before'][:28]} -> {g['after'][:28]}",
               f"{g['total_ms']:.2f} ms x{g['count']} (median {g['median_us']:.0f} µs)")
              for g in result["gaps_by_neighbours"]]
+    if "step_skew" in result:
+        sk = result["step_skew"]
+        if sk["steps"]:
+            rows.append(("devices' step start skew (first sum)",
+                         f"median {sk['start_skew_us']['median']:.1f} µs, max "
+                         f"{sk['start_skew_us']['max']:.1f} µs over {sk['steps']} steps"))
+        rows += [(f"  device {i}", f"busy {d['busy_fraction']:.1%}, in the sums "
+                                   f"{d['marker_ms']:.2f} ms") for i, d in enumerate(sk["devices"])]
+        rows += [("  a launch thread", f"{t['launches']} launches, median {t['median_us']:.0f} µs"
+                  + (f", its graph launch {t['graph_launch_median_us']:.0f} µs"
+                     if t["graph_launch_median_us"] is not None else ""))
+                 for t in result["launch_threads"]]
     rows += [(f"  host {h['function'][:56]}", f"{h['cumtime_ms']:.1f} ms cum, "
                                               f"{h['tottime_ms']:.1f} own, x{h['calls']}")
              for h in result.get("host_profile", [])]
