@@ -4,21 +4,9 @@ the sums, and the host threads' forward launches."""
 
 from __future__ import annotations
 
-import importlib.util
-from pathlib import Path
-
 import pytest
 
-ROOT = Path(__file__).resolve().parents[2]
-
-
-@pytest.fixture(scope="module")
-def profile_step():
-    spec = importlib.util.spec_from_file_location("profile_step",
-                                                  ROOT / "scripts/profile_step.py")
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
+from scripts import profile_step
 
 
 def _meta(pid: int, name: str) -> dict:
@@ -29,7 +17,7 @@ def _x(pid: int, name: str, ts: float, dur: float, tid: int = 0) -> dict:
     return {"ph": "X", "pid": pid, "tid": tid, "name": name, "ts": ts, "dur": dur}
 
 
-def test_step_skew_reads_each_steps_first_sum_on_every_device(profile_step):
+def test_step_skew_reads_each_steps_first_sum_on_every_device():
     # Two devices, 3 steps of 2 sums each, 1000 us apart; device 1 starts its steps
     # 5 us later (at 7 us in step 2) and its first sums wait that long.
     events = [_meta(1, "/device:GPU:0"), _meta(2, "/device:GPU:1"), _meta(3, "/host:CPU")]
@@ -52,7 +40,7 @@ def test_step_skew_reads_each_steps_first_sum_on_every_device(profile_step):
     assert profile_step.step_skew(plain, per_step=2)["steps"] == 0
 
 
-def test_launch_threads_reads_each_threads_forward_and_its_graph_launch(profile_step):
+def test_launch_threads_reads_each_threads_forward_and_its_graph_launch():
     module = "jit_forward:XLA GPU module"
     events = []
     for tid, (length, graph) in enumerate([(1200.0, 1000.0), (1600.0, 1400.0)]):
