@@ -224,10 +224,11 @@ def main(argv: list[str] | None = None) -> dict:
     with jax.profiler.trace(log_dir, create_perfetto_trace=True):
         llm.generate(prompts, params, use_tqdm=False)
     wall = time.perf_counter() - t0
+    events = load_trace(log_dir)
     result = {"batch_size": b, "tensor_parallel_size": args.tensor_parallel_size,
               "input_len": n_in, "output_len": args.output_len,
               "async_scheduling": args.async_scheduling, "wall_ms": wall * 1e3,
-              **summarize(events := load_trace(log_dir), args.top, args.sequence)}
+              **summarize(events, args.top, args.sequence)}
     if args.tensor_parallel_size > 1:
         per_step = 2 * llm.llm_engine.model_config.hf_config.num_hidden_layers + 1
         result["step_skew"] = step_skew(events, per_step)
