@@ -35,10 +35,9 @@ once.
 
 The PTX runs as side-effecting inline assembly (Pallas's own `elementwise_inline_asm` is
 pure, which lets the compiler drop or move the stores, or hoist the polling loads out
-of their loop). The kernel needs
-peer access between the GPUs (`enable_peer_access`) and has no interpret mode: it only
-means something on GPUs; tests/kernels/test_peer_allreduce.py checks it on them against
-a float32 `psum`.
+of their loop). The kernel needs peer access between the GPUs (`enable_peer_access`)
+and has no interpret mode: it only means something on GPUs;
+tests/kernels/test_peer_allreduce.py checks it on them against a float32 `psum`.
 """
 
 from __future__ import annotations
@@ -57,7 +56,7 @@ from pallas_kernels.triton_util import compiler_params as _compiler_params
 
 CHUNK = 512  # 32-bit words (a float32, or a bfloat16 pair) a program moves per rank
 MAX_WORDS = 1 << 16  # the largest tensor, in words (256 KiB): a decode step's activations
-_SLOTS = MAX_WORDS // CHUNK  # programs, each with its own counter and flags
+_SLOTS = MAX_WORDS // CHUNK  # programs, each with its own call counter
 
 
 SENTINEL = -(1 << 31)  # int32 0x80000000: a receive buffer's word before its data lands
