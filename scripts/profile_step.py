@@ -16,6 +16,7 @@ launch thread (the forward's launch and the CUDA graph launch inside it).
 from __future__ import annotations
 
 import argparse
+import bisect
 import collections
 import glob
 import gzip
@@ -39,12 +40,22 @@ def load_trace(log_dir: str) -> list[dict]:
     return data["traceEvents"] if isinstance(data, dict) else data
 
 
+def events_by_device(events: list[dict]) -> list[list[dict]]:
+    """Each accelerator process's complete events ('/device:GPU:0' and the like), in
+    the processes' name order."""
+    pids = device_pids(events)
+    by_pid: dict[int, list[dict]] = {pid: [] for pid in pids}
+    for e in events:
+        if e.get("ph") == "X" and e.get("dur") and e["pid"] in by_pid:
+            by_pid[e["pid"]].append(e)
+    return [by_pid[pid] for pid in pids]
+
+
 def device_events(events: list[dict]) -> list[dict]:
-    """Complete events on the first accelerator process ('/device:GPU:0' and the like):
-    under tensor parallelism every device runs the same program, and a union over
-    devices would hide one device's idle time behind another's kernels."""
-    first = device_pids(events)[:1]
-    return [e for e in events if e.get("ph") == "X" and e["pid"] in first and e.get("dur")]
+    """The first accelerator process's complete events: under tensor parallelism every
+    device runs the same program, and a union over devices would hide one device's idle
+    time behind another's kernels."""
+    return next(iter(events_by_device(events)), [])
 
 
 def busy_and_gaps(events: list[dict]) -> tuple[float, list[float], float]:
@@ -135,8 +146,7 @@ def step_skew(events: list[dict], per_step: int, marker: str = "peer_all_reduce"
     the same order), and each device's busy fraction and time in those kernels (a
     device that waits for another's data spends it there)."""
     devices = []
-    for pid in device_pids(events):
-        ev = [e for e in events if e.get("ph") == "X" and e.get("dur") and e["pid"] == pid]
+    for ev in events_by_device(events):
         if ev:
             busy, _, span = busy_and_gaps(ev)
             marks = sorted((e for e in ev if marker in e["name"]), key=lambda e: e["ts"])
@@ -156,6 +166,13 @@ def step_skew(events: list[dict], per_step: int, marker: str = "peer_all_reduce"
                         for d in devices]}
 
 
+def _within(spans: list[dict], starts: list[float], t: float) -> bool:
+    """Whether time `t` falls in one of `spans` (sorted, not overlapping; `starts` their
+    start times)."""
+    i = bisect.bisect_right(starts, t) - 1
+    return i >= 0 and t < spans[i]["ts"] + spans[i]["dur"]
+
+
 def launch_threads(events: list[dict], module: str = "jit_forward:XLA GPU module") -> list[dict]:
     """Each host thread that launches the forward (one a device): its launches' median
     length, and the median of the CUDA graph launches inside them."""
@@ -165,11 +182,13 @@ def launch_threads(events: list[dict], module: str = "jit_forward:XLA GPU module
             spans[(e["pid"], e["tid"])].append(e)
     rows = []
     for ev in spans.values():
-        launches = [e for e in ev if e["name"].startswith(module)]
+        launches = sorted((e for e in ev if e["name"].startswith(module)),
+                          key=lambda e: e["ts"])
         if not launches:
             continue
+        starts = [m["ts"] for m in launches]
         graphs = [e["dur"] for e in ev if e["name"].startswith("cuGraphLaunch")
-                  and any(m["ts"] <= e["ts"] < m["ts"] + m["dur"] for m in launches)]
+                  and _within(launches, starts, e["ts"])]
         rows.append({"launches": len(launches),
                      "median_us": float(np.median([e["dur"] for e in launches])),
                      "graph_launch_median_us": float(np.median(graphs)) if graphs else None})
@@ -230,6 +249,7 @@ def main(argv: list[str] | None = None) -> dict:
               "async_scheduling": args.async_scheduling, "wall_ms": wall * 1e3,
               **summarize(events, args.top, args.sequence)}
     if args.tensor_parallel_size > 1:
+        # The peer sums of a step: two a layer and the embedding lookup's.
         per_step = 2 * llm.llm_engine.model_config.hf_config.num_hidden_layers + 1
         result["step_skew"] = step_skew(events, per_step)
         result["launch_threads"] = launch_threads(events)
