@@ -26,6 +26,7 @@ from jax.sharding import PartitionSpec as P
 from jaxllm.errors import ParameterError
 from jaxllm.layers.linear import Linear
 from jaxllm.layers.mlp import SwiGLU
+from jaxllm.layers.row_reduce import NormWeight
 
 # Hugging Face `hidden_act` / `hidden_activation` names -> the gate's activation.
 ACTIVATIONS = {
@@ -59,14 +60,23 @@ class GatedMLP(nnx.Module):
         """`residual + mlp(x)` (`mlp(x)` when `residual` is None) for the normed input `x`;
         every row, `num_tokens` (the step's real rows) or not: a dense product costs the
         same either way."""
+        if residual is None:
+            return self.down_proj(self._gated(x))
+        return self.down_proj.add(self._gated(x), residual)
+
+    def add_norm(self, x: jax.Array, residual: jax.Array, num_tokens: jax.Array | None,
+                 norm: NormWeight, eps: float, offset: bool) -> tuple[jax.Array, jax.Array]:
+        """`y = self(x, residual, num_tokens)` and `rms_norm(y, norm.weight, eps, offset)`
+        (the next block's input), the norm with the down projection's sum where it can."""
+        return self.down_proj.add_norm(self._gated(x), residual, norm, eps, offset)
+
+    def _gated(self, x: jax.Array) -> jax.Array:
+        """`act(x @ gate.T) * (x @ up.T)`, the down projection's input."""
         up = self.gate_up_proj
         if self.activation == "silu" and up.plain and up.lora is None:
-            h = self.swiglu(x, up.weight[...], None if up.bias is None else up.bias[...])
-        else:  # GeGLU, a quantized weight, or an adapter's term joining the product
-            gate_up = up(x)
-            act = jax.nn.silu if self.activation == "silu" else functools.partial(
-                jax.nn.gelu, approximate=True)
-            h = act(gate_up[:, 0]) * gate_up[:, 1]
-        if residual is None:
-            return self.down_proj(h)
-        return self.down_proj.add(h, residual)
+            return self.swiglu(x, up.weight[...], None if up.bias is None else up.bias[...])
+        # GeGLU, a quantized weight, or an adapter's term joining the product
+        gate_up = up(x)
+        act = jax.nn.silu if self.activation == "silu" else functools.partial(
+            jax.nn.gelu, approximate=True)
+        return act(gate_up[:, 0]) * gate_up[:, 1]

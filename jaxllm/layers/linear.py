@@ -22,6 +22,7 @@ from jax.sharding import PartitionSpec as P
 
 from jaxllm.layers import row_reduce
 from jaxllm.layers.mlp import MatmulAdd
+from jaxllm.layers.norm import rms_norm
 from jaxllm.layers.quant import quantize_traced
 
 INIT_STD = 0.02  # dummy weights: small enough that activations stay finite
@@ -117,4 +118,14 @@ class Linear(nnx.Module):
         if self.lora is not None:
             residual = residual + self.lora(x)
         return self.method.apply_add(self, x, residual)
+
+    def add_norm(self, x: jax.Array, residual: jax.Array, norm: row_reduce.NormWeight,
+                 eps: float, offset: bool) -> tuple[jax.Array, jax.Array]:
+        """`y = self.add(x, residual)` and `rms_norm(y, norm.weight, eps, offset)`: in one
+        kernel with a row-parallel product's sum where its reduce takes the step."""
+        fused = row_reduce.linear_add_norm(self, x, residual, norm, eps, offset)
+        if fused is not None:
+            return fused
+        y = self.add(x, residual)
+        return y, rms_norm(y, norm.weight, eps, offset)
 

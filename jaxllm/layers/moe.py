@@ -71,7 +71,9 @@ from jax.sharding import PartitionSpec as P
 from jaxllm.errors import ParameterError
 from jaxllm.layers.grouped_matmul import GroupedMatmul, default_grouped_matmul
 from jaxllm.layers.linear import make_param
+from jaxllm.layers.norm import rms_norm
 from jaxllm.layers.quant import quantize_traced
+from jaxllm.layers.row_reduce import NormWeight
 
 # Steps of at most this many token rows take `routed_expert_ffn` (`small_token_limit`).
 SMALL_TOKENS = 16
@@ -359,6 +361,13 @@ class SparseMoE(nnx.Module):
                                     check_vma=False)(*args)
         out = out.astype(x.dtype)
         return out if residual is None else residual + out
+
+    def add_norm(self, x: jax.Array, residual: jax.Array, num_tokens: jax.Array | None,
+                 norm: NormWeight, eps: float, offset: bool) -> tuple[jax.Array, jax.Array]:
+        """`y = self(x, residual, num_tokens)` and `rms_norm(y, norm.weight, eps, offset)`,
+        as `GatedMLP.add_norm` (here apart: the partial outputs are summed in float32)."""
+        y = self(x, residual, num_tokens)
+        return y, rms_norm(y, norm.weight, eps, offset)
 
     def _fused(self, x: jax.Array, local: int, inter: int, hidden: int) -> bool:
         """Whether a small step takes the fused kernels: chosen, unquantized experts, and

@@ -15,9 +15,14 @@ One `RowReduce` serves every such product of a model (`attach`, through the mode
 so every step program takes it as an argument: never a constant of a cached executable,
 since the workspaces move from run to run.
 
+Where the sum feeds a residual add and an RMSNorm (the decoder's output and down
+projections), `product_add_norm` does all three in one kernel
+(`pallas_kernels/peer_allreduce/add_norm.py`), for steps whose rows it takes.
+
 `JAXLLM_PEER_ALLREDUCE`: "0" keeps XLA's all-reduce everywhere; "psum" takes the same
 `shard_map` route with `psum` as the sum, on any platform (how the CPU tests hold the
-route to the transformers oracle on fake devices).
+route to the transformers oracle on fake devices). `JAXLLM_PEER_ADD_NORM`: "0" keeps the
+add and the norm apart from the sum.
 """
 
 from __future__ import annotations
@@ -35,10 +40,26 @@ from flax import nnx
 from jax.sharding import Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
+from jaxllm.layers.norm import rms_norm
+
 logger = logging.getLogger(__name__)
 
 ENV = "JAXLLM_PEER_ALLREDUCE"
+ADD_NORM_ENV = "JAXLLM_PEER_ADD_NORM"
 AXIS = "model"
+
+
+@dataclasses.dataclass(frozen=True)
+class NormWeight:
+    """An RMSNorm's weight as row `row` of `table` `[N, hidden]` (a model's stacked norm
+    weights), which a kernel reads in place: a slice passed to it would be copied."""
+
+    table: jax.Array
+    row: int
+
+    @property
+    def weight(self) -> jax.Array:
+        return self.table[self.row]
 
 
 class PeerTable(nnx.Variable):
@@ -49,21 +70,26 @@ class RowReduce(nnx.Module):
     """Sums a row-parallel product's shards over 'model' for the steps `takes` accepts.
 
     `mode` "peer": the peer kernel; "psum": `lax.psum` (the same route, for tests).
+    `norm_table`: the workspace addresses of the add-norm kernel's calls, whose rows
+    are `norm_words` 32-bit words (None, 0: no such calls).
     """
 
-    def __init__(self, mesh: Mesh, mode: str, table: jax.Array):
+    def __init__(self, mesh: Mesh, mode: str, table: jax.Array,
+                 norm_table: jax.Array | None = None, norm_words: int = 0):
         if mode not in ("peer", "psum"):
             raise ValueError(f"mode {mode!r} is not 'peer' or 'psum'")
         self.mesh = mesh
         self.mode = mode
         self.ranks = mesh.shape[AXIS]
         self.table = PeerTable(table)
+        self.norm_words = norm_words if norm_table is not None else 0
+        self.norm_table = PeerTable(norm_table) if self.norm_words else None
 
     def cache_key(self) -> list:
         """What the programs traced with this reduce depend on (the program cache's key)."""
-        from pallas_kernels.peer_allreduce import gpu
+        from pallas_kernels.peer_allreduce import add_norm, gpu
 
-        return [self.mode, gpu.CHUNK, gpu.MAX_WORDS]
+        return [self.mode, gpu.CHUNK, gpu.MAX_WORDS, self.norm_words, add_norm.MAX_ROWS]
 
     def takes(self, rows: int, cols: int, dtype: Any) -> bool:
         """Whether a `[rows, cols]` sum of `dtype` goes this way: what the kernel takes
@@ -90,6 +116,33 @@ class RowReduce(nnx.Module):
         return jax.shard_map(body, mesh=self.mesh, in_specs=(P(), *in_specs), out_specs=P(),
                              check_vma=False)(self.table[...], *args)
 
+    def takes_add_norm(self, rows: int, cols: int, dtype: Any) -> bool:
+        """Whether a `[rows, cols]` sum of `dtype` may take `product_add_norm`: rows of
+        this reduce's width that the add-norm kernel takes, in either mode."""
+        from pallas_kernels.peer_allreduce import add_norm
+
+        return (self.norm_words > 0 and add_norm.row_words(cols, dtype) == self.norm_words
+                and add_norm.supported(rows, cols, dtype))
+
+    def product_add_norm(self, fn: Callable[..., jax.Array], args: Sequence[jax.Array],
+                         in_specs: Sequence[P], residual: jax.Array, norm: NormWeight,
+                         eps: float, offset: bool) -> tuple[jax.Array, jax.Array]:
+        """`x = residual + product(fn, args, in_specs)` and its RMSNorm by `norm`, both
+        whole on every device."""
+        def body(table, residual, weights, *local):
+            partial = fn(*local)
+            if self.mode == "psum":
+                x = residual + jax.lax.psum(partial, AXIS)
+                return x, rms_norm(x, weights[norm.row], eps, offset)
+            from pallas_kernels.peer_allreduce import add_norm
+
+            return add_norm.all_reduce_add_norm(partial, residual, weights, norm.row, eps,
+                                                offset, table, AXIS, self.ranks)
+
+        return jax.shard_map(body, mesh=self.mesh, in_specs=(P(), P(), P(), *in_specs),
+                             out_specs=(P(), P()), check_vma=False)(
+            self.norm_table[...], residual, norm.table, *args)
+
 
 @dataclasses.dataclass(frozen=True)
 class _Shard:
@@ -102,16 +155,18 @@ class _Shard:
     bias: None = None  # added once, after the sum
 
 
-def linear_product(layer: Any, x: jax.Array) -> jax.Array | None:
-    """`layer(x)` for a row-parallel `Linear` whose `reduce` takes the step, its shards
-    summed by it; None where the layer keeps XLA's all-reduce (no reduce, an adapter
-    attached, a step the reduce does not take)."""
-    reduce = layer.reduce
-    if reduce is None or layer.lora is not None:
+def _linear_shards(layer: Any, x: jax.Array, takes: str
+                   ) -> tuple[Callable[..., jax.Array], list, list] | None:
+    """A row-parallel `Linear`'s product as a reduce's `product` takes it (the function
+    of one device's shards, its arguments and their specs); None where the layer keeps
+    XLA's all-reduce (no reduce, an adapter attached, a step its reduce's method
+    `takes` refuses)."""
+    if layer.reduce is None or layer.lora is not None:
         return None
+    takes = getattr(layer.reduce, takes)
     w = layer.weight[...]
     out_dims = w.ndim - layer.in_dims
-    if not reduce.takes(x.shape[0], int(np.prod(w.shape[:out_dims])), x.dtype):
+    if not takes(x.shape[0], int(np.prod(w.shape[:out_dims])), x.dtype):
         return None
     spec = tuple(layer.spec) + (None,) * (w.ndim - len(layer.spec))
     # The weight and whatever scales its method holds, each split as it is stored.
@@ -122,9 +177,30 @@ def linear_product(layer: Any, x: jax.Array) -> jax.Array | None:
         shard = _Shard(layer.in_dims, **dict(zip(names, arrays, strict=True)))
         return layer.method.apply(shard, x)
 
-    out = reduce.product(local, [x, *(getattr(layer, n)[...] for n in names)],
-                         [P(None, *spec[out_dims:]), *(parts[n] for n in names)])
+    return (local, [x, *(getattr(layer, n)[...] for n in names)],
+            [P(None, *spec[out_dims:]), *(parts[n] for n in names)])
+
+
+def linear_product(layer: Any, x: jax.Array) -> jax.Array | None:
+    """`layer(x)` for a row-parallel `Linear` whose `reduce` takes the step, its shards
+    summed by it; None where the layer keeps XLA's all-reduce."""
+    shards = _linear_shards(layer, x, "takes")
+    if shards is None:
+        return None
+    out = layer.reduce.product(*shards)
     return out if layer.bias is None else out + layer.bias[...]
+
+
+def linear_add_norm(layer: Any, x: jax.Array, residual: jax.Array, norm: NormWeight,
+                    eps: float, offset: bool) -> tuple[jax.Array, jax.Array] | None:
+    """`residual + layer(x)` and its RMSNorm in one kernel with the sum, for an unbiased
+    row-parallel `Linear` whose `reduce` takes the step that way; None elsewhere."""
+    if layer.bias is not None or residual.dtype != x.dtype:
+        return None
+    shards = _linear_shards(layer, x, "takes_add_norm")
+    if shards is None:
+        return None
+    return layer.reduce.product_add_norm(*shards, residual, norm, eps, offset)
 
 
 def embedding_lookup(reduce: RowReduce | None, table: jax.Array,
@@ -153,10 +229,22 @@ def attach(model: nnx.Module, mesh: Mesh | None) -> RowReduce | None:
     """The reduce for `mesh` (`make`), given to every row-parallel product of `model`
     through its `attach_row_reduce`; None where XLA's all-reduce stays (no reduce for the
     mesh, or a model without that method)."""
-    reduce = make(mesh) if hasattr(model, "attach_row_reduce") else None
+    reduce = (make(mesh, _norm_words(model)) if hasattr(model, "attach_row_reduce")
+              else None)
     if reduce is not None:
         model.attach_row_reduce(reduce)
     return reduce
+
+
+def _norm_words(model: nnx.Module) -> int:
+    """The add-norm kernel's row width for `model`'s residual stream, in 32-bit words
+    (0: a width it refuses, a model without a decoder's shape, or the knob off)."""
+    from pallas_kernels.peer_allreduce import add_norm
+
+    arch, table = getattr(model, "arch", None), getattr(model, "embed_tokens", None)
+    if os.environ.get(ADD_NORM_ENV, "1") == "0" or arch is None or table is None:
+        return 0
+    return add_norm.row_words(arch.hidden_size, table[...].dtype)
 
 
 def mode_for(mesh: Mesh) -> str | None:
@@ -178,24 +266,35 @@ def mode_for(mesh: Mesh) -> str | None:
 _WORKSPACES: dict[Any, Any] = {}  # by mesh: allocated once a process, kept for its life
 
 
-def make(mesh: Mesh | None) -> RowReduce | None:
-    """The `RowReduce` for `mesh` (None: XLA's all-reduce, see `mode_for`). The peer
-    workspaces are allocated once a process; GPUs that cannot reach each other's memory
-    keep XLA's all-reduce, with a warning."""
+def make(mesh: Mesh | None, norm_words: int = 0) -> RowReduce | None:
+    """The `RowReduce` for `mesh` (None: XLA's all-reduce, see `mode_for`), with the
+    add-norm kernel's calls for rows of `norm_words` words (0: none). The peer
+    workspaces are allocated once a process (the add-norm calls' one per row width);
+    GPUs that cannot reach each other's memory keep XLA's all-reduce, with a warning."""
     mode = None if mesh is None else mode_for(mesh)
     if mode is None:
         return None
     if mode == "psum":
-        table = np.zeros((2, mesh.shape[AXIS]), np.int32)
-        return RowReduce(mesh, mode, jax.device_put(table, NamedSharding(mesh, P())))
+        table = jax.device_put(np.zeros((2, mesh.shape[AXIS]), np.int32),
+                               NamedSharding(mesh, P()))
+        return RowReduce(mesh, mode, table, table if norm_words else None, norm_words)
+    ws = _workspace(mesh, 0)
+    if ws is None:
+        return None
+    rows = _workspace(mesh, norm_words) if norm_words else None
+    return RowReduce(mesh, mode, ws.table, None if rows is None else rows.table, norm_words)
+
+
+def _workspace(mesh: Mesh, norm_words: int) -> Any:
+    """The peer workspace of `mesh`: the chunked sums' (`norm_words` 0) or the add-norm
+    calls' of that row width; None where the GPUs cannot reach each other."""
     from pallas_kernels.peer_allreduce import gpu
 
-    key = tuple(d.id for d in mesh.devices.flat)
+    key = (tuple(d.id for d in mesh.devices.flat), norm_words)
     if key not in _WORKSPACES:
         try:
             _WORKSPACES[key] = gpu.Workspace(mesh, AXIS)
         except (OSError, RuntimeError) as e:
             logger.warning("peer all-reduce off, XLA's all-reduce instead: %s", e)
             _WORKSPACES[key] = None
-    ws = _WORKSPACES[key]
-    return None if ws is None else RowReduce(mesh, mode, ws.table)
+    return _WORKSPACES[key]

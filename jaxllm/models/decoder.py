@@ -118,16 +118,26 @@ class DecoderAttention(nnx.Module):
                  write: bool = True, kv_scale: jax.Array | None = None
                  ) -> tuple[jax.Array, jax.Array]:
         """`residual` plus the attention block's output (for the normed input `x`;
-        normed by `post_norm` first where given), and the updated cache.
+        normed by `post_norm` first where given), and the updated cache. The rest as in `heads`."""
+        o, residual, kv_cache = self.heads(x, positions, kv_cache, md, qk_norms, residual,
+                                           rows, write, kv_scale)
+        if post_norm is None:
+            return self.o_proj.add(o, residual), kv_cache
+        return residual + rms_norm(self.o_proj(o), post_norm, self.eps, self.offset), kv_cache
+
+    def heads(self, x: jax.Array, positions: jax.Array, kv_cache: jax.Array,
+              md: AttentionMetadata, qk_norms: jax.Array | None, residual: jax.Array,
+              rows: jax.Array | None = None, write: bool = True,
+              kv_scale: jax.Array | None = None) -> tuple[jax.Array, jax.Array, jax.Array]:
+        """The attention heads' output before the output projection, `residual` at the
+        same rows, and the updated cache.
 
         `rows` (one per request, its last token): every token's K/V still goes to the
         cache, but only those rows' outputs are computed and returned. `write=False`:
         this step's K/V are in the cache already (`DecoderForCausalLM.finish_states`).
-        `kv_scale` `[2]`: an fp8 cache's per-tensor K and V scales (the cache holds
-        K / k_scale and V / v_scale). Applied here, not in the attention bodies:
-        q . (k_scale K) = (k_scale q) . K and P (v_scale V) = v_scale (P V), so every
-        body only upcasts the fp8 tiles it loads.
-        """
+        `kv_scale` `[2]`: an fp8 cache's K and V scales (it holds K / k_scale, V /
+        v_scale), applied here: q . (k_scale K) = (k_scale q) . K and P (v_scale V) =
+        v_scale (P V), so every body only upcasts the fp8 tiles it loads."""
         if md.grouped:  # KV cache groups (jaxllm/kv_groups.py): this layer's group and slot
             md = md.for_group(self.kv_group)
             page_offset = self.kv_slot * (kv_cache.shape[0] // self.pages_per_block)
@@ -144,9 +154,7 @@ class DecoderAttention(nnx.Module):
                                      soft_cap=self.soft_cap, page_offset=page_offset)
         if kv_scale is not None:
             o = o * kv_scale[1].astype(o.dtype)
-        if post_norm is None:
-            return self.o_proj.add(o, residual), kv_cache
-        return residual + rms_norm(self.o_proj(o), post_norm, self.eps, self.offset), kv_cache
+        return o, residual, kv_cache
 
 
 class DecoderLayer(nnx.Module):
@@ -159,26 +167,50 @@ class DecoderLayer(nnx.Module):
             mesh=getattr(attn_backend, "mesh", None))
         self.eps, self.offset, self.sandwich = (arch.rms_norm_eps, arch.norm_offset,
                                                 arch.sandwich_norms)
+        self.num_norms = len(arch.norm_names)
 
     def __call__(self, x: jax.Array, positions: jax.Array, kv_cache: jax.Array,
                  md: AttentionMetadata, norms: jax.Array, qk_norms: jax.Array | None,
                  rows: jax.Array | None = None, write: bool = True,
-                 kv_scale: jax.Array | None = None) -> tuple[jax.Array, jax.Array]:
-        """`norms`: this layer's RMSNorm weights `[2 or 4, hidden]` in
-        `DecoderArch.norm_names` order; `qk_norms`: every layer's q/k norm weights
-        `[L, 2, D]` (this layer's row read where used); `rows`, `write`: as in `DecoderAttention`
-        (the output has `rows`' rows)."""
-        def norm(y: jax.Array, i: int) -> jax.Array:
-            return rms_norm(y, norms[i], self.eps, self.offset)
+                 kv_scale: jax.Array | None = None, normed: jax.Array | None = None,
+                 next_norm: row_reduce.NormWeight | None = None
+                 ) -> tuple[jax.Array, jax.Array | None, jax.Array]:
+        """The layer's output, that output under the norm `next_norm` (the next layer's
+        input norm or the final one; None where not given), and the updated cache.
 
-        x, kv_cache = self.self_attn(norm(x, 0), positions, kv_cache, md, qk_norms, residual=x,
-                                     post_norm=norms[1] if self.sandwich else None,
-                                     rows=rows, write=write, kv_scale=kv_scale)
+        `norms`: every layer's RMSNorm weights `[L * (2 or 4), hidden]` (`norm_names`
+        order); `qk_norms`: every layer's q/k norm weights `[L, 2, D]`; `rows`, `write`:
+        as in `DecoderAttention` (the output has `rows`' rows); `normed`: `x` under this
+        layer's input norm, where the layer before gave it. A norm after a row-parallel
+        sum runs with it (`Linear.add_norm`: one kernel under tensor parallelism), so a
+        layer norms the next one's input."""
+        first = self.self_attn.layer * self.num_norms
+
+        def norm(y: jax.Array, i: int) -> jax.Array:
+            return rms_norm(y, norms[first + i], self.eps, self.offset)
+
+        def after(y: jax.Array) -> jax.Array | None:
+            return (None if next_norm is None
+                    else rms_norm(y, next_norm.weight, self.eps, self.offset))
+
+        h = norm(x, 0) if normed is None else normed
         # The real rows lead: the step's tokens, or with `rows` one per real request.
         num_tokens = md.cu_q_lens[-1] if rows is None else md.num_seqs[0]
+        attn = self.self_attn
         if self.sandwich:
-            return x + norm(self.mlp(norm(x, 2), None, num_tokens), 3), kv_cache
-        return self.mlp(norm(x, 1), x, num_tokens), kv_cache
+            x, kv_cache = attn(h, positions, kv_cache, md, qk_norms, residual=x,
+                               post_norm=norms[first + 1], rows=rows, write=write,
+                               kv_scale=kv_scale)
+            x = x + norm(self.mlp(norm(x, 2), None, num_tokens), 3)
+            return x, after(x), kv_cache
+        o, residual, kv_cache = attn.heads(h, positions, kv_cache, md, qk_norms, x, rows=rows,
+                                           write=write, kv_scale=kv_scale)
+        x, h = attn.o_proj.add_norm(o, residual, row_reduce.NormWeight(norms, first + 1), self.eps,
+                                    self.offset)
+        if next_norm is None:
+            return self.mlp(h, x, num_tokens), None, kv_cache
+        x, h = self.mlp.add_norm(h, x, num_tokens, next_norm, self.eps, self.offset)
+        return x, h, kv_cache
 
 
 class DecoderForCausalLM(nnx.Module):
@@ -231,9 +263,8 @@ class DecoderForCausalLM(nnx.Module):
         `kv_cache` holds the pages of every layer, `num_layers` equal runs along
         axis 0 (see jaxllm/layers/attention.py).
         """
-        states, kv_cache = self._trunk(input_ids, positions, kv_cache, md)
-        x, kv_cache = self._layer(-1, states, positions, kv_cache, md)
-        return self.norm(x), kv_cache
+        states, normed, kv_cache = self._trunk(input_ids, positions, kv_cache, md)
+        return self._last(states, normed, positions, kv_cache, md)
 
     def forward_rows(self, input_ids: jax.Array, positions: jax.Array, kv_cache: jax.Array,
                      md: AttentionMetadata, rows: jax.Array
@@ -249,16 +280,15 @@ class DecoderForCausalLM(nnx.Module):
         nothing mixes rows. So the last layer's attention output, output projection
         and MLP run for R rows instead of T, the work no sampled row needs.
         """
-        states, kv_cache = self._trunk(input_ids, positions, kv_cache, md)
-        x, kv_cache = self._layer(-1, states, positions, kv_cache, md, rows=rows)
-        return self.norm(x), kv_cache, states
+        states, normed, kv_cache = self._trunk(input_ids, positions, kv_cache, md)
+        y, kv_cache = self._last(states, normed, positions, kv_cache, md, rows=rows)
+        return y, kv_cache, states
 
     def finish_states(self, states: jax.Array, positions: jax.Array, kv_cache: jax.Array,
                       md: AttentionMetadata) -> jax.Array:
         """Every row's hidden state `[T, hidden]` from `forward_rows`' `states` and the
         cache it returned (the rare steps that score prompt tokens)."""
-        x, _ = self._layer(-1, states, positions, kv_cache, md, write=False)
-        return self.norm(x)
+        return self._last(states, None, positions, kv_cache, md, write=False)[0]
 
     def forward_captured(self, input_ids: jax.Array, positions: jax.Array,
                          kv_cache: jax.Array, md: AttentionMetadata, rows: jax.Array,
@@ -269,7 +299,7 @@ class DecoderForCausalLM(nnx.Module):
         never `on_rows`) or the residual streams entering `layers`, concatenated in
         ascending layer order `[T, len(layers) * hidden]`."""
         aux: list[jax.Array] = []
-        x, kv_cache = self._trunk(input_ids, positions, kv_cache, md, layers, aux)
+        x, normed, kv_cache = self._trunk(input_ids, positions, kv_cache, md, layers, aux)
         if len(self.layers) - 1 in layers:
             aux.append(x)
         # What the head reads sits whole on every device, as the residual stream does
@@ -281,17 +311,17 @@ class DecoderForCausalLM(nnx.Module):
                 v, NamedSharding(mesh, P()))
 
         if on_rows:
-            last, kv_cache = self._layer(-1, x, positions, kv_cache, md, rows=rows)
-            return self.norm(last), kv_cache, x, whole(jnp.concatenate(aux, axis=-1))
-        y, kv_cache = self._layer(-1, x, positions, kv_cache, md)
-        y = self.norm(y)
+            last, kv_cache = self._last(x, normed, positions, kv_cache, md, rows=rows)
+            return last, kv_cache, x, whole(jnp.concatenate(aux, axis=-1))
+        y, kv_cache = self._last(x, normed, positions, kv_cache, md)
         return y[rows], kv_cache, y, whole(jnp.concatenate(aux, axis=-1) if layers else y)
 
     def _trunk(self, input_ids: jax.Array, positions: jax.Array, kv_cache: jax.Array,
                md: AttentionMetadata, capture: tuple[int, ...] = (),
-               aux: list | None = None) -> tuple[jax.Array, jax.Array]:
+               aux: list | None = None) -> tuple[jax.Array, jax.Array | None, jax.Array]:
         """Embedding and every layer but the last (the input of each layer in `capture`
-        appended to `aux`)."""
+        appended to `aux`): the last layer's input, that under its input norm (None for
+        a one-layer model), and the cache."""
         # Grouped metadata: pages for each slot of a group (jaxllm/kv_groups.py).
         runs = self.layers[0].self_attn.pages_per_block if md.grouped else len(self.layers)
         if kv_cache.shape[0] % runs:
@@ -303,19 +333,33 @@ class DecoderForCausalLM(nnx.Module):
             x = jnp.take(table, input_ids, axis=0)
         if self.arch.embed_scale:  # in the model dtype, as Hugging Face rounds it
             x = x * jnp.asarray(self.arch.hidden_size ** 0.5, x.dtype)
+        normed, per_layer = None, len(self.arch.norm_names)
         for i in range(len(self.layers) - 1):
             if i in capture:
                 aux.append(x)
-            x, kv_cache = self._layer(i, x, positions, kv_cache, md)
-        return x, kv_cache
+            x, normed, kv_cache = self._layer(i, x, positions, kv_cache, md, normed=normed,
+                                              next_norm=row_reduce.NormWeight(
+                                                  self._norms(), (i + 1) * per_layer))
+        return x, normed, kv_cache
+
+    def _last(self, x: jax.Array, normed: jax.Array | None, positions: jax.Array,
+              kv_cache: jax.Array, md: AttentionMetadata, **kw: Any) -> tuple[jax.Array, ...]:
+        """The last layer for its input `x` (`normed`: under its input norm, or None):
+        its output under the final norm, and the updated cache."""
+        _, y, kv_cache = self._layer(-1, x, positions, kv_cache, md, normed=normed, next_norm=(
+            row_reduce.NormWeight(self.norm.weight[...][None], 0)), **kw)
+        return y, kv_cache
+
+    def _norms(self) -> jax.Array:  # every layer's RMSNorm weights `[L * (2 or 4), hidden]`
+        return self.layer_norms[...].reshape(-1, self.arch.hidden_size)
 
     def _layer(self, i: int, x: jax.Array, positions: jax.Array, kv_cache: jax.Array,
-               md: AttentionMetadata, **kw: Any) -> tuple[jax.Array, jax.Array]:
+               md: AttentionMetadata, **kw: Any) -> tuple[jax.Array, jax.Array | None, jax.Array]:
         i %= len(self.layers)
         qk_norms = None if self.qk_norms is None else self.qk_norms[...]  # the stack, read by layer
         if self.kv_scales is not None:
             kw["kv_scale"] = self.kv_scales[i]
-        return self.layers[i](x, positions, kv_cache, md, self.layer_norms[i], qk_norms, **kw)
+        return self.layers[i](x, positions, kv_cache, md, self._norms(), qk_norms, **kw)
 
     def attach_row_reduce(self, reduce: nnx.Module) -> None:
         """Gives every row-parallel product (each layer's output projection, a dense

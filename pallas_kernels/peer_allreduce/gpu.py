@@ -30,8 +30,8 @@ e - 1's, is one whose words it has already read from every rank and no rank writ
 again before call e + 2, which waits for this rank's data of call e + 1. Every GPU must
 run the same sequence of calls (as SPMD programs do); a GPU that never arrives leaves
 the others waiting, as NCCL's would. A program waits only on its own index on the other
-GPUs, and at most `_SLOTS` programs of 128 threads run, which any GPU holds resident at
-once.
+GPUs (add_norm.py's, on the indices of its row, which every call runs together), and at
+most `_SLOTS` programs of at most 256 threads run, which any GPU holds resident at once.
 
 The PTX runs as side-effecting inline assembly (Pallas's own `elementwise_inline_asm` is
 pure, which lets the compiler drop or move the stores, or hoist the polling loads out
@@ -45,6 +45,7 @@ from __future__ import annotations
 import ctypes
 import dataclasses
 import functools
+from collections.abc import Callable
 
 import jax
 import jax.numpy as jnp
@@ -156,18 +157,56 @@ def sendable(words: jax.Array, pairs: bool) -> jax.Array:
     return jnp.where(words == SENTINEL, 0, words)
 
 
-def _kernel(lo_ref, hi_ref, rank_ref, x_ref, o_ref, *, ranks: int, chunk: int,
-            pairs: bool, after_prior: bool):
+def _f32(bits: jax.Array) -> jax.Array:
+    return lax.bitcast_convert_type(bits, jnp.float32)
+
+
+def rounded(v: jax.Array) -> jax.Array:
+    """float32 `v`'s bits rounded to bfloat16's, to nearest even, in the top half."""
+    b = lax.bitcast_convert_type(v, jnp.int32)
+    return b + 0x7FFF + ((b >> 16) & 1)
+
+
+def unpack(words: jax.Array, pairs: bool) -> tuple[jax.Array, ...]:
+    """int32 `words` as float32 values: a bfloat16 pair's low and high halves, or one
+    float32 a word."""
+    if pairs:  # a bfloat16 is the top half of its float32
+        return _f32(words << 16), _f32(words & jnp.int32(-65536))
+    return (_f32(words),)
+
+
+def pack(halves: tuple[jax.Array, ...], pairs: bool) -> jax.Array:
+    """`unpack`'s inverse, bfloat16 rounded to nearest even."""
+    if pairs:
+        lo, hi = halves
+        return (rounded(hi) & jnp.int32(-65536)) | ((rounded(lo) >> 16) & 0xFFFF)
+    return lax.bitcast_convert_type(halves[0], jnp.int32)
+
+
+def exchange(lo_ref, hi_ref, rank_ref, words: jax.Array, *, ranks: int, start: jax.Array,
+             clear: int, after_prior: bool, poll: tuple[jax.Array, int] | None = None
+             ) -> tuple[tuple[jax.Array, ...], Callable[[], None]]:
+    """Steps 1-3 of the module's docstring for this program's `words` `[n]`, which sit
+    at word `start` of every rank's buffers (the same `start` in every call of this
+    program index; `clear` words from it are cleared of the previous call's). Returns
+    every rank's words, in rank order, once all have landed, and the call's end (the
+    counter's store), to run after the program's outputs are written.
+
+    `poll` `(start, n)`: wait for, and return, those words of every rank instead of
+    this program's own: words other programs send, which must run every call beside
+    this one (so that they use the same buffer)."""
     layout = Layout(ranks)
     i = pl.program_id(0)
     rank = rank_ref[0]
+    n = words.shape[0]
+    poll_start, poll_n = (start, n) if poll is None else poll
 
-    def vec(v, n):
-        return jnp.broadcast_to(jnp.asarray(v, jnp.int32), (n,))
+    def vec(v, m):
+        return jnp.broadcast_to(jnp.asarray(v, jnp.int32), (m,))
 
-    def slot(buffer, src, n):  # byte offsets of this program's words of `src` in `buffer`
-        lane = lax.broadcasted_iota(jnp.int32, (n,), 0)
-        return (layout.data + (buffer * ranks + src) * MAX_WORDS + i * n + lane) * 4
+    def slot(buffer, src, at, m):  # byte offsets of words at..at+m of `src` in `buffer`
+        lane = lax.broadcasted_iota(jnp.int32, (m,), 0)
+        return (layout.data + (buffer * ranks + src) * MAX_WORDS + at + lane) * 4
 
     # Launched as a dependent of the kernel before: wait until it has finished and its
     # writes are visible (that kernel may be this one's previous call, whose counter
@@ -178,47 +217,48 @@ def _kernel(lo_ref, hi_ref, rank_ref, x_ref, o_ref, *, ranks: int, chunk: int,
     epoch = jnp.max(_asm(_LOAD, "=r,r,r,r", vec(own_lo, 1), vec(own_hi, 1), vec(i * 4, 1))) + 1
     buffer = epoch % _BUFFERS
     previous = (epoch + _BUFFERS - 1) % _BUFFERS
-    # A program's words start at i * CHUNK in every call (one program where a call has
-    # fewer words), so clearing a whole chunk clears whatever its previous call moved.
     for src in range(ranks):
-        _asm(_STORE, "=r,r,r,r,r", vec(own_lo, CHUNK), vec(own_hi, CHUNK),
-             slot(previous, src, CHUNK), vec(SENTINEL, CHUNK))
-
-    words = sendable(x_ref[pl.ds(pl.multiple_of(i * chunk, chunk), chunk)], pairs)
+        _asm(_STORE, "=r,r,r,r,r", vec(own_lo, clear), vec(own_hi, clear),
+             slot(previous, src, start, clear), vec(SENTINEL, clear))
     for p in range(ranks):
-        _asm(_STORE, "=r,r,r,r,r", vec(lo_ref[p], chunk), vec(hi_ref[p], chunk),
-             slot(buffer, rank, chunk), words)
-
-    def f32(bits):
-        return lax.bitcast_convert_type(bits, jnp.float32)
+        _asm(_STORE, "=r,r,r,r,r", vec(lo_ref[p], n), vec(hi_ref[p], n),
+             slot(buffer, rank, start, n), words)
 
     def read(_=None):  # every rank's words at once: the loads overlap in flight
-        return tuple(_asm(_LOAD, "=r,r,r,r", vec(own_lo, chunk), vec(own_hi, chunk),
-                          slot(buffer, src, chunk)) for src in range(ranks))
+        return tuple(_asm(_LOAD, "=r,r,r,r", vec(own_lo, poll_n), vec(own_hi, poll_n),
+                          slot(buffer, src, poll_start, poll_n)) for src in range(ranks))
 
     def landing(received):  # whether any word is still the sentinel
         return sum(jnp.max(jnp.where(w == SENTINEL, 1, 0)) for w in received) > 0
 
-    received = lax.while_loop(landing, read, read())
-    lo = jnp.zeros((chunk,), jnp.float32)
-    hi = jnp.zeros((chunk,), jnp.float32)
+    def finish():
+        _asm(_STORE, "=r,r,r,r,r", vec(own_lo, 1), vec(own_hi, 1), vec(i * 4, 1),
+             vec(epoch, 1))
+
+    return lax.while_loop(landing, read, read()), finish
+
+
+def total(received: tuple[jax.Array, ...], pairs: bool) -> tuple[jax.Array, ...]:
+    """The ranks' words summed in rank order in float32 (so every GPU gets the same
+    bits), as `unpack` lays them out."""
+    sums = None
     for w in received:
-        if pairs:  # a bfloat16 is the top half of its float32
-            lo += f32(w << 16)
-            hi += f32(w & jnp.int32(-65536))
-        else:
-            lo += f32(w)
+        parts = unpack(w, pairs)
+        sums = parts if sums is None else tuple(a + b for a, b in zip(sums, parts, strict=True))
+    return sums
 
-    def rounded(v):  # float32 bits rounded to bfloat16's, to nearest even, in the top half
-        b = lax.bitcast_convert_type(v, jnp.int32)
-        return b + 0x7FFF + ((b >> 16) & 1)
 
-    if pairs:
-        out = (rounded(hi) & jnp.int32(-65536)) | ((rounded(lo) >> 16) & 0xFFFF)
-    else:
-        out = lax.bitcast_convert_type(lo, jnp.int32)
-    o_ref[pl.ds(pl.multiple_of(i * chunk, chunk), chunk)] = out
-    _asm(_STORE, "=r,r,r,r,r", vec(own_lo, 1), vec(own_hi, 1), vec(i * 4, 1), vec(epoch, 1))
+def _kernel(lo_ref, hi_ref, rank_ref, x_ref, o_ref, *, ranks: int, chunk: int,
+            pairs: bool, after_prior: bool):
+    i = pl.program_id(0)
+    at = pl.ds(pl.multiple_of(i * chunk, chunk), chunk)
+    # A program's words start at i * CHUNK in every call (one program where a call has
+    # fewer words), so clearing a whole chunk clears whatever its previous call moved.
+    received, finish = exchange(lo_ref, hi_ref, rank_ref, sendable(x_ref[at], pairs),
+                                ranks=ranks, start=i * chunk, clear=CHUNK,
+                                after_prior=after_prior)
+    o_ref[at] = pack(total(received, pairs), pairs)
+    finish()
 
 
 def all_reduce(x: jax.Array, table: jax.Array, axis_name: str, ranks: int) -> jax.Array:
@@ -234,7 +274,7 @@ def all_reduce(x: jax.Array, table: jax.Array, axis_name: str, ranks: int) -> ja
     rank = lax.axis_index(axis_name).astype(jnp.int32).reshape(1)
     out = pl.pallas_call(
         functools.partial(_kernel, ranks=ranks, chunk=chunk, pairs=pairs,
-                          after_prior=_dependent_launch()),
+                          after_prior=dependent_launch()),
         out_shape=jax.ShapeDtypeStruct((words,), jnp.int32),
         grid=(words // chunk,),
         compiler_params=_compiler_params(4, 1), name="peer_all_reduce",
@@ -242,7 +282,7 @@ def all_reduce(x: jax.Array, table: jax.Array, axis_name: str, ranks: int) -> ja
     return lax.bitcast_convert_type(out, x.dtype).reshape(x.shape)
 
 
-def _dependent_launch() -> bool:
+def dependent_launch() -> bool:
     """Whether the GPUs run programmatic dependent launch (Hopper on), whose
     `griddepcontrol` instructions older GPUs do not assemble."""
     cc = getattr(jax.devices()[0], "compute_capability", "0")

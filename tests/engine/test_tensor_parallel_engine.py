@@ -17,6 +17,7 @@ from __future__ import annotations
 import re
 from collections import Counter
 
+import jax
 import pytest
 
 from jaxllm import LLM, SamplingParams
@@ -161,6 +162,14 @@ def _check_workload(llm: LLM, prompts: list[list[int]], hf_tokens: list[list[int
     assert compiles == []
 
 
+def _equations(jaxpr):
+    """Every equation of `jaxpr` and of the jaxprs inside its equations."""
+    for eqn in jaxpr.eqns:
+        yield eqn
+        for sub in jax.core.jaxprs_in_params(eqn.params):
+            yield from _equations(sub)
+
+
 def _collectives(hlo: str) -> Counter:
     return Counter(kind for _, kind in _COLLECTIVE.findall(hlo))
 
@@ -247,7 +256,9 @@ def test_row_parallel_sums_under_shard_map_match_transformers(arch, tmp_path, mo
     for the steps the kernel takes (here every step: `psum` stands in for the kernel on
     CPU devices), and the vocab-parallel embedding's lookup. The workload's tokens are
     still transformers', and the forward's program holds one explicit sum per
-    row-parallel product and one for the lookup."""
+    row-parallel product and one for the lookup. Each dense product's sum takes the
+    residual add and the next norm with it (`product_add_norm`, one kernel on GPUs);
+    the experts' float32 partial sums do not."""
     monkeypatch.setenv(row_reduce.ENV, "psum")
     case = _case(make_tiny_checkpoint(tmp_path, num_attention_heads=HEADS,
                                       num_key_value_heads=KV_HEADS, num_hidden_layers=LAYERS,
@@ -258,3 +269,10 @@ def test_row_parallel_sums_under_shard_map_match_transformers(arch, tmp_path, mo
     args = (runner.state, runner.kv_cache, programs.dummy_inputs(16), runner._no_prev)
     traced = programs.forward.trace(*args[:4], programs.out_buffers(*args))
     assert str(traced.jaxpr).count("psum") == 2 * LAYERS + 1
+    # A sum with its add and norm: a shard_map holding the sum and the norm's rsqrt.
+    fused = [e for e in _equations(traced.jaxpr.jaxpr) if e.primitive.name == "shard_map"
+             and {"psum", "rsqrt"} <= {i.primitive.name for i in _equations(
+                 e.params["jaxpr"])}]
+    # Every layer's output projection, and each dense MLP's down projection (Qwen3-MoE's
+    # layer 1).
+    assert len(fused) == LAYERS + (LAYERS if arch == "llama" else 1)

@@ -17,7 +17,8 @@ from jax.sharding import Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
 from jaxllm.layers import row_reduce
-from pallas_kernels.peer_allreduce import gpu
+from jaxllm.layers.norm import rms_norm
+from pallas_kernels.peer_allreduce import add_norm, gpu
 
 
 def _struct(shape, dtype=jnp.bfloat16):
@@ -186,3 +187,57 @@ def test_kernel_mixes_sizes_and_signed_zeros_call_after_call(ranks):
             xs.append(jax.device_put(x, NamedSharding(mesh, P("x"))))
         for got, want in zip(mine(ws.table, *xs), wants, strict=True):
             np.testing.assert_array_equal(np.asarray(got, np.float32), want)
+
+
+def test_rows_the_add_norm_kernel_takes():
+    # A row is a power of two of words: bfloat16 in pairs, float32 one a word.
+    assert add_norm.row_words(4096, jnp.bfloat16) == 2048
+    assert add_norm.row_words(2048, jnp.float32) == 2048
+    assert add_norm.row_words(3584, jnp.bfloat16) == 0  # Gemma-2-9B: the unfused path
+    assert add_norm.row_words(64, jnp.float16) == 0
+    assert add_norm.supported(8, 4096, jnp.bfloat16)
+    assert add_norm.supported(32, 4096, jnp.bfloat16)
+    assert not add_norm.supported(33, 4096, jnp.bfloat16)  # past the workspace
+    assert add_norm.supported(add_norm.MAX_ROWS, 64, jnp.float32)  # a program a row
+    assert not add_norm.supported(add_norm.MAX_ROWS + 1, 64, jnp.float32)
+
+
+def _add_norm_want(parts: np.ndarray, residual, weight, dtype, offset: bool):
+    """The unfused path: the ranks' float32 sum in rank order rounded once, the residual
+    add, then `rms_norm` as the model runs it."""
+    total = np.zeros(parts.shape[1:], np.float32)
+    for part in parts:
+        total = total + part
+    x = residual + jnp.asarray(total, dtype)
+    return np.asarray(x, np.float32), np.asarray(rms_norm(x, weight, 1e-6, offset), np.float32)
+
+
+@needs_gpus
+@pytest.mark.parametrize("shape,dtype,offset", [
+    ((8, 4096), jnp.bfloat16, False), ((1, 4096), jnp.bfloat16, True),
+    ((16, 8192), jnp.bfloat16, False), ((8, 2048), jnp.float32, False),
+    ((4, 64), jnp.float32, True), ((3, 256), jnp.bfloat16, False)])
+def test_add_norm_kernel_is_the_sum_then_the_add_then_the_norm(ranks, shape, dtype, offset):
+    """Calls of one row width, over and over on one workspace, the weight a row of a
+    table: the sum and the add are the unfused path's bits; the norm is within one
+    rounding of it (its mean adds in another order). Rows of one chunk and of several."""
+    mesh = Mesh(np.asarray(_gpus()[:ranks]), ("x",))
+    ws = gpu.Workspace(mesh, "x")
+    mine = jax.jit(jax.shard_map(
+        lambda b, r, w, t: add_norm.all_reduce_add_norm(b, r, w, 2, 1e-6, offset, t, "x",
+                                                        ranks),
+        mesh=mesh, in_specs=(P("x"), P(), P(), P()), out_specs=(P(), P()), check_vma=False))
+    rng = np.random.default_rng(shape[0])
+    for _ in range(20):
+        parts = rng.standard_normal((ranks, *shape)).astype(np.float32)
+        parts[:, :, :4] = -0.0  # the sentinel's bits must still land
+        parts = np.asarray(jnp.asarray(parts, dtype), np.float32)
+        residual = jnp.asarray(rng.standard_normal(shape), dtype)
+        weights = jnp.asarray(rng.standard_normal((3, shape[1])), dtype)
+        x = jax.device_put(jnp.asarray(parts.reshape(-1, shape[1]), dtype),
+                           NamedSharding(mesh, P("x")))
+        got_x, got_n = (np.asarray(v, np.float32) for v in mine(x, residual, weights, ws.table))
+        want_x, want_n = _add_norm_want(parts, residual, weights[2], dtype, offset)
+        np.testing.assert_array_equal(got_x, want_x)
+        ulp = 2.0 ** -7 if dtype == jnp.bfloat16 else 2.0 ** -20
+        np.testing.assert_allclose(got_n, want_n, rtol=ulp, atol=ulp)
