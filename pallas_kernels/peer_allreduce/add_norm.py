@@ -41,12 +41,7 @@ def row_words(hidden: int, dtype: jnp.dtype) -> int:
     """A row's 32-bit words (bfloat16 in pairs); 0 for a row the kernel refuses: a
     dtype other than bfloat16 or float32, an odd bfloat16 width, or a word count that
     is not a power of two (a Triton block's)."""
-    if dtype == jnp.float32:
-        words = hidden
-    elif dtype == jnp.bfloat16 and hidden % 2 == 0:
-        words = hidden // 2
-    else:
-        return 0
+    words = gpu.words_of(jax.ShapeDtypeStruct((hidden,), dtype))
     return words if words & (words - 1) == 0 else 0
 
 
@@ -68,7 +63,9 @@ def _kernel(lo_ref, hi_ref, rank_ref, x_ref, r_ref, w_ref, o_ref, n_ref, *, rank
         start=own, clear=chunk, after_prior=after_prior, poll=(row, words))
 
     def model_dtype(v):  # a float32 value rounded as the model dtype holds it
-        return gpu.unpack(gpu.rounded(v) & jnp.int32(-65536), True)[1] if pairs else v
+        if not pairs:
+            return v
+        return lax.bitcast_convert_type(gpu.rounded(v) & jnp.int32(-65536), jnp.float32)
 
     at = pl.ds(row, words)
     x = tuple(model_dtype(r + model_dtype(s)) for r, s in

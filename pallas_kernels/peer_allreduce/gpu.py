@@ -86,7 +86,7 @@ class Layout:
         return words
 
 
-def _words(x: jax.ShapeDtypeStruct | jax.Array) -> int:
+def words_of(x: jax.ShapeDtypeStruct | jax.Array) -> int:
     """`x`'s size in 32-bit words (bfloat16 in pairs), 0 for a dtype the kernel refuses."""
     if x.dtype == jnp.float32:
         return x.size
@@ -98,7 +98,7 @@ def _words(x: jax.ShapeDtypeStruct | jax.Array) -> int:
 def supported(x: jax.ShapeDtypeStruct | jax.Array) -> bool:
     """Whether `x` fits the kernel: float32, or bfloat16 of an even size; at most
     MAX_WORDS words, in whole chunks (or one chunk of a power of two)."""
-    words = _words(x)
+    words = words_of(x)
     whole = words % CHUNK == 0 if words >= CHUNK else words & (words - 1) == 0
     return 0 < words <= MAX_WORDS and whole
 

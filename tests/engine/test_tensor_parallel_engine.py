@@ -17,7 +17,6 @@ from __future__ import annotations
 import re
 from collections import Counter
 
-import jax
 import pytest
 
 from jaxllm import LLM, SamplingParams
@@ -25,6 +24,7 @@ from jaxllm.layers import row_reduce
 from jaxllm.sample.metadata import variant_metadata
 from tests.compilations import recorded_compilations
 from tests.engine.hf_reference import hf_greedy, random_prompts
+from tests.jaxprs import equations
 from tests.models.tiny_checkpoints import checkpoint_vocab_size, make_tiny_checkpoint
 
 NEW_TOKENS = 6
@@ -162,14 +162,6 @@ def _check_workload(llm: LLM, prompts: list[list[int]], hf_tokens: list[list[int
     assert compiles == []
 
 
-def _equations(jaxpr):
-    """Every equation of `jaxpr` and of the jaxprs inside its equations."""
-    for eqn in jaxpr.eqns:
-        yield eqn
-        for sub in jax.core.jaxprs_in_params(eqn.params):
-            yield from _equations(sub)
-
-
 def _collectives(hlo: str) -> Counter:
     return Counter(kind for _, kind in _COLLECTIVE.findall(hlo))
 
@@ -270,8 +262,8 @@ def test_row_parallel_sums_under_shard_map_match_transformers(arch, tmp_path, mo
     traced = programs.forward.trace(*args[:4], programs.out_buffers(*args))
     assert str(traced.jaxpr).count("psum") == 2 * LAYERS + 1
     # A sum with its add and norm: a shard_map holding the sum and the norm's rsqrt.
-    fused = [e for e in _equations(traced.jaxpr.jaxpr) if e.primitive.name == "shard_map"
-             and {"psum", "rsqrt"} <= {i.primitive.name for i in _equations(
+    fused = [e for e in equations(traced.jaxpr.jaxpr) if e.primitive.name == "shard_map"
+             and {"psum", "rsqrt"} <= {i.primitive.name for i in equations(
                  e.params["jaxpr"])}]
     # Every layer's output projection, and each dense MLP's down projection (Qwen3-MoE's
     # layer 1).

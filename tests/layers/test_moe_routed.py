@@ -7,7 +7,6 @@ row count at trace time."""
 from __future__ import annotations
 
 import jax
-import jax.extend.core
 import jax.numpy as jnp
 import numpy as np
 import pytest
@@ -26,6 +25,7 @@ from jaxllm.layers.moe import (
     small_token_limit,
 )
 from jaxllm.layers.quant import Fp8Linear, linear_method, quantize_per_channel
+from tests.jaxprs import equations
 from tests.layers.test_moe import (
     QUANTIZED_EXPERTS,
     _draw,
@@ -168,13 +168,7 @@ def test_small_token_limit_reads_its_environment_variable(monkeypatch):
 
 def _outside_kernels(jaxpr) -> list[str]:
     """The primitives a program runs, nested programs included, kernels' bodies not."""
-    names = []
-    for eqn in jaxpr.eqns:
-        names.append(eqn.primitive.name)
-        if eqn.primitive.name != "pallas_call":
-            for sub in jax.extend.core.jaxprs_in_params(eqn.params):
-                names += _outside_kernels(sub)
-    return names
+    return [eqn.primitive.name for eqn in equations(jaxpr, kernels=False)]
 
 
 def test_small_step_kernel_reads_its_environment_variable(monkeypatch):
