@@ -22,7 +22,9 @@ projections), `product_add_norm` does all three in one kernel
 `JAXLLM_PEER_ALLREDUCE`: "0" keeps XLA's all-reduce everywhere; "psum" takes the same
 `shard_map` route with `psum` as the sum, on any platform (how the CPU tests hold the
 route to the transformers oracle on fake devices). `JAXLLM_PEER_ADD_NORM`: "0" keeps the
-add and the norm apart from the sum.
+add and the norm apart from the sum. `JAXLLM_PEER_SPLIT_K`: how many float32 partials a
+plain projection's product leaves for that kernel to add (`SPLIT_K` by default; "0" or
+"1": one product in the model dtype, which XLA's GEMV sums in a kernel of its own).
 """
 
 from __future__ import annotations
@@ -46,6 +48,9 @@ logger = logging.getLogger(__name__)
 
 ENV = "JAXLLM_PEER_ALLREDUCE"
 ADD_NORM_ENV = "JAXLLM_PEER_ADD_NORM"
+SPLIT_K_ENV = "JAXLLM_PEER_SPLIT_K"
+SPLIT_K = 4  # XLA's GEMV keeps its speed at the decoder's shapes with 2-8 (BENCHMARKS.md)
+MIN_SPLIT_WIDTH = 256  # a partial's contraction no narrower than this
 AXIS = "model"
 
 
@@ -84,12 +89,20 @@ class RowReduce(nnx.Module):
         self.table = PeerTable(table)
         self.norm_words = norm_words if norm_table is not None else 0
         self.norm_table = PeerTable(norm_table) if self.norm_words else None
+        self.split_k = int(os.environ.get(SPLIT_K_ENV, SPLIT_K))
 
     def cache_key(self) -> list:
         """What the programs traced with this reduce depend on (the program cache's key)."""
         from pallas_kernels.peer_allreduce import add_norm, gpu
 
-        return [self.mode, gpu.CHUNK, gpu.MAX_WORDS, self.norm_words, add_norm.MAX_ROWS]
+        return [self.mode, gpu.CHUNK, gpu.MAX_WORDS, self.norm_words, add_norm.MAX_ROWS,
+                self.split_k]
+
+    def parts(self, width: int) -> int:
+        """How many float32 partials a product add-normed here splits its contraction of
+        `width` (one device's) into: 0 for one product in the model dtype."""
+        s = self.split_k
+        return s if s > 1 and width % s == 0 and width // s >= MIN_SPLIT_WIDTH else 0
 
     def takes(self, rows: int, cols: int, dtype: Any) -> bool:
         """Whether a `[rows, cols]` sum of `dtype` goes this way: what the kernel takes
@@ -130,8 +143,10 @@ class RowReduce(nnx.Module):
         """`x = residual + product(fn, args, in_specs)` and its RMSNorm by `norm`, both
         whole on every device."""
         def body(table, residual, weights, *local):
-            partial = fn(*local)
+            partial = fn(*local)  # [T, N], or float32 partials [S, T, N]
             if self.mode == "psum":
+                if partial.ndim == 3:
+                    partial = partial.sum(0).astype(residual.dtype)
                 x = residual + jax.lax.psum(partial, AXIS)
                 return x, rms_norm(x, weights[norm.row], eps, offset)
             from pallas_kernels.peer_allreduce import add_norm
@@ -155,12 +170,13 @@ class _Shard:
     bias: None = None  # added once, after the sum
 
 
-def _linear_shards(layer: Any, x: jax.Array, takes: str
+def _linear_shards(layer: Any, x: jax.Array, takes: str, split: bool = False
                    ) -> tuple[Callable[..., jax.Array], list, list] | None:
     """A row-parallel `Linear`'s product as a reduce's `product` takes it (the function
     of one device's shards, its arguments and their specs); None where the layer keeps
     XLA's all-reduce (no reduce, an adapter attached, a step its reduce's method
-    `takes` refuses)."""
+    `takes` refuses). `split`: a plain weight's product as the float32 partials of
+    `reduce.parts` (`split_partials`), where that is not 0."""
     if layer.reduce is None or layer.lora is not None:
         return None
     takes = getattr(layer.reduce, takes)
@@ -175,6 +191,9 @@ def _linear_shards(layer: Any, x: jax.Array, takes: str
 
     def local(x, *arrays):
         shard = _Shard(layer.in_dims, **dict(zip(names, arrays, strict=True)))
+        s = layer.reduce.parts(int(np.prod(shard.weight.shape[out_dims:]))) if split else 0
+        if s and layer.plain:
+            return split_partials(x, shard.weight, s)
         return layer.method.apply(shard, x)
 
     return (local, [x, *(getattr(layer, n)[...] for n in names)],
@@ -197,10 +216,21 @@ def linear_add_norm(layer: Any, x: jax.Array, residual: jax.Array, norm: NormWei
     row-parallel `Linear` whose `reduce` takes the step that way; None elsewhere."""
     if layer.bias is not None or residual.dtype != x.dtype:
         return None
-    shards = _linear_shards(layer, x, "takes_add_norm")
+    shards = _linear_shards(layer, x, "takes_add_norm", split=True)
     if shards is None:
         return None
     return layer.reduce.product_add_norm(*shards, residual, norm, eps, offset)
+
+
+def split_partials(x: jax.Array, w: jax.Array, parts: int) -> jax.Array:
+    """`x [T, *in] @ w [N..., *in].T` as float32 partials `[parts, T, N]` over `parts`
+    equal slices of the contraction: one batched GEMV through a view of the stored
+    weight (no copy), whose partials the add-norm kernel sums, instead of XLA's split-K
+    GEMV and its separate sum."""
+    t, k = x.shape[0], int(np.prod(x.shape[1:]))
+    w = w.reshape(-1, parts, k // parts)
+    return jnp.einsum("tsk,nsk->stn", x.reshape(t, parts, k // parts), w,
+                      preferred_element_type=jnp.float32)
 
 
 def embedding_lookup(reduce: RowReduce | None, table: jax.Array,

@@ -19,6 +19,11 @@ calls use a workspace of their own for each width (`row_reduce` keeps them), nev
 the chunked sums' one: each program clears exactly the words its previous call sent.
 The norm's weight is read in place from a table `[N, hidden]` (the model's stacked
 norm weights): a slice of it passed to a custom call would be copied first.
+
+The partial sum may come as a split-K product's float32 partials `[S, rows, hidden]`,
+which each program adds in order and rounds to the model dtype before it sends its
+chunk: XLA's own split-K GEMV would sum them in a kernel of its own, a launch a
+projection at decode (BENCHMARKS.md, Several GPUs).
 """
 
 from __future__ import annotations
@@ -52,14 +57,32 @@ def supported(rows: int, hidden: int, dtype: jnp.dtype) -> bool:
     return words > 0 and 0 < rows <= MAX_ROWS and rows * words <= gpu.MAX_WORDS
 
 
+def _own_words(x_ref, own: jax.Array, *, chunk: int, pairs: bool, parts: int,
+               size: int) -> jax.Array:
+    """This program's chunk of the partial sum as words: read as they are, or (`parts`
+    > 0) the sum of float32 partials `[parts, size]`, each word's two bfloat16 halves
+    read at a stride of two."""
+    if not parts:
+        return x_ref[pl.ds(own, chunk)]
+    per = 2 if pairs else 1
+    halves = []
+    for half in range(per):
+        total = x_ref[pl.ds(per * own + half, chunk, stride=per)]
+        for p in range(1, parts):
+            total = total + x_ref[pl.ds(p * size + per * own + half, chunk, stride=per)]
+        halves.append(total)
+    return gpu.pack(tuple(halves), pairs)
+
+
 def _kernel(lo_ref, hi_ref, rank_ref, x_ref, r_ref, w_ref, o_ref, n_ref, *, ranks: int,
             words: int, chunk: int, weight_row: int, hidden: int, pairs: bool, eps: float,
-            offset: bool, after_prior: bool):
+            offset: bool, after_prior: bool, parts: int, size: int):
     i = pl.program_id(0)
     row = pl.multiple_of((i // (words // chunk)) * words, words)
     own = pl.multiple_of(i * chunk, chunk)
+    mine = _own_words(x_ref, own, chunk=chunk, pairs=pairs, parts=parts, size=size)
     received, finish = gpu.exchange(
-        lo_ref, hi_ref, rank_ref, gpu.sendable(x_ref[pl.ds(own, chunk)], pairs), ranks=ranks,
+        lo_ref, hi_ref, rank_ref, gpu.sendable(mine, pairs), ranks=ranks,
         start=own, clear=chunk, after_prior=after_prior, poll=(row, words))
 
     def model_dtype(v):  # a float32 value rounded as the model dtype holds it
@@ -77,9 +100,9 @@ def _kernel(lo_ref, hi_ref, rank_ref, x_ref, r_ref, w_ref, o_ref, n_ref, *, rank
     else:
         normed = tuple(w * model_dtype(v * inv) for v, w in zip(x, weight, strict=True))
     lane = row + lax.broadcasted_iota(jnp.int32, (words,), 0)
-    mine = (lane >= own) & (lane < own + chunk)  # this program's chunk of the row
-    store(o_ref, at, gpu.pack(x, pairs), mask=mine)
-    store(n_ref, at, gpu.pack(normed, pairs), mask=mine)
+    held = (lane >= own) & (lane < own + chunk)  # this program's chunk of the row
+    store(o_ref, at, gpu.pack(x, pairs), mask=held)
+    store(n_ref, at, gpu.pack(normed, pairs), mask=held)
     finish()
 
 
@@ -87,18 +110,23 @@ def all_reduce_add_norm(x: jax.Array, residual: jax.Array, weights: jax.Array,
                         weight_row: int, eps: float, offset: bool, table: jax.Array,
                         axis_name: str, ranks: int) -> tuple[jax.Array, jax.Array]:
     """`(y, rms_norm(y, weights[weight_row], eps, offset))` for `y = residual + sum(x)`,
-    the sum over `axis_name` (inside `shard_map`); `x`, `residual` `[rows, hidden]`,
-    `weights` `[N, hidden]`, all of one dtype. `table`: the addresses of a `gpu.Workspace`
-    that only calls of this row width use."""
-    rows, hidden = x.shape
-    if not supported(rows, hidden, x.dtype) or residual.shape != x.shape:
-        raise ValueError(f"{x.shape} {x.dtype} is not a sum the peer add-norm takes")
-    pairs = x.dtype == jnp.bfloat16
-    words = row_words(hidden, x.dtype)
+    the sum over `axis_name` (inside `shard_map`); `residual` `[rows, hidden]` and
+    `weights` `[N, hidden]` of one dtype; `x` `[rows, hidden]` of that dtype, or float32
+    partials `[S, rows, hidden]` (summed in order, then rounded to it). `table`: the
+    addresses of a `gpu.Workspace` that only calls of this row width use."""
+    dtype = residual.dtype
+    rows, hidden = residual.shape
+    parts = x.shape[0] if x.ndim == 3 else 0
+    if (not supported(rows, hidden, dtype) or x.shape[-2:] != residual.shape
+            or x.dtype != (jnp.float32 if parts else dtype)):
+        raise ValueError(f"{x.shape} {x.dtype} is not a sum the peer add-norm takes "
+                         f"onto {residual.shape} {dtype}")
+    pairs = dtype == jnp.bfloat16
+    words = row_words(hidden, dtype)
     chunk = min(gpu.CHUNK, words)
 
     def flat(v):
-        v = v.astype(x.dtype)
+        v = v.astype(dtype)
         return lax.bitcast_convert_type(v.reshape(-1, 2) if pairs else v.reshape(-1), jnp.int32)
 
     rank = lax.axis_index(axis_name).astype(jnp.int32).reshape(1)
@@ -106,13 +134,15 @@ def all_reduce_add_norm(x: jax.Array, residual: jax.Array, weights: jax.Array,
     summed, normed = pl.pallas_call(
         functools.partial(_kernel, ranks=ranks, words=words, chunk=chunk,
                           weight_row=weight_row, hidden=hidden, pairs=pairs, eps=float(eps),
-                          offset=offset, after_prior=gpu.dependent_launch()),
+                          offset=offset, after_prior=gpu.dependent_launch(), parts=parts,
+                          size=rows * hidden),
         out_shape=(out, out), grid=(rows * words // chunk,),
         compiler_params=_compiler_params(8 if words >= 2048 else 4, 1),
         name="peer_all_reduce_add_norm",
-    )(table[0], table[1], rank, flat(x), flat(residual), flat(weights))
+    )(table[0], table[1], rank, x.reshape(-1) if parts else flat(x), flat(residual),
+      flat(weights))
 
     def back(v):
-        return lax.bitcast_convert_type(v, x.dtype).reshape(rows, hidden)
+        return lax.bitcast_convert_type(v, dtype).reshape(rows, hidden)
 
     return back(summed), back(normed)

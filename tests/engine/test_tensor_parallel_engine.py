@@ -249,9 +249,11 @@ def test_row_parallel_sums_under_shard_map_match_transformers(arch, tmp_path, mo
     CPU devices), and the vocab-parallel embedding's lookup. The workload's tokens are
     still transformers', and the forward's program holds one explicit sum per
     row-parallel product and one for the lookup. Each dense product's sum takes the
-    residual add and the next norm with it (`product_add_norm`, one kernel on GPUs);
-    the experts' float32 partial sums do not."""
+    residual add and the next norm with it (`product_add_norm`, one kernel on GPUs),
+    its product as split-K float32 partials that the sum adds (here the tiny shapes
+    split too); the experts' float32 partial sums do not."""
     monkeypatch.setenv(row_reduce.ENV, "psum")
+    monkeypatch.setattr(row_reduce, "MIN_SPLIT_WIDTH", 8)
     case = _case(make_tiny_checkpoint(tmp_path, num_attention_heads=HEADS,
                                       num_key_value_heads=KV_HEADS, num_hidden_layers=LAYERS,
                                       **FAMILIES.get(arch, {})))
@@ -268,3 +270,7 @@ def test_row_parallel_sums_under_shard_map_match_transformers(arch, tmp_path, mo
     # Every layer's output projection, and each dense MLP's down projection (Qwen3-MoE's
     # layer 1).
     assert len(fused) == LAYERS + (LAYERS if arch == "llama" else 1)
+    for e in fused:  # each product as row_reduce.SPLIT_K partials, summed before the psum
+        dots = [i for i in equations(e.params["jaxpr"]) if i.primitive.name == "dot_general"]
+        assert [d.outvars[0].aval.shape[0] for d in dots] == [row_reduce.SPLIT_K]
+        assert dots[0].outvars[0].aval.ndim == 3

@@ -213,29 +213,42 @@ def _add_norm_want(parts: np.ndarray, residual, weight, dtype, offset: bool):
 
 
 @needs_gpus
-@pytest.mark.parametrize("shape,dtype,offset", [
-    ((8, 4096), jnp.bfloat16, False), ((1, 4096), jnp.bfloat16, True),
-    ((16, 8192), jnp.bfloat16, False), ((8, 2048), jnp.float32, False),
-    ((4, 64), jnp.float32, True), ((3, 256), jnp.bfloat16, False)])
-def test_add_norm_kernel_is_the_sum_then_the_add_then_the_norm(ranks, shape, dtype, offset):
+@pytest.mark.parametrize("shape,dtype,offset,split", [
+    ((8, 4096), jnp.bfloat16, False, 0), ((1, 4096), jnp.bfloat16, True, 0),
+    ((16, 8192), jnp.bfloat16, False, 0), ((8, 2048), jnp.float32, False, 0),
+    ((4, 64), jnp.float32, True, 0), ((3, 256), jnp.bfloat16, False, 0),
+    ((8, 4096), jnp.bfloat16, False, 4), ((1, 4096), jnp.bfloat16, True, 2),
+    ((8, 2048), jnp.float32, False, 3), ((3, 256), jnp.bfloat16, False, 4)])
+def test_add_norm_kernel_is_the_sum_then_the_add_then_the_norm(ranks, shape, dtype, offset,
+                                                              split):
     """Calls of one row width, over and over on one workspace, the weight a row of a
     table: the sum and the add are the unfused path's bits; the norm is within one
-    rounding of it (its mean adds in another order). Rows of one chunk and of several."""
+    rounding of it (its mean adds in another order). Rows of one chunk and of several.
+    `split`: each rank's partial as that many float32 partials of a split-K product,
+    which the kernel adds in order and rounds to the model dtype before the sum."""
     mesh = Mesh(np.asarray(_gpus()[:ranks]), ("x",))
     ws = gpu.Workspace(mesh, "x")
+    lead = P(None, "x") if split else P("x")
     mine = jax.jit(jax.shard_map(
         lambda b, r, w, t: add_norm.all_reduce_add_norm(b, r, w, 2, 1e-6, offset, t, "x",
                                                         ranks),
-        mesh=mesh, in_specs=(P("x"), P(), P(), P()), out_specs=(P(), P()), check_vma=False))
-    rng = np.random.default_rng(shape[0])
+        mesh=mesh, in_specs=(lead, P(), P(), P()), out_specs=(P(), P()), check_vma=False))
+    rng = np.random.default_rng(shape[0] + split)
     for _ in range(20):
-        parts = rng.standard_normal((ranks, *shape)).astype(np.float32)
-        parts[:, :, :4] = -0.0  # the sentinel's bits must still land
-        parts = np.asarray(jnp.asarray(parts, dtype), np.float32)
+        splits = rng.standard_normal((max(split, 1), ranks, *shape)).astype(np.float32)
+        splits[:, :, :, :4] = -0.0  # the sentinel's bits must still land
+        if split:  # each rank's partial: its splits added in order, then rounded
+            total = splits[0]
+            for more in splits[1:]:
+                total = total + more
+            x = jnp.asarray(splits.reshape(split, -1, shape[1]))
+        else:
+            total = splits[0]
+            x = jnp.asarray(total.reshape(-1, shape[1]), dtype)
+        parts = np.asarray(jnp.asarray(total, dtype), np.float32)
         residual = jnp.asarray(rng.standard_normal(shape), dtype)
         weights = jnp.asarray(rng.standard_normal((3, shape[1])), dtype)
-        x = jax.device_put(jnp.asarray(parts.reshape(-1, shape[1]), dtype),
-                           NamedSharding(mesh, P("x")))
+        x = jax.device_put(x, NamedSharding(mesh, lead))
         got_x, got_n = (np.asarray(v, np.float32) for v in mine(x, residual, weights, ws.table))
         want_x, want_n = _add_norm_want(parts, residual, weights[2], dtype, offset)
         np.testing.assert_array_equal(got_x, want_x)
