@@ -333,13 +333,13 @@ class DecoderForCausalLM(nnx.Module):
             x = jnp.take(table, input_ids, axis=0)
         if self.arch.embed_scale:  # in the model dtype, as Hugging Face rounds it
             x = x * jnp.asarray(self.arch.hidden_size ** 0.5, x.dtype)
-        normed, per_layer = None, len(self.arch.norm_names)
+        normed, norms, per_layer = None, self._norms(), len(self.arch.norm_names)
         for i in range(len(self.layers) - 1):
             if i in capture:
                 aux.append(x)
             x, normed, kv_cache = self._layer(i, x, positions, kv_cache, md, normed=normed,
                                               next_norm=row_reduce.NormWeight(
-                                                  self._norms(), (i + 1) * per_layer))
+                                                  norms, (i + 1) * per_layer))
         return x, normed, kv_cache
 
     def _last(self, x: jax.Array, normed: jax.Array | None, positions: jax.Array,
