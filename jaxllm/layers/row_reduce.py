@@ -170,16 +170,17 @@ class _Shard:
     bias: None = None  # added once, after the sum
 
 
-def _linear_shards(layer: Any, x: jax.Array, takes: str, split: bool = False
+def _linear_shards(layer: Any, x: jax.Array, add_norm: bool = False
                    ) -> tuple[Callable[..., jax.Array], list, list] | None:
-    """A row-parallel `Linear`'s product as a reduce's `product` takes it (the function
-    of one device's shards, its arguments and their specs); None where the layer keeps
-    XLA's all-reduce (no reduce, an adapter attached, a step its reduce's method
-    `takes` refuses). `split`: a plain weight's product as the float32 partials of
-    `reduce.parts` (`split_partials`), where that is not 0."""
+    """A row-parallel `Linear`'s product as a reduce's `product` (or, `add_norm`,
+    `product_add_norm`) takes it: the function of one device's shards, its arguments and
+    their specs; None where the layer keeps XLA's all-reduce (no reduce, an adapter
+    attached, a step the reduce's `takes` or `takes_add_norm` refuses). For the add-norm
+    kernel a plain weight's product is the float32 partials of `reduce.parts`
+    (`split_partials`), where that is not 0."""
     if layer.reduce is None or layer.lora is not None:
         return None
-    takes = getattr(layer.reduce, takes)
+    takes = layer.reduce.takes_add_norm if add_norm else layer.reduce.takes
     w = layer.weight[...]
     out_dims = w.ndim - layer.in_dims
     if not takes(x.shape[0], int(np.prod(w.shape[:out_dims])), x.dtype):
@@ -191,7 +192,7 @@ def _linear_shards(layer: Any, x: jax.Array, takes: str, split: bool = False
 
     def local(x, *arrays):
         shard = _Shard(layer.in_dims, **dict(zip(names, arrays, strict=True)))
-        s = layer.reduce.parts(int(np.prod(shard.weight.shape[out_dims:]))) if split else 0
+        s = layer.reduce.parts(int(np.prod(shard.weight.shape[out_dims:]))) if add_norm else 0
         if s and layer.plain:
             return split_partials(x, shard.weight, s)
         return layer.method.apply(shard, x)
@@ -203,7 +204,7 @@ def _linear_shards(layer: Any, x: jax.Array, takes: str, split: bool = False
 def linear_product(layer: Any, x: jax.Array) -> jax.Array | None:
     """`layer(x)` for a row-parallel `Linear` whose `reduce` takes the step, its shards
     summed by it; None where the layer keeps XLA's all-reduce."""
-    shards = _linear_shards(layer, x, "takes")
+    shards = _linear_shards(layer, x)
     if shards is None:
         return None
     out = layer.reduce.product(*shards)
@@ -216,7 +217,7 @@ def linear_add_norm(layer: Any, x: jax.Array, residual: jax.Array, norm: NormWei
     row-parallel `Linear` whose `reduce` takes the step that way; None elsewhere."""
     if layer.bias is not None or residual.dtype != x.dtype:
         return None
-    shards = _linear_shards(layer, x, "takes_add_norm", split=True)
+    shards = _linear_shards(layer, x, add_norm=True)
     if shards is None:
         return None
     return layer.reduce.product_add_norm(*shards, residual, norm, eps, offset)
