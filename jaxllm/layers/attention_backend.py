@@ -9,6 +9,7 @@ layers/attention.py picks one by name or platform.
 from __future__ import annotations
 
 import dataclasses
+import functools
 import os
 from dataclasses import dataclass
 from typing import Any
@@ -26,6 +27,17 @@ def qkv_kernel_enabled() -> bool:
     """Whether a GPU body may run `project_qkv` as its one kernel: `JAXLLM_QKV_KERNEL=0`
     keeps the XLA ops (a benchmark's A/B knob; part of the on-disk program cache's key)."""
     return os.environ.get("JAXLLM_QKV_KERNEL", "1") != "0"
+
+
+QKV_SPLIT_K = 4  # as row_reduce.SPLIT_K
+QKV_SPLIT_ROWS = 32  # decode-shaped steps only: a prefill's float32 partials would be large
+
+
+def qkv_split_k() -> int:
+    """How many float32 split-K partials the QKV product of a decode-shaped step leaves
+    for a body whose `qkv_parts` takes them: `JAXLLM_QKV_SPLIT_K` (0: none; part of the
+    on-disk program cache's key)."""
+    return int(os.environ.get("JAXLLM_QKV_SPLIT_K", QKV_SPLIT_K))
 
 
 @jax.tree_util.register_dataclass
@@ -85,11 +97,17 @@ class AttentionBackend:
                  md: AttentionMetadata, page_offset: int = 0) -> jax.Array:
         return xla.write_kv(kv_cache, k, v, md.slot_mapping, page_offset)
 
+    def qkv_parts(self, rows: int, rope: Any, write: bool, kv_scale: jax.Array | None) -> int:
+        """How many float32 split-K partials `project_qkv` takes for a step of `rows`
+        tokens (0: the projection in the model dtype): none here, where XLA's own split
+        GEMV and its sum cost the same."""
+        return 0
+
     def project_qkv(self, qkv: jax.Array, positions: jax.Array, kv_cache: jax.Array,
                     md: AttentionMetadata, page_offset: int, *, rope: Any,
                     qk_norms: jax.Array | None, layer: int, eps: float, offset: bool,
-                    kv_scale: jax.Array | None = None, write: bool = True
-                    ) -> tuple[jax.Array, jax.Array]:
+                    kv_scale: jax.Array | None = None, write: bool = True,
+                    dtype: Any = None) -> tuple[jax.Array, jax.Array]:
         """A layer's work between its fused QKV projection and `attend`: the queries
         `[T, KV * G, D]` and the cache with this step's K/V written (`write`).
 
@@ -101,8 +119,12 @@ class AttentionBackend:
         `positions [T]`. `kv_scale [2]`: an fp8 cache's per-tensor K and V scales (the
         cache holds K / k_scale and V / v_scale, and q takes k_scale: q . (k_scale K) =
         (k_scale q) . K, so every attention body only upcasts the fp8 tiles it loads).
-        This is the oracle; the GPU body does it in one kernel.
+        This is the oracle; the GPU body does it in one kernel. `qkv` may be float32
+        split-K partials `[S, T, KV, G + 2, D]` (`qkv_parts`): added in order, then
+        rounded to `dtype`, the model dtype.
         """
+        if qkv.ndim == 5:
+            qkv = functools.reduce(jnp.add, qkv).astype(dtype)
         t, kv_heads, g2, d = qkv.shape
         group = g2 - 2
         q = qkv[:, :, :group].reshape(t, kv_heads * group, d)

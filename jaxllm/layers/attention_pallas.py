@@ -23,7 +23,13 @@ import jax.numpy as jnp
 import numpy as np
 from jax.sharding import PartitionSpec as P
 
-from jaxllm.layers.attention_backend import AttentionBackend, AttentionMetadata, qkv_kernel_enabled
+from jaxllm.layers.attention_backend import (
+    QKV_SPLIT_ROWS,
+    AttentionBackend,
+    AttentionMetadata,
+    qkv_kernel_enabled,
+    qkv_split_k,
+)
 from pallas_kernels.ragged_paged_attention import paged_layout
 
 
@@ -95,7 +101,7 @@ class PallasGPUBackend(_PallasBackend):
         super().__init__(interpret)
         self._attend_jit = jax.jit(self._attend,
                                    static_argnames=("sm_scale", "sliding_window", "soft_cap"))
-        self._project_jit = jax.jit(self._project, static_argnames=("eps", "offset"))
+        self._project_jit = jax.jit(self._project, static_argnames=("eps", "offset", "dtype"))
 
     @staticmethod
     def _kernel():
@@ -110,32 +116,44 @@ class PallasGPUBackend(_PallasBackend):
             interpret=self.interpret, page_offset=page_offset)
 
     def _project(self, qkv, positions, inv_freq, kv_cache, slot_mapping, page_offset,
-                 qk_norms, layer, *, eps, offset):
+                 qk_norms, layer, *, eps, offset, dtype):
         from pallas_kernels.qkv_rope import gpu
 
         return gpu.project_qkv(qkv, positions, inv_freq, kv_cache, slot_mapping, page_offset,
-                               qk_norms, layer, eps=eps, offset=offset,
+                               qk_norms, layer, eps=eps, offset=offset, dtype=dtype,
                                interpret=self.interpret)
+
+    def _kernel_applies(self, rope: Any, write: bool, kv_scale: jax.Array | None) -> bool:
+        """Whether `project_qkv` runs as the one kernel: the K/V written, a plain cache (no
+        fp8 scales), whole-head rotation, and not turned off (`qkv_kernel_enabled`)."""
+        from pallas_kernels.qkv_rope import gpu
+
+        return (kv_scale is None and write and qkv_kernel_enabled()
+                and gpu.supported(rope.head_dim, rope.rotary_dim))
+
+    def qkv_parts(self, rows: int, rope: Any, write: bool, kv_scale: jax.Array | None) -> int:
+        """`qkv_split_k()` partials for a decode-shaped step the kernel takes: it adds them
+        as it loads its rows, where XLA's split GEMV would add them in a kernel of its own."""
+        if rows > QKV_SPLIT_ROWS or not self._kernel_applies(rope, write, kv_scale):
+            return 0
+        return qkv_split_k()
 
     def project_qkv(self, qkv: jax.Array, positions: jax.Array, kv_cache: jax.Array,
                     md: AttentionMetadata, page_offset: int, *, rope: Any,
                     qk_norms: jax.Array | None, layer: int, eps: float, offset: bool,
-                    kv_scale: jax.Array | None = None, write: bool = True
-                    ) -> tuple[jax.Array, jax.Array]:
-        """The base's contract in one kernel (pallas_kernels/qkv_rope) where it applies:
-        the K/V written, a plain cache (no fp8 scales), whole-head rotation, and not
-        turned off (`qkv_kernel_enabled`)."""
-        from pallas_kernels.qkv_rope import gpu
-
-        if (kv_scale is not None or not write or not qkv_kernel_enabled()
-                or not gpu.supported(rope.head_dim, rope.rotary_dim)):
+                    kv_scale: jax.Array | None = None, write: bool = True,
+                    dtype: Any = None) -> tuple[jax.Array, jax.Array]:
+        """The base's contract in one kernel (pallas_kernels/qkv_rope) where it applies
+        (`_kernel_applies`)."""
+        if not self._kernel_applies(rope, write, kv_scale):
             return super().project_qkv(qkv, positions, kv_cache, md, page_offset, rope=rope,
                                        qk_norms=qk_norms, layer=layer, eps=eps,
-                                       offset=offset, kv_scale=kv_scale, write=write)
+                                       offset=offset, kv_scale=kv_scale, write=write,
+                                       dtype=dtype)
         inv_freq = jnp.asarray(np.asarray(rope.inv_freq, np.float32))
         return self._project_jit(qkv, positions, inv_freq, kv_cache, md.slot_mapping,
                                  jnp.int32(page_offset), qk_norms, jnp.int32(layer), eps=eps,
-                                 offset=offset)
+                                 offset=offset, dtype=None if qkv.ndim == 4 else jnp.dtype(dtype))
 
     def attend(self, q: jax.Array, kv_cache: jax.Array, md: AttentionMetadata, *,
                sm_scale: float, sliding_window: int | None = None,

@@ -62,11 +62,14 @@ class ShardedAttention:
 
         return self._map(body, (cache, heads, heads, P()), cache)(kv_cache, k, v, md)
 
+    def qkv_parts(self, rows: int, rope: Any, write: bool, kv_scale: jax.Array | None) -> int:
+        return self.backend.qkv_parts(rows, rope, write, kv_scale)
+
     def project_qkv(self, qkv: jax.Array, positions: jax.Array, kv_cache: jax.Array,
                     md: AttentionMetadata, page_offset: int, *, rope: Any,
                     qk_norms: jax.Array | None, layer: int, eps: float, offset: bool,
-                    kv_scale: jax.Array | None = None, write: bool = True
-                    ) -> tuple[jax.Array, jax.Array]:
+                    kv_scale: jax.Array | None = None, write: bool = True,
+                    dtype: Any = None) -> tuple[jax.Array, jax.Array]:
         cache, heads = self.backend.kv_cache_spec(self.axis), P(None, self.axis, None)
         # The optional operands go in as a tuple (an empty one where absent).
         extras = tuple(a for a in (qk_norms, kv_scale) if a is not None)
@@ -77,9 +80,12 @@ class ShardedAttention:
             scale = next(it) if kv_scale is not None else None
             return self.backend.project_qkv(qkv, positions, kv_cache, md, page_offset,
                                             rope=rope, qk_norms=norms, layer=layer, eps=eps,
-                                            offset=offset, kv_scale=scale, write=write)
+                                            offset=offset, kv_scale=scale, write=write,
+                                            dtype=dtype)
 
-        in_specs = (P(None, self.axis, None, None), P(), cache, P(), P())
+        # qkv by kv head: `[T, KV, G + 2, D]`, or split-K partials `[S, T, KV, G + 2, D]`
+        split = P(*(None,) * (qkv.ndim - 3), self.axis, None, None)
+        in_specs = (split, P(), cache, P(), P())
         return self._map(body, in_specs, (heads, cache))(qkv, positions, kv_cache, md, extras)
 
     def attend(self, q: jax.Array, kv_cache: jax.Array, md: AttentionMetadata, *,

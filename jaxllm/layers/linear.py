@@ -109,6 +109,18 @@ class Linear(nnx.Module):
         out = self.method.apply(self, x)
         return out if self.lora is None else out + self.lora(x)
 
+    def split(self, x: jax.Array, parts: int) -> jax.Array:
+        """`self(x)`, or its float32 split-K partials `[parts, T, *out]`
+        (`row_reduce.split_partials`) where `parts` > 1 cuts the contraction into slices
+        of at least `row_reduce.MIN_SPLIT_WIDTH` and the product is plain: an unquantized
+        weight, no bias, adapter or row-parallel sum."""
+        k = x.size // x.shape[0]
+        if (parts > 1 and self.plain and self.bias is None and self.lora is None
+                and self.reduce is None and k % parts == 0
+                and k // parts >= row_reduce.MIN_SPLIT_WIDTH):
+            return row_reduce.split_partials(x, self.weight[...], parts)
+        return self(x)
+
     def add(self, x: jax.Array, residual: jax.Array) -> jax.Array:
         """`residual + self(x)` for a projection with one output axis (the residual
         add in the product's epilogue where the `MatmulAdd` has a kernel)."""

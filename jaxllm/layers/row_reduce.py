@@ -224,13 +224,14 @@ def linear_add_norm(layer: Any, x: jax.Array, residual: jax.Array, norm: NormWei
 
 
 def split_partials(x: jax.Array, w: jax.Array, parts: int) -> jax.Array:
-    """`x [T, *in] @ w [N..., *in].T` as float32 partials `[parts, T, N]` over `parts`
-    equal slices of the contraction: one batched GEMV through a view of the stored
-    weight (no copy), whose partials the add-norm kernel sums, instead of XLA's split-K
-    GEMV and its separate sum."""
+    """`x [T, *in] @ w [*out, *in].T` as float32 partials `[parts, T, *out]` over
+    `parts` equal slices of the contraction: one batched GEMV through a view of the
+    stored weight (no copy), whose partials the consumer's kernel adds (the add-norm
+    peer sum, qkv_rope), instead of XLA's split-K GEMV and its separate sum."""
     t, k = x.shape[0], int(np.prod(x.shape[1:]))
-    w = w.reshape(-1, parts, k // parts)
-    return jnp.einsum("tsk,nsk->stn", x.reshape(t, parts, k // parts), w,
+    out = w.shape[:w.ndim - (x.ndim - 1)]
+    w = w.reshape(*out, parts, k // parts)
+    return jnp.einsum("tsk,...sk->st...", x.reshape(t, parts, k // parts), w,
                       preferred_element_type=jnp.float32)
 
 

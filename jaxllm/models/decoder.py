@@ -135,18 +135,18 @@ class DecoderAttention(nnx.Module):
         `rows` (one per request, its last token): every token's K/V still goes to the
         cache, but only those rows' outputs are computed and returned. `write=False`:
         this step's K/V are in the cache already (`DecoderForCausalLM.finish_states`).
-        `kv_scale` `[2]`: an fp8 cache's K and V scales (it holds K / k_scale, V /
-        v_scale), applied here: q . (k_scale K) = (k_scale q) . K and P (v_scale V) =
-        v_scale (P V), so every body only upcasts the fp8 tiles it loads."""
+        `kv_scale` `[2]`: an fp8 cache's K and V scales, q's as `project_qkv` applies it
+        and V's to the output (P (v_scale V) = v_scale (P V)), so bodies only upcast."""
         if md.grouped:  # KV cache groups (jaxllm/kv_groups.py): this layer's group and slot
             md = md.for_group(self.kv_group)
             page_offset = self.kv_slot * (kv_cache.shape[0] // self.pages_per_block)
         else:  # every layer's pages; this layer's come after the previous ones'
             page_offset = self.layer * (kv_cache.shape[0] // self.num_layers)
+        parts = self.attn_backend.qkv_parts(x.shape[0], self.rope, write, kv_scale)
         q, kv_cache = self.attn_backend.project_qkv(
-            self.qkv_proj(x), positions, kv_cache, md, page_offset, rope=self.rope,
+            self.qkv_proj.split(x, parts), positions, kv_cache, md, page_offset, rope=self.rope,
             qk_norms=qk_norms if self.qk_norm else None, layer=self.layer, eps=self.eps,
-            offset=self.offset, kv_scale=kv_scale, write=write)
+            offset=self.offset, kv_scale=kv_scale, write=write, dtype=x.dtype)
         if rows is not None:
             q, residual, md = q[rows], residual[rows], md.last_queries()
         o = self.attn_backend.attend(q, kv_cache, md, sm_scale=self.sm_scale,

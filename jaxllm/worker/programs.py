@@ -34,7 +34,7 @@ from flax import nnx
 from tqdm.auto import tqdm
 
 from jaxllm.config import EngineConfig, compilation_cache_dir
-from jaxllm.layers.attention_backend import qkv_kernel_enabled
+from jaxllm.layers.attention_backend import qkv_kernel_enabled, qkv_split_k
 from jaxllm.layers.grouped_matmul import default_grouped_matmul
 from jaxllm.layers.moe import small_step_kernel, small_token_limit
 from jaxllm.layers.quant import fp8_weight_only_tokens, xla_compiler_options
@@ -213,6 +213,7 @@ def aot_context(config: EngineConfig, attn_backend: Any, swiglu: Any,
                     small_step_kernel(mesh)],
             # The GPU bodies' q/k norm, rotary and K/V write kernel, or XLA's ops.
             "qkv_kernel": qkv_kernel_enabled(),
+            "qkv_split_k": qkv_split_k(),
             # The row-parallel sums' route and the peer kernel's sizes (layers/row_reduce.py).
             "row_reduce": reduce and reduce.cache_key(),
             # An EAGLE head's capture changes the forward's outputs (absent: none).

@@ -17,6 +17,10 @@ query heads, K, V) once and does all of it:
    in the paged layout's `[pages, 2 * kv_heads, page_size, D]` (K of head h at 2h, V at
    2h + 1), the cache aliased in and out (in place when the step donates it).
 
+The projection may come as a split-K product's float32 partials `[S, T, KV, G + 2, D]`,
+which the program adds in order and rounds to the model dtype as it loads its rows: the
+numerics of XLA's split-K GEMV, without its separate sum kernel (BENCHMARKS.md).
+
 `jaxllm.layers.attention_backend.AttentionBackend.project_qkv` is the jnp oracle of the
 same contract; tests/kernels/test_qkv_rope.py holds the kernel to it in interpret mode.
 Padding tokens write their slot (the scratch page) as the XLA path does.
@@ -44,7 +48,7 @@ def supported(head_dim: int, rotary_dim: int) -> bool:
 
 def _kernel(pos_ref, slot_ref, off_ref, layer_ref, freq_ref, qkv_ref, norm_ref, cache_ref,
             q_out_ref, cache_out_ref, *, group: int, kv_heads: int, page_size: int, eps: float,
-            offset: bool, qk_norm: bool):
+            offset: bool, qk_norm: bool, parts: int, size: int):
     del cache_ref  # aliased to cache_out_ref
     t, h = pl.program_id(0), pl.program_id(1)
     d = qkv_ref.shape[1]
@@ -52,18 +56,27 @@ def _kernel(pos_ref, slot_ref, off_ref, layer_ref, freq_ref, qkv_ref, norm_ref, 
     gp = pl.next_power_of_2(group)
     dtype = q_out_ref.dtype
 
+    def load(rows, cols, **kw):
+        """qkv's tile in the model dtype: read, or the sum of its `parts` float32
+        partials (`size` rows apart) rounded to it."""
+        if not parts:
+            return _load(qkv_ref, (rows, cols), **kw)
+        total = _load(qkv_ref, (rows, cols), **kw)
+        for p in range(1, parts):
+            total = total + _load(qkv_ref, (rows + p * size, cols), **kw)
+        return total.astype(dtype)
+
     # qkv viewed as [T * KV * (G + 2), D]: this program's rows start at `base`.
     base = (t * kv_heads + h) * (group + 2)
     g_iota = lax.broadcasted_iota(jnp.int32, (gp, half), 0)
     c_iota = lax.broadcasted_iota(jnp.int32, (gp, half), 1)
     in_group = g_iota < group
-    lo = [_load(qkv_ref, (base + g_iota, c_iota + k * half), mask=in_group, other=0.0)
+    lo = [load(base + g_iota, c_iota + k * half, mask=in_group, other=0.0)
           .astype(jnp.float32) for k in (0, 1)]
     kc = lax.broadcasted_iota(jnp.int32, (1, half), 1)
     kr = jnp.zeros((1, half), jnp.int32)
-    k_rows = [_load(qkv_ref, (base + group + kr, kc + k * half)).astype(jnp.float32)
-              for k in (0, 1)]
-    v_rows = [_load(qkv_ref, (base + group + 1 + kr, kc + k * half)) for k in (0, 1)]
+    k_rows = [load(base + group + kr, kc + k * half).astype(jnp.float32) for k in (0, 1)]
+    v_rows = [load(base + group + 1 + kr, kc + k * half) for k in (0, 1)]
 
     def norm(x, which):
         """RMSNorm of each row of the two halves `x`, with weight row `which` (0 q, 1 k),
@@ -110,29 +123,35 @@ def _kernel(pos_ref, slot_ref, off_ref, layer_ref, freq_ref, qkv_ref, norm_ref, 
 def project_qkv(qkv: jax.Array, positions: jax.Array, inv_freq: jax.Array,
                 kv_cache: jax.Array, slot_mapping: jax.Array, page_offset: jax.Array | int,
                 qk_norms: jax.Array | None, layer: jax.Array | int = 0, *, eps: float,
-                offset: bool, num_warps: int = 1, interpret: bool = False
-                ) -> tuple[jax.Array, jax.Array]:
+                offset: bool, dtype: jnp.dtype | None = None, num_warps: int = 1,
+                interpret: bool = False) -> tuple[jax.Array, jax.Array]:
     """(q `[T, KV * G, D]` normed and rotated, the cache with this step's K/V written).
 
     `qkv [T, KV, G + 2, D]` (per kv head: its G query heads, K, V); `positions [T]`;
     `inv_freq [D / 2]` float32; `kv_cache [P, 2 * KV, page_size, D]`; `slot_mapping [T]`
     (page * page_size + offset, pages counted from `page_offset`); `qk_norms [L, 2, D]`
     (every layer's q then k weights, row `layer` used; read in place, where a slice would
-    be a copy) or None for no q/k norm; `eps`, `offset` as `rms_norm`'s.
+    be a copy) or None for no q/k norm; `eps`, `offset` as `rms_norm`'s. `qkv` may be
+    float32 partials `[S, T, KV, G + 2, D]` instead, summed here and rounded to `dtype`.
     """
-    t, kv_heads, g2, d = qkv.shape
+    parts = qkv.shape[0] if qkv.ndim == 5 else 0
+    if parts and (qkv.dtype != jnp.float32 or dtype is None):
+        raise ValueError(f"partials {qkv.shape} {qkv.dtype} need float32 and a model dtype")
+    dtype = dtype if parts else qkv.dtype
+    t, kv_heads, g2, d = qkv.shape[-4:]
     group = g2 - 2
     num_pages, two_h, page_size, _ = kv_cache.shape
     if two_h != 2 * kv_heads or kv_cache.shape[3] != d:
         raise ValueError(f"kv_cache {kv_cache.shape} does not hold qkv {qkv.shape}'s heads")
     if inv_freq.shape != (d // 2,):
         raise ValueError(f"inv_freq {inv_freq.shape} must be [{d // 2}]")
-    norms = (qk_norms if qk_norms is not None else jnp.zeros((1, 2, d), qkv.dtype))
+    norms = (qk_norms if qk_norms is not None else jnp.zeros((1, 2, d), dtype))
     kernel = functools.partial(_kernel, group=group, kv_heads=kv_heads, page_size=page_size,
-                               eps=float(eps), offset=offset, qk_norm=qk_norms is not None)
+                               eps=float(eps), offset=offset, qk_norm=qk_norms is not None,
+                               parts=parts, size=t * kv_heads * g2)
     q, cache = pl.pallas_call(
         kernel,
-        out_shape=(jax.ShapeDtypeStruct((t * kv_heads * group, d), qkv.dtype),
+        out_shape=(jax.ShapeDtypeStruct((t * kv_heads * group, d), dtype),
                    jax.ShapeDtypeStruct((num_pages * two_h * page_size, d), kv_cache.dtype)),
         grid=(t, kv_heads),
         input_output_aliases={7: 1},
@@ -140,6 +159,6 @@ def project_qkv(qkv: jax.Array, positions: jax.Array, inv_freq: jax.Array,
         interpret=interpret, name="qkv_rope_write",
     )(positions.astype(jnp.int32), slot_mapping.astype(jnp.int32),
       jnp.asarray(page_offset, jnp.int32).reshape(1), jnp.asarray(layer, jnp.int32).reshape(1),
-      inv_freq.astype(jnp.float32), qkv.reshape(t * kv_heads * g2, d),
+      inv_freq.astype(jnp.float32), qkv.reshape(-1, d),
       norms.reshape(-1, d), kv_cache.reshape(-1, d))
     return q.reshape(t, kv_heads * group, d), cache.reshape(kv_cache.shape)

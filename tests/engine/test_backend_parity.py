@@ -11,7 +11,10 @@ from __future__ import annotations
 import pytest
 
 from jaxllm import LLM, SamplingParams
+from jaxllm.layers import row_reduce
+from jaxllm.layers.attention_backend import QKV_SPLIT_K
 from tests.engine.hf_reference import hf_greedy, random_prompts
+from tests.jaxprs import equations
 from tests.models.tiny_checkpoints import checkpoint_vocab_size
 
 NEW_TOKENS = 8
@@ -39,10 +42,21 @@ def hf_tokens(model_dir, prompts):
 
 @pytest.mark.parametrize("backend", ["pallas_tpu", "pallas_gpu"])
 def test_engine_on_a_pallas_body_in_interpret_mode_matches_transformers_greedy(
-        backend, model_dir, prompts, hf_tokens):
+        backend, model_dir, prompts, hf_tokens, monkeypatch):
+    # The GPU body's steps (all of them decode-shaped here) take the QKV product as
+    # split-K partials, the tiny hidden size split too.
+    monkeypatch.setattr(row_reduce, "MIN_SPLIT_WIDTH", 8)
     llm = LLM(model_dir, attention_backend=backend, attention_interpret=True, **ENGINE)
     runner = llm.llm_engine.engine_core.engine_core.model_runner
     assert (runner.attn_backend.name, runner.attn_backend.interpret) == (backend, True)
+    programs = runner.programs
+    args = (runner.state, runner.kv_cache, programs.dummy_inputs(32), runner._no_prev)
+    traced = programs.forward.trace(*args[:4], programs.out_buffers(*args))
+    split = [e for e in equations(traced.jaxpr.jaxpr, kernels=False)
+             if e.primitive.name == "dot_general" and e.outvars[0].aval.ndim == 5]
+    assert [e.outvars[0].aval.shape[0] for e in split] == (
+        [QKV_SPLIT_K] * llm.llm_engine.model_config.hf_config.num_hidden_layers
+        if backend == "pallas_gpu" else [])
     runner.step_log = []
     params = SamplingParams(temperature=0.0, max_tokens=NEW_TOKENS, ignore_eos=True)
     outs = llm.generate([{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False)

@@ -87,8 +87,17 @@ def _runner(llm: LLM):
     ("reference", 1), ("reference", 2), ("reference", 4),
     ("pallas_gpu", 2), ("pallas_gpu", 4), ("pallas_tpu", 2), ("pallas_tpu", 4)])
 def test_greedy_under_tensor_parallelism_matches_transformers_with_chunks_hits_and_preemption(
-        backend, tp, model_dir, prompts, hf_tokens):
+        backend, tp, model_dir, prompts, hf_tokens, monkeypatch):
+    # The GPU body's decode-shaped steps take the QKV product as split-K partials
+    # (`qkv_parts`), sharded by kv head as the projection is; the tiny width splits too.
+    monkeypatch.setattr(row_reduce, "MIN_SPLIT_WIDTH", 8)
     runner = _runner(_run_case((model_dir, prompts, hf_tokens), backend, tp))
+    programs = runner.programs
+    args = (runner.state, runner.kv_cache, programs.dummy_inputs(16), runner._no_prev)
+    traced = programs.forward.trace(*args[:4], programs.out_buffers(*args))
+    split = [e for e in equations(traced.jaxpr.jaxpr, kernels=False)
+             if e.primitive.name == "dot_general" and e.outvars[0].aval.ndim == 5]
+    assert len(split) == (LAYERS if backend == "pallas_gpu" else 0)
 
     # Each device holds its own kv heads: 1/tp of the one-device cache where the kv
     # heads divide, one (replicated) head of the two where they do not.

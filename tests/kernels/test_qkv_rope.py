@@ -87,6 +87,50 @@ def test_the_kernel_writes_k_and_v_where_the_layout_reads_them():
     np.testing.assert_array_equal(np.asarray(out[:, 1::2]), np.asarray(ref[:, 1::2]))
 
 
+@pytest.mark.parametrize("parts, dtype, qk_norm", [
+    (4, jnp.bfloat16, True), (3, jnp.float32, False), (2, jnp.bfloat16, False)])
+def test_split_k_partials_give_the_projections_own_outputs(parts, dtype, qk_norm):
+    """A split-K product's float32 partials, which the kernel adds in order and rounds to
+    the model dtype as it loads them: the outputs are bit for bit the kernel's (and the
+    jnp contract's) on that rounded sum, which is XLA's split GEMV's numerics."""
+    qkv, positions, cache, md, norms = _case(parts, tokens=5, kv_heads=2, group=3,
+                                             dtype=dtype)
+    partials = jax.random.normal(jax.random.key(parts), (parts, *qkv.shape), jnp.float32)
+    summed = partials[0]
+    for p in partials[1:]:
+        summed = summed + p
+    summed = summed.astype(dtype)
+    kw = dict(rope=_rope(), qk_norms=norms if qk_norm else None, layer=2, eps=1e-6,
+              offset=False)
+    backend = PallasGPUBackend(interpret=True)
+    want = backend.project_qkv(summed, positions, cache, md, 12, **kw)
+    got = backend.project_qkv(partials, positions, cache, md, 12, dtype=dtype, **kw)
+    oracle = AttentionBackend.project_qkv(backend, partials, positions, cache, md, 12,
+                                          dtype=dtype, **kw)
+    oracle_summed = AttentionBackend.project_qkv(backend, summed, positions, cache, md, 12,
+                                                 **kw)
+    for g, w in zip(got, want, strict=True):
+        assert g.dtype == w.dtype == dtype
+        np.testing.assert_array_equal(np.asarray(g, np.float32), np.asarray(w, np.float32))
+    for g, w in zip(oracle, oracle_summed, strict=True):
+        np.testing.assert_array_equal(np.asarray(g, np.float32), np.asarray(w, np.float32))
+    with pytest.raises(ValueError, match="model dtype"):
+        gpu.project_qkv(partials, positions, jnp.asarray(_rope().inv_freq, jnp.float32),
+                        cache, md.slot_mapping, 0, None, eps=1e-6, offset=False,
+                        interpret=True)
+
+
+def test_only_decode_shaped_steps_the_kernel_takes_are_split(monkeypatch):
+    backend, rope = PallasGPUBackend(interpret=True), _rope()
+    assert backend.qkv_parts(32, rope, True, None) == 4
+    assert backend.qkv_parts(33, rope, True, None) == 0  # a prefill's partials: too large
+    assert backend.qkv_parts(8, rope, False, None) == 0  # no K/V write: XLA's ops
+    assert backend.qkv_parts(8, rope, True, jnp.ones(2)) == 0  # an fp8 cache: XLA's ops
+    assert AttentionBackend().qkv_parts(8, rope, True, None) == 0
+    monkeypatch.setenv("JAXLLM_QKV_SPLIT_K", "0")
+    assert backend.qkv_parts(8, rope, True, None) == 0
+
+
 @pytest.mark.parametrize("head_dim, rotary_dim, ok", [
     (128, 128, True), (16, 16, True), (64, 32, False), (96, 96, False), (8, 8, False)])
 def test_supported_shapes(head_dim, rotary_dim, ok):
