@@ -8,8 +8,7 @@ import types
 import pytest
 
 from jaxllm import SamplingParams
-from jaxllm.engine.input_processor import InputProcessor
-from jaxllm.engine.llm_engine import fan_out
+from jaxllm.engine.input_processor import InputProcessor, fan_out
 from jaxllm.errors import ParameterError
 from jaxllm.sampling_params import DEFAULT_MAX_N_SEQUENCES, SEED_LIMIT
 
@@ -111,3 +110,30 @@ def test_bad_prompts_name_their_field(processor, prompt, field):
 def test_a_priority_outside_int64_is_refused(processor):
     with pytest.raises(ParameterError, match="^priority: "):
         processor.process("r", PROMPT, SamplingParams(), priority=2**63)
+
+
+def test_a_priority_needs_the_priority_policy(processor):
+    with pytest.raises(ParameterError, match="^priority: needs scheduling_policy='priority'"):
+        processor.requests("r", PROMPT, SamplingParams(), priority=1)
+    config = types.SimpleNamespace(scheduler_config=types.SimpleNamespace(policy="priority"),
+                                   lora_config=None)
+    prioritized = InputProcessor(processor.model_config, None, config=config)
+    [req], _, _ = prioritized.requests("r", PROMPT, SamplingParams(), priority=-3)
+    assert req.priority == -3
+
+
+def test_an_adapter_needs_lora_enabled(processor):
+    from jaxllm.lora.request import LoRARequest
+
+    with pytest.raises(ParameterError, match="^lora_request: LoRA is not enabled"):
+        processor.requests("r", PROMPT, SamplingParams(), lora_request=LoRARequest("a", 1, "/x"))
+
+
+def test_a_request_of_n_samples_becomes_n_children_of_one_each(processor):
+    [one], _, _ = processor.requests("r", PROMPT, SamplingParams(seed=7))
+    assert (one.request_id, one.sampling_params.n) == ("r", 1)
+    children, _, kind = processor.requests("r", PROMPT, SamplingParams(n=3, seed=7))
+    assert [c.request_id for c in children] == ["0_r", "1_r", "2_r"]
+    assert [(c.sampling_params.n, c.sampling_params.seed) for c in children] == [
+        (1, 7), (1, 8), (1, 9)]
+    assert kind == SamplingParams().output_kind

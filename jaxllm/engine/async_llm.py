@@ -17,20 +17,15 @@ from collections.abc import AsyncGenerator
 from concurrent.futures import ThreadPoolExecutor
 from typing import TYPE_CHECKING, Any
 
-import msgspec
-
 from jaxllm.config import EngineArgs, EngineConfig, portable_config
 from jaxllm.core.messages import EngineCoreOutputs, SchedulerStats
 from jaxllm.engine.input_processor import InputProcessor, PromptType, load_tokenizer
-from jaxllm.engine.llm_engine import fan_out
 from jaxllm.engine.output_processor import (
     OutputProcessor,
     ParentRequest,
     RequestState,
-    child_request_id,
 )
 from jaxllm.errors import EngineDeadError, ParameterError
-from jaxllm.lora.peft import check_lora_request
 from jaxllm.lora.request import LoRARequest
 from jaxllm.metrics.loggers import FinishedRequestStats, StatLogger
 from jaxllm.outputs import RequestOutput
@@ -122,7 +117,7 @@ class AsyncLLM:
                                             pc.tensor_parallel_size, startup_timeout_s)
         self.engine_core = engine_core
         self.input_processor = InputProcessor(config.model_config, self.tokenizer,
-                                              self.engine_core.max_request_tokens)
+                                              self.engine_core.max_request_tokens, config)
         self.output_processor = OutputProcessor(self.tokenizer)
         self.stat_loggers = list(stat_loggers or [])
         self.last_stats: SchedulerStats | None = None
@@ -230,21 +225,8 @@ class AsyncLLM:
             raise self.dead_error
         if request_id in self.output_processor.parents:
             raise ParameterError("request_id", f"{request_id!r} is already running")
-        if self.config.scheduler_config.policy != "priority" and priority != 0:
-            raise ParameterError("priority", "needs scheduling_policy='priority'")
-        first, prompt_text = self.input_processor.process(request_id, prompt, params,
-                                                          arrival_time, priority)
-        if lora_request is not None:
-            check_lora_request(lora_request, self.config.lora_config)
-            first = msgspec.structs.replace(first, lora_request=lora_request)
-        if first.pooling_params is not None:  # an embedding: one request, one output
-            kind, children = RequestOutputKind.FINAL_ONLY, [first]
-        else:
-            child_params = fan_out(first.sampling_params)
-            kind = first.sampling_params.output_kind
-            children = [msgspec.structs.replace(
-                first, request_id=child_request_id(i, request_id, len(child_params)),
-                sampling_params=p) for i, p in enumerate(child_params)]
+        children, prompt_text, kind = self.input_processor.requests(
+            request_id, prompt, params, arrival_time, priority, lora_request)
         collector = RequestOutputCollector(kind)
         parent = ParentRequest(request_id, len(children), kind, queue=collector)
         for i, req in enumerate(children):

@@ -1,4 +1,5 @@
-"""Turns user prompts into EngineCoreRequests: tokenize, apply chat templates, validate."""
+"""Turns user prompts into EngineCoreRequests: tokenize, apply chat templates, validate,
+and fan an n > 1 request out into its children (vLLM's parallel sampling)."""
 
 from __future__ import annotations
 
@@ -7,12 +8,16 @@ from typing import Any
 
 import msgspec
 
-from jaxllm.config import ModelConfig
+from jaxllm.config import EngineConfig, ModelConfig
 from jaxllm.core.messages import EngineCoreRequest
 from jaxllm.errors import ParameterError
+from jaxllm.lora.peft import check_lora_request
+from jaxllm.lora.request import LoRARequest
 from jaxllm.sampling_params import (
     INT64_MAX,
+    SEED_LIMIT,
     PoolingParams,
+    RequestOutputKind,
     SamplingParams,
     check_bad_words,
     check_int,
@@ -36,10 +41,31 @@ def load_tokenizer(model_config: ModelConfig) -> Any | None:
                              "to serve token ids only") from e
 
 
+def fan_out(params: SamplingParams) -> list[SamplingParams]:
+    """Per-child params of an n > 1 request: n = 1 each, seeds offset by the index
+    (modulo the seed range, so that every child's seed stays valid)."""
+    if params.n == 1:
+        return [params]
+    out = []
+    for i in range(params.n):
+        seed = None if params.seed is None else (params.seed + i) % SEED_LIMIT
+        out.append(msgspec.structs.replace(params, n=1, seed=seed))
+    return out
+
+
+def child_request_id(index: int, request_id: str, n: int) -> str:
+    return request_id if n == 1 else f"{index}_{request_id}"
+
+
 class InputProcessor:
     def __init__(self, model_config: ModelConfig, tokenizer: Any | None,
-                 max_request_tokens: int | None = None):
+                 max_request_tokens: int | None = None, config: EngineConfig | None = None):
+        """`config`: the engine's, for the scheduling policy (a priority other than 0
+        needs 'priority') and the LoRA settings a `lora_request` is checked against."""
         self.model_config = model_config
+        self.priority_policy = (config is not None
+                                and config.scheduler_config.policy == "priority")
+        self.lora_config = config.lora_config if config is not None else None
         self.tokenizer = tokenizer
         self.max_model_len = model_config.max_model_len
         # The most tokens one request can hold in the KV cache (set by the engine core).
@@ -89,6 +115,26 @@ class InputProcessor:
             raise ParameterError("messages", f"chat template failed: {e}") from e
         check_text("messages", text)
         return text
+
+    def requests(self, request_id: str, prompt: PromptType,
+                 params: SamplingParams | PoolingParams, arrival_time: float | None = None,
+                 priority: int = 0, lora_request: LoRARequest | None = None
+                 ) -> tuple[list[EngineCoreRequest], str | None, RequestOutputKind]:
+        """The core requests of one user request (one, or n children of one sample
+        each), its prompt text, and the kind of output its parent collects."""
+        if priority != 0 and not self.priority_policy:
+            raise ParameterError("priority", "needs scheduling_policy='priority'")
+        first, text = self.process(request_id, prompt, params, arrival_time, priority)
+        if lora_request is not None:
+            check_lora_request(lora_request, self.lora_config)
+            first = msgspec.structs.replace(first, lora_request=lora_request)
+        if first.pooling_params is not None:  # an embedding: one request, one output
+            return [first], text, RequestOutputKind.FINAL_ONLY
+        child_params = fan_out(first.sampling_params)
+        children = [msgspec.structs.replace(
+            first, request_id=child_request_id(i, request_id, len(child_params)),
+            sampling_params=p) for i, p in enumerate(child_params)]
+        return children, text, first.sampling_params.output_kind
 
     def process(self, request_id: str, prompt: PromptType,
                 params: SamplingParams | PoolingParams, arrival_time: float | None = None,

@@ -5,38 +5,21 @@ from __future__ import annotations
 import logging
 from typing import Any
 
-import msgspec
-
 from jaxllm.config import EngineArgs, EngineConfig
 from jaxllm.core.messages import SchedulerStats
 from jaxllm.engine.core_client import EngineCoreClient
 from jaxllm.engine.dp_client import DPSyncMPClient
 from jaxllm.engine.input_processor import InputProcessor, PromptType, load_tokenizer
-from jaxllm.engine.output_processor import OutputProcessor, ParentRequest, child_request_id
+from jaxllm.engine.output_processor import OutputProcessor, ParentRequest
 from jaxllm.errors import ParameterError
-from jaxllm.lora.peft import check_lora_request
 from jaxllm.lora.request import LoRARequest
 from jaxllm.outputs import PoolingRequestOutput, RequestOutput
 from jaxllm.sampling_params import (
-    SEED_LIMIT,
     PoolingParams,
-    RequestOutputKind,
     SamplingParams,
 )
 
 logger = logging.getLogger(__name__)
-
-
-def fan_out(params: SamplingParams) -> list[SamplingParams]:
-    """Per-child params of an n > 1 request: n = 1 each, seeds offset by the index
-    (modulo the seed range, so that every child's seed stays valid)."""
-    if params.n == 1:
-        return [params]
-    out = []
-    for i in range(params.n):
-        seed = None if params.seed is None else (params.seed + i) % SEED_LIMIT
-        out.append(msgspec.structs.replace(params, n=1, seed=seed))
-    return out
 
 
 class LLMEngine:
@@ -53,7 +36,7 @@ class LLMEngine:
             self.engine_core = EngineCoreClient.make_client(
                 config, multiprocess or config.parallel_config.distributed is not None)
         self.input_processor = InputProcessor(config.model_config, self.tokenizer,
-                                              self.engine_core.max_request_tokens)
+                                              self.engine_core.max_request_tokens, config)
         self.output_processor = OutputProcessor(self.tokenizer)
         self.last_stats: SchedulerStats | None = None
 
@@ -66,24 +49,10 @@ class LLMEngine:
                     priority: int = 0, lora_request: LoRARequest | None = None) -> None:
         if request_id in self.output_processor.parents:
             raise ParameterError("request_id", f"{request_id!r} is already running")
-        if self.config.scheduler_config.policy != "priority" and priority != 0:
-            raise ParameterError("priority", "needs scheduling_policy='priority'")
-        first, prompt_text = self.input_processor.process(request_id, prompt, params,
-                                                          arrival_time, priority)
-        if lora_request is not None:
-            check_lora_request(lora_request, self.config.lora_config)
-            first = msgspec.structs.replace(first, lora_request=lora_request)
-        if isinstance(params, PoolingParams):
-            children = [(first, None)]
-            kind = RequestOutputKind.FINAL_ONLY
-        else:
-            child_params = fan_out(first.sampling_params)
-            children = [(msgspec.structs.replace(
-                first, request_id=child_request_id(i, request_id, len(child_params)),
-                sampling_params=p), p) for i, p in enumerate(child_params)]
-            kind = first.sampling_params.output_kind
+        children, prompt_text, kind = self.input_processor.requests(
+            request_id, prompt, params, arrival_time, priority, lora_request)
         parent = ParentRequest(request_id, len(children), kind)
-        for i, (req, _) in enumerate(children):
+        for i, req in enumerate(children):
             self.output_processor.add_request(req, prompt_text, parent, i)
             self.engine_core.add_request(req)
 

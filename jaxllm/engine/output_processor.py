@@ -268,8 +268,4 @@ class OutputProcessor:
             num_cached_tokens=first.num_cached_tokens, metrics=metrics)
 
 
-def child_request_id(index: int, request_id: str, n: int) -> str:
-    return request_id if n == 1 else f"{index}_{request_id}"
-
-
 FINISH_REASONS = {r: str(r) for r in FinishReason}
