@@ -10,7 +10,8 @@ dir and spawns this process, which connects to them (the layout is vLLM v1's):
 The busy loop drains the inputs, steps while requests are unfinished, and
 otherwise blocks on the input queue. Socket I/O and (de)serialization run on
 two helper threads so they overlap with the step. The core exits on a SHUTDOWN
-message, on SIGTERM, or when its parent process goes away.
+message, on SIGTERM, when its parent process goes away, or when a step hangs past
+`JAXLLM_EXECUTE_MODEL_TIMEOUT_SECONDS` (engine/step_watchdog.py).
 """
 
 from __future__ import annotations
@@ -43,6 +44,8 @@ from jaxllm.engine.codec import (
     UtilityCall,
     UtilityResult,
 )
+from jaxllm.engine.step_watchdog import ENV as STEP_TIMEOUT_ENV
+from jaxllm.engine.step_watchdog import StepWatchdog, step_timeout
 from jaxllm.errors import ParameterError
 
 logger = logging.getLogger(__name__)
@@ -52,6 +55,7 @@ UTILITY_METHODS = frozenset({"reset_prefix_cache", "has_unfinished_requests", "p
                              "model_summary"})
 
 _PARENT_POLL_S = 0.5
+_FATAL_FLUSH_S = 2.0  # how long a hung core waits for its last message to go out
 
 
 
@@ -62,6 +66,7 @@ class EngineCoreProc:
                  ctx: zmq.Context):
         from jaxllm.engine.core import EngineCore, freeze_gc
 
+        timeout = step_timeout()  # a bad value fails the start, before the model loads
         self.engine_core = EngineCore(config)
         freeze_gc()
         self.codec = Codec()
@@ -82,6 +87,7 @@ class EngineCoreProc:
             t.start()
         if self.engine_core.lockstep is not None:  # a follower host lost: tell the frontend
             self.engine_core.lockstep.on_lost = self.report_fatal
+        self.watchdog = StepWatchdog(timeout, self._step_hung)
 
     def request_stop(self) -> None:
         """Safe from a signal handler: the wake-up is queued from a fresh thread."""
@@ -151,7 +157,8 @@ class EngineCoreProc:
             if self.engine_core.has_unfinished_requests() or self._stats_dirty:
                 # An idle step still reports stats, e.g. the KV usage after an abort.
                 self._stats_dirty = False
-                outputs = self.engine_core.step()
+                with self.watchdog.step():
+                    outputs = self.engine_core.step()
                 if (outputs.outputs or outputs.token_req_ids
                         or outputs.scheduler_stats is not None):
                     self.output_queue.put((OUTPUTS, outputs))
@@ -202,8 +209,22 @@ class EngineCoreProc:
     def report_fatal(self, error: str) -> None:
         self.output_queue.put((OUTPUTS, EngineCoreOutputs(engine_error=error)))
 
+    def _step_hung(self, seconds: float) -> None:
+        """From the watchdog's thread: the step thread is blocked for good (in the
+        device's wait), so tell the frontend why and exit the process."""
+        error = (f"an engine step ran {seconds:.0f}s, past {STEP_TIMEOUT_ENV}="
+                 f"{self.watchdog.timeout_s:g}: the device did not finish it")
+        logger.error("%s; the engine core exits", error)
+        self.report_fatal(error)
+        deadline = time.monotonic() + _FATAL_FLUSH_S
+        while not self.output_queue.empty() and time.monotonic() < deadline:
+            time.sleep(0.05)
+        time.sleep(0.2)  # the output thread took the message: let its send finish
+        os._exit(1)
+
     def close(self) -> None:
         self._stop.set()
+        self.watchdog.close()
         self.output_queue.put(None)
         for t in self._threads:
             t.join(timeout=3.0)
