@@ -11,6 +11,7 @@ import pytest
 
 from jaxllm import SamplingParams
 from jaxllm.config import EngineArgs
+from jaxllm.engine.core_client import SyncMPClient
 from jaxllm.engine.llm_engine import LLMEngine
 from jaxllm.engine.step_watchdog import ENV, StepWatchdog, step_timeout
 from jaxllm.errors import EngineDeadError, ParameterError
@@ -56,6 +57,15 @@ def test_the_bound_defaults_to_vllms(monkeypatch):
     assert step_timeout() == 300.0
     monkeypatch.setenv(ENV, "0")
     assert step_timeout() == 0.0
+
+
+@pytest.mark.slow
+def test_a_core_told_a_bad_bound_fails_to_start_naming_it(tmp_path, monkeypatch):
+    monkeypatch.setenv(ENV, "soon")
+    config = EngineArgs(model=make_tiny_checkpoint(tmp_path, arch="llama"), dtype="float32",
+                        max_model_len=128, precompile=False).create_engine_config()
+    with pytest.raises(RuntimeError, match=f"failed to start.*{ENV}: must be a number"):
+        SyncMPClient(config)
 
 
 # Loaded by the core process at its interpreter's start (PYTHONPATH): its third step
