@@ -14,13 +14,19 @@ from jaxllm.xla_flags import add_gpu_xla_flags  # noqa: E402 - after the clock a
 add_gpu_xla_flags()  # also before the backend starts
 
 from jaxllm.config import EngineArgs  # noqa: E402 - after the clock above
-from jaxllm.outputs import CompletionOutput, PoolingRequestOutput, RequestOutput  # noqa: E402
+from jaxllm.outputs import (  # noqa: E402
+    CompletionOutput,
+    PoolingRequestOutput,
+    RequestOutput,
+    ScoringRequestOutput,
+)
 from jaxllm.sampling_params import PoolingParams, RequestOutputKind, SamplingParams  # noqa: E402
 
 __version__ = "0.1.0"
 
 __all__ = ["IMPORT_TIME", "LLM", "EngineArgs", "SamplingParams", "PoolingParams", "RequestOutput",
-           "CompletionOutput", "PoolingRequestOutput", "RequestOutputKind", "__version__"]
+           "CompletionOutput", "PoolingRequestOutput", "ScoringRequestOutput", "RequestOutputKind",
+           "__version__"]
 
 
 def __getattr__(name: str):

@@ -60,3 +60,18 @@ class PoolingRequestOutput:
 
 
 EmbeddingRequestOutput = PoolingRequestOutput
+
+
+@dataclass
+class ScoringOutput:
+    score: float
+
+
+@dataclass
+class ScoringRequestOutput:
+    """One pair's score (`LLM.score`): its id and tokens are its two texts' joined."""
+
+    request_id: str
+    prompt_token_ids: list[int]
+    outputs: ScoringOutput
+    finished: bool = True
