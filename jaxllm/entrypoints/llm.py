@@ -7,16 +7,15 @@ from collections.abc import Sequence
 from typing import Any
 
 import msgspec
-import numpy as np
 from tqdm.auto import tqdm
 
 from jaxllm.config import EngineArgs
 from jaxllm.engine.input_processor import PromptType
 from jaxllm.engine.llm_engine import LLMEngine
 from jaxllm.entrypoints.openai.tools import check_tools, template_messages
-from jaxllm.errors import ParameterError
+from jaxllm.entrypoints.score_utils import check_pairs, pair_scores
 from jaxllm.lora.request import LoRARequest
-from jaxllm.outputs import PoolingRequestOutput, RequestOutput, ScoringOutput, ScoringRequestOutput
+from jaxllm.outputs import PoolingRequestOutput, RequestOutput, ScoringRequestOutput
 from jaxllm.sampling_params import PoolingParams, RequestOutputKind, SamplingParams
 
 Messages = list[dict[str, Any]]
@@ -100,18 +99,10 @@ class LLM:
         N:N (in order). Each text is embedded once."""
         first = [data_1] if isinstance(data_1, (str, dict)) else list(data_1)
         second = [data_2] if isinstance(data_2, (str, dict)) else list(data_2)
-        if not first or not second:
-            raise ParameterError("data_1" if not first else "data_2",
-                                 "at least one text must be given")
-        if len(first) not in (1, len(second)):
-            raise ParameterError("data_1", f"{len(first)} texts for {len(second)} in data_2: "
-                                 "the lengths must be 1:1, 1:N or N:N")
+        check_pairs(len(first), len(second), ("data_1", "data_2"))
         embedded = self.embed(first + second, pooling_params, use_tqdm)
-        left, right = embedded[:len(first)], embedded[len(first):]
-        if len(left) == 1:
-            left = left * len(right)
-        pad = getattr(self.get_tokenizer(), "pad_token_id", None)
-        return [_cosine_score(a, b, pad) for a, b in zip(left, right, strict=True)]
+        return pair_scores(embedded[:len(first)], embedded[len(first):],
+                           getattr(self.get_tokenizer(), "pad_token_id", None))
 
     def reset_prefix_cache(self) -> bool:
         return self.llm_engine.reset_prefix_cache()
@@ -152,13 +143,3 @@ class LLM:
         bar.close()
         return [results[i] for i in ids]
 
-
-def _cosine_score(a: PoolingRequestOutput, b: PoolingRequestOutput,
-                  pad: int | None) -> ScoringRequestOutput:
-    """The pair's cosine similarity; its tokens are a's, the pad token (as vLLM joins
-    them), then b's."""
-    x, y = np.asarray(a.outputs.data, np.float64), np.asarray(b.outputs.data, np.float64)
-    norms = float(np.linalg.norm(x) * np.linalg.norm(y))
-    score = float(x @ y) / norms if norms > 0 else 0.0
-    tokens = a.prompt_token_ids + ([pad] if pad is not None else []) + b.prompt_token_ids
-    return ScoringRequestOutput(f"{a.request_id}_{b.request_id}", tokens, ScoringOutput(score))

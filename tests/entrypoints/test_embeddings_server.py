@@ -1,6 +1,7 @@
 """/v1/embeddings over a real server: all-MiniLM-L6-v2 matches sentence-transformers through
 the official openai client (float and base64); input forms, usage, and every bad field is a
-400 naming it; a model asked for what it does not serve gets a clear 400."""
+400 naming it; a model asked for what it does not serve gets a clear 400. /score and
+/rerank give sentence-transformers' cosine similarities, as vLLM's do for embedding models."""
 
 from __future__ import annotations
 
@@ -110,6 +111,53 @@ def test_an_embedding_model_refuses_generation_and_unknown_models(server):
     assert post(server, "/v1/embeddings", {"model": MODEL, "input": "hi"}).status_code == 200
 
 
+def test_scores_and_reranking_are_sentence_transformers_cosine_similarities(server):
+    from sentence_transformers.util import cos_sim
+    from transformers import AutoTokenizer
+
+    tok = AutoTokenizer.from_pretrained(minilm_dir())
+    queries, docs = sentences(2, seed=3), sentences(4, seed=4)
+    want = cos_sim(reference_embeddings(queries), reference_embeddings(docs)).numpy()
+    one_to_many = post(server, "/score", {"model": MODEL, "text_1": queries[0],
+                                          "text_2": docs}).json()
+    assert [d["index"] for d in one_to_many["data"]] == [0, 1, 2, 3]
+    assert {d["object"] for d in one_to_many["data"]} == {"score"}
+    assert [d["score"] for d in one_to_many["data"]] == pytest.approx(want[0], abs=1e-4)
+    pair_tokens = [len(tok(queries[0]).input_ids) + 1 + len(tok(d).input_ids) for d in docs]
+    assert one_to_many["usage"]["prompt_tokens"] == sum(pair_tokens)
+    pairwise = post(server, "/v1/score", {"text_1": queries, "text_2": docs[:2]}).json()
+    assert [d["score"] for d in pairwise["data"]] == pytest.approx(np.diag(want[:, :2]),
+                                                                   abs=1e-4)
+    best_first = np.argsort(-want[1])
+    for path in ("/rerank", "/v1/rerank", "/v2/rerank"):
+        resp = post(server, path, {"model": MODEL, "query": queries[1], "documents": docs,
+                                   "top_n": 3}).json()
+        assert [r["index"] for r in resp["results"]] == list(best_first[:3])
+        assert [r["relevance_score"] for r in resp["results"]] == pytest.approx(
+            want[1][best_first[:3]], abs=1e-4)
+        assert [r["document"]["text"] for r in resp["results"]] == [
+            docs[i] for i in best_first[:3]]
+        assert resp["model"] == MODEL and resp["usage"]["total_tokens"] > 0
+    every = post(server, "/rerank", {"query": queries[1], "documents": docs}).json()
+    assert len(every["results"]) == 4
+
+
+@pytest.mark.parametrize("path,body,param", [
+    ("/score", {"text_1": ["a", "b"], "text_2": ["c", "d", "e"]}, "text_1"),
+    ("/score", {"text_1": [], "text_2": ["c"]}, "text_1"),
+    ("/score", {"text_1": "a", "text_2": []}, "text_2"),
+    ("/score", {"text_1": "a"}, "text_2"),
+    ("/score", {"text_1": "a", "text_2": ["b", "word " * 300]}, "text_2"),
+    ("/rerank", {"query": "q", "documents": []}, "documents"),
+    ("/rerank", {"query": "q", "documents": ["a"], "top_n": -1}, "top_n"),
+    ("/rerank", {"query": "word " * 300, "documents": ["a"]}, "query"),
+])
+def test_a_bad_score_or_rerank_field_is_a_400_naming_it(server, path, body, param):
+    resp = post(server, path, {"model": MODEL, **body})
+    assert resp.status_code == 400, resp.text
+    assert resp.json()["error"]["param"] == param, resp.text
+
+
 def test_a_generate_only_decoder_refuses_embeddings(tmp_path):
     model = make_tiny_checkpoint(tmp_path, arch="llama")
     srv = RemoteServer([model, *TINY_ENGINE_FLAGS, "--runner", "generate"])
@@ -117,6 +165,9 @@ def test_a_generate_only_decoder_refuses_embeddings(tmp_path):
         resp = post(srv, "/v1/embeddings", {"input": [5, 6, 7]})
         assert resp.status_code == 400, resp.text
         assert "does not support Embeddings API" in resp.json()["error"]["message"]
+        resp = post(srv, "/score", {"text_1": "a", "text_2": "b"})
+        assert resp.status_code == 400, resp.text
+        assert "does not support Score API" in resp.json()["error"]["message"]
         assert post(srv, "/v1/completions", {"prompt": [5, 6], "max_tokens": 2}
                     ).status_code == 200
     finally:

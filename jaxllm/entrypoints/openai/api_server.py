@@ -42,13 +42,12 @@ from jaxllm.entrypoints.openai.protocol import (
     TokenizeRequest,
     TokenizeResponse,
 )
-from jaxllm.entrypoints.openai.protocol_embedding import EmbeddingRequest
 from jaxllm.entrypoints.openai.serving_chat import OpenAIServingChat
 from jaxllm.entrypoints.openai.serving_completion import OpenAIServingCompletion
-from jaxllm.entrypoints.openai.serving_embedding import OpenAIServingEmbedding
 from jaxllm.entrypoints.openai.serving_engine import HTTPError, error_body
 from jaxllm.entrypoints.openai.serving_info import add_info_routes
 from jaxllm.entrypoints.openai.serving_lora import LoRARegistry, add_lora_routes
+from jaxllm.entrypoints.openai.serving_score import OpenAIServingScore, add_pooling_routes
 from jaxllm.entrypoints.openai.supervisor import DEFAULT_ENGINE_RESTARTS, EngineSupervisor
 from jaxllm.errors import EngineDeadError, ParameterError
 from jaxllm.metrics.loggers import LoggingStatLogger, PrometheusStatLogger
@@ -87,7 +86,10 @@ class _BodyTooLarge(StarletteHTTPException):
 
 
 class GuardMiddleware:
-    """API-key check on /v1 routes and a cap on the request body size (pure ASGI)."""
+    """API-key check on the API's routes (vLLM's /v1, and the pooling routes outside it:
+    compute is never open) and a cap on the request body size (pure ASGI)."""
+
+    PROTECTED = ("/v1", "/v2", "/score", "/rerank")
 
     def __init__(self, app: Any, api_key: str | None, max_bytes: int):
         self.app = app
@@ -98,7 +100,7 @@ class GuardMiddleware:
         if scope["type"] != "http":
             return await self.app(scope, receive, send)
         headers = dict(scope.get("headers") or [])
-        if self.expected is not None and scope["path"].startswith("/v1") \
+        if self.expected is not None and scope["path"].startswith(self.PROTECTED) \
                 and scope.get("method") != "OPTIONS" \
                 and not self._authorized(headers.get(b"authorization", b"")):
             resp = error_response(401, "Invalid or missing API key "
@@ -167,7 +169,7 @@ def build_app(engine: AsyncLLM, options: ServerOptions,
     names = options.served_model_names or [engine.model_config.served_model_name]
     completion = OpenAIServingCompletion(engine, names, options.chat_template)
     chat = OpenAIServingChat(engine, names, options.chat_template, tool_settings=options.tools)
-    embedding = OpenAIServingEmbedding(engine, names)
+    pooling = OpenAIServingScore(engine, names)
     loras = LoRARegistry(engine.config.lora_config, options.lora_modules)
     app = FastAPI(title="jaxllm OpenAI-compatible server", version=jaxllm.__version__)
     app.state.engine = engine
@@ -254,9 +256,7 @@ def build_app(engine: AsyncLLM, options: ServerOptions,
             return respond(await chat.create_chat_completion(body))
         return respond(await _until_disconnect(raw, chat.create_chat_completion(body)))
 
-    @app.post("/v1/embeddings")
-    async def embeddings(body: EmbeddingRequest, raw: Request) -> Any:
-        return respond(await _until_disconnect(raw, embedding.create_embedding(body)))
+    add_pooling_routes(app, pooling, respond, _until_disconnect)
 
     @app.post("/tokenize")
     async def tokenize(body: TokenizeRequest) -> TokenizeResponse:

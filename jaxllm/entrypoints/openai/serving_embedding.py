@@ -51,38 +51,50 @@ class OpenAIServingEmbedding(OpenAIServing):
     async def create_embedding(self, req: EmbeddingRequest) -> EmbeddingResponse:
         model = self.check_model(req.model)
         req.check_strings()
-        if "embed" not in self.model_config.supported_tasks:
-            raise HTTPError(400, "The model does not support Embeddings API (start it with "
-                            "--runner pooling)", "model")
+        self.check_embeds("Embeddings")
         prompts = [self._tokenized(p, req.add_special_tokens) for p in _inputs(req.input)]
-        params = PoolingParams(normalize=req.normalize, dimensions=req.dimensions)
-        self.check_alive()
         request_id = random_id("embd")
+        outs = await self.embed(prompts, PoolingParams(normalize=req.normalize,
+                                                       dimensions=req.dimensions),
+                                req.priority, request_id, "input")
+        data = [EmbeddingData(index=i, embedding=encode_embedding(out.outputs.embedding,
+                                                                  req.encoding_format))
+                for i, out in enumerate(outs)]
+        num_tokens = sum(len(o.prompt_token_ids) for o in outs)
+        return EmbeddingResponse(id=request_id, model=model, data=data,
+                                 usage=UsageInfo(prompt_tokens=num_tokens,
+                                                 total_tokens=num_tokens))
+
+    def check_embeds(self, api: str) -> None:
+        if "embed" not in self.model_config.supported_tasks:
+            raise HTTPError(400, f"The model does not support {api} API (start it with "
+                            "--runner pooling)", "model")
+
+    async def embed(self, prompts: list[PromptType], params: PoolingParams, priority: int,
+                    request_id: str, field: str | list[str]) -> list[PoolingRequestOutput]:
+        """Every prompt's embedding, in order; a bad prompt is an error naming `field`
+        (or its own entry of `field`)."""
+        self.check_alive()
         added: list[tuple[str, RequestOutputCollector]] = []
         try:
             for i, prompt in enumerate(prompts):
                 rid = f"{request_id}-{i}"
-                added.append((rid, self.engine.add_request(rid, prompt, params, req.priority)))
+                added.append((rid, self.engine.add_request(rid, prompt, params, priority)))
         except ParameterError as e:
             self.engine.abort_now([rid for rid, _ in added])
             if e.field in ("prompt", "prompt_token_ids"):
-                raise ParameterError("input", e.message) from e
+                name = field if isinstance(field, str) else field[len(added)]
+                raise ParameterError(name, e.message) from e
             raise
         except BaseException:
             self.engine.abort_now([rid for rid, _ in added])
             raise
         outs = await self.collect(added)
-        data = []
-        for i, out in enumerate(outs):
+        for out in outs:
             if not isinstance(out, PoolingRequestOutput):
                 raise_if_failed(out)  # the core rejected it
                 raise HTTPError(500, "the engine returned no embedding")
-            data.append(EmbeddingData(index=i, embedding=encode_embedding(
-                out.outputs.embedding, req.encoding_format)))
-        num_tokens = sum(len(o.prompt_token_ids) for o in outs)
-        return EmbeddingResponse(id=request_id, model=model, data=data,
-                                 usage=UsageInfo(prompt_tokens=num_tokens,
-                                                 total_tokens=num_tokens))
+        return outs
 
     def _tokenized(self, prompt: PromptType, add_special_tokens: bool) -> PromptType:
         """A text input with its token ids, [CLS]/[SEP] and the like only if asked."""
