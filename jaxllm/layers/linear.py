@@ -114,10 +114,8 @@ class Linear(nnx.Module):
         (`row_reduce.split_partials`) where `parts` > 1 cuts the contraction into slices
         of at least `row_reduce.MIN_SPLIT_WIDTH` and the product is plain: an unquantized
         weight, no bias, adapter or row-parallel sum."""
-        k = x.size // x.shape[0]
-        if (parts > 1 and self.plain and self.bias is None and self.lora is None
-                and self.reduce is None and k % parts == 0
-                and k // parts >= row_reduce.MIN_SPLIT_WIDTH):
+        parts = row_reduce.split_count(x.size // x.shape[0], parts)
+        if parts and self.plain and self.bias is None and self.lora is None and self.reduce is None:
             return row_reduce.split_partials(x, self.weight[...], parts)
         return self(x)
 

@@ -101,8 +101,7 @@ class RowReduce(nnx.Module):
     def parts(self, width: int) -> int:
         """How many float32 partials a product add-normed here splits its contraction of
         `width` (one device's) into: 0 for one product in the model dtype."""
-        s = self.split_k
-        return s if s > 1 and width % s == 0 and width // s >= MIN_SPLIT_WIDTH else 0
+        return split_count(width, self.split_k)
 
     def takes(self, rows: int, cols: int, dtype: Any) -> bool:
         """Whether a `[rows, cols]` sum of `dtype` goes this way: what the kernel takes
@@ -221,6 +220,12 @@ def linear_add_norm(layer: Any, x: jax.Array, residual: jax.Array, norm: NormWei
     if shards is None:
         return None
     return layer.reduce.product_add_norm(*shards, residual, norm, eps, offset)
+
+
+def split_count(width: int, parts: int) -> int:
+    """`parts` where it cuts a contraction of `width` into equal slices of at least
+    `MIN_SPLIT_WIDTH`, else 0 (one product in the model dtype)."""
+    return parts if parts > 1 and width % parts == 0 and width // parts >= MIN_SPLIT_WIDTH else 0
 
 
 def split_partials(x: jax.Array, w: jax.Array, parts: int) -> jax.Array:

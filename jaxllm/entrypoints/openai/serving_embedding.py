@@ -56,7 +56,7 @@ class OpenAIServingEmbedding(OpenAIServing):
         request_id = random_id("embd")
         outs = await self.embed(prompts, PoolingParams(normalize=req.normalize,
                                                        dimensions=req.dimensions),
-                                req.priority, request_id, "input")
+                                req.priority, request_id, ["input"] * len(prompts))
         data = [EmbeddingData(index=i, embedding=encode_embedding(out.outputs.embedding,
                                                                   req.encoding_format))
                 for i, out in enumerate(outs)]
@@ -71,9 +71,9 @@ class OpenAIServingEmbedding(OpenAIServing):
                             "--runner pooling)", "model")
 
     async def embed(self, prompts: list[PromptType], params: PoolingParams, priority: int,
-                    request_id: str, field: str | list[str]) -> list[PoolingRequestOutput]:
-        """Every prompt's embedding, in order; a bad prompt is an error naming `field`
-        (or its own entry of `field`)."""
+                    request_id: str, fields: list[str]) -> list[PoolingRequestOutput]:
+        """Every prompt's embedding, in order; a bad prompt is an error naming its entry
+        of `fields` (the body's field it came from)."""
         self.check_alive()
         added: list[tuple[str, RequestOutputCollector]] = []
         try:
@@ -83,8 +83,7 @@ class OpenAIServingEmbedding(OpenAIServing):
         except ParameterError as e:
             self.engine.abort_now([rid for rid, _ in added])
             if e.field in ("prompt", "prompt_token_ids"):
-                name = field if isinstance(field, str) else field[len(added)]
-                raise ParameterError(name, e.message) from e
+                raise ParameterError(fields[len(added)], e.message) from e
             raise
         except BaseException:
             self.engine.abort_now([rid for rid, _ in added])
