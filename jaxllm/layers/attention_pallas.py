@@ -101,7 +101,8 @@ class PallasGPUBackend(_PallasBackend):
         super().__init__(interpret)
         self._attend_jit = jax.jit(self._attend,
                                    static_argnames=("sm_scale", "sliding_window", "soft_cap"))
-        self._project_jit = jax.jit(self._project, static_argnames=("eps", "offset", "dtype"))
+        self._project_jit = jax.jit(self._project,
+                                    static_argnames=("eps", "offset", "dtype", "rope_scale"))
 
     @staticmethod
     def _kernel():
@@ -116,12 +117,12 @@ class PallasGPUBackend(_PallasBackend):
             interpret=self.interpret, page_offset=page_offset)
 
     def _project(self, qkv, positions, inv_freq, kv_cache, slot_mapping, page_offset,
-                 qk_norms, layer, *, eps, offset, dtype):
+                 qk_norms, layer, *, eps, offset, dtype, rope_scale):
         from pallas_kernels.qkv_rope import gpu
 
         return gpu.project_qkv(qkv, positions, inv_freq, kv_cache, slot_mapping, page_offset,
                                qk_norms, layer, eps=eps, offset=offset, dtype=dtype,
-                               interpret=self.interpret)
+                               rope_scale=rope_scale, interpret=self.interpret)
 
     def _kernel_applies(self, rope: Any, write: bool, kv_scale: jax.Array | None) -> bool:
         """Whether `project_qkv` runs as the one kernel: the K/V written, a plain cache (no
@@ -153,7 +154,8 @@ class PallasGPUBackend(_PallasBackend):
         inv_freq = jnp.asarray(np.asarray(rope.inv_freq, np.float32))
         return self._project_jit(qkv, positions, inv_freq, kv_cache, md.slot_mapping,
                                  jnp.int32(page_offset), qk_norms, jnp.int32(layer), eps=eps,
-                                 offset=offset, dtype=None if qkv.ndim == 4 else jnp.dtype(dtype))
+                                 offset=offset, dtype=None if qkv.ndim == 4 else jnp.dtype(dtype),
+                                 rope_scale=rope.scale)
 
     def attend(self, q: jax.Array, kv_cache: jax.Array, md: AttentionMetadata, *,
                sm_scale: float, sliding_window: int | None = None,

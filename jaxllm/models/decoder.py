@@ -32,9 +32,8 @@ heads then its k head then its v head, so sharding the kv-head axis gives every
 With fewer kv heads than 'model' shards (tensor_parallel_size), each kv head is
 replicated tp / kv_heads times and its query heads dealt among the copies, so
 `kv_heads` above is then tp and every shard holds one kv head (as vLLM does).
-Tied embeddings reuse `embed_tokens` for the logits (both vocab-sharded). Every
-layer's norm weights sit in one stacked array (`layer_norms`, and `qk_norms`):
-a jitted step pays the host per array it takes.
+Tied embeddings reuse `embed_tokens` for the logits. Every layer's norm weights sit
+in one stacked array (`layer_norms`, `qk_norms`): a step pays the host per array.
 """
 
 from __future__ import annotations
@@ -59,7 +58,7 @@ from jaxllm.layers.moe import SparseMoE
 from jaxllm.layers.norm import RMSNorm, rms_norm
 from jaxllm.layers.quant import linear_method
 from jaxllm.models.contract import KVCacheSpec, LogitsHead, WeightSource
-from jaxllm.models.decoder_arch import DecoderArch
+from jaxllm.models.decoder_arch import DecoderArch, with_context
 from jaxllm.models.decoder_weights import hf_weight_map
 
 
@@ -224,8 +223,9 @@ class DecoderForCausalLM(nnx.Module):
     def __init__(self, hf_config: Any, *, dtype: str | jnp.dtype, rngs: nnx.Rngs,
                  attn_backend: AttentionBackend, swiglu: SwiGLU | None = None,
                  tensor_parallel_size: int = 1, quantization: str | None = None,
-                 kv_cache_dtype: str = "auto"):
-        arch = self.arch_from_hf_config(hf_config, tensor_parallel_size)
+                 kv_cache_dtype: str = "auto", max_model_len: int | None = None):
+        arch = with_context(self.arch_from_hf_config(hf_config, tensor_parallel_size),
+                            hf_config, max_model_len)
         if quantization is not None:  # every attention and MLP projection, experts too
             arch = dataclasses.replace(arch, quantization=quantization)
         swiglu = swiglu or SwiGLU()

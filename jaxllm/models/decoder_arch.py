@@ -8,7 +8,7 @@ attention settings (sliding window, rope) are tuples with one entry per layer.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any
 
 from jaxllm.errors import ParameterError
@@ -102,6 +102,15 @@ def common_fields(cfg: Any, tensor_parallel_size: int) -> dict[str, Any]:
     )
 
 
+def with_context(arch: DecoderArch, cfg: Any, max_model_len: int | None) -> DecoderArch:
+    """`arch` with its ropes for an engine of `max_model_len` tokens (LongRoPE's factor
+    set follows it); unchanged for None."""
+    if max_model_len is None:
+        return arch
+    return replace(arch, ropes=layer_ropes(cfg, arch.head_dim, layer_types_of(cfg),
+                                           max_model_len))
+
+
 def layer_types_of(cfg: Any) -> tuple[str, ...] | None:
     """Each layer's attention type ("sliding_attention" / "full_attention"), or None
     where the config does not say (one window, or none, for every layer)."""
@@ -123,14 +132,16 @@ def sliding_windows(cfg: Any, layer_types: tuple[str, ...] | None) -> tuple[int 
                  for t in layer_types)
 
 
-def layer_ropes(cfg: Any, head_dim: int,
-                layer_types: tuple[str, ...] | None) -> tuple[RotaryEmbedding, ...]:
+def layer_ropes(cfg: Any, head_dim: int, layer_types: tuple[str, ...] | None,
+                max_model_len: int | None = None) -> tuple[RotaryEmbedding, ...]:
     """Each layer's rope; per layer type where the config nests its rope parameters
-    by layer type (Gemma 3's local and global bases)."""
+    by layer type (Gemma 3's local and global bases). `max_model_len`: the engine's
+    context (`RotaryEmbedding.from_hf_config`)."""
     params = getattr(cfg, "rope_parameters", None) or {}
     nested = bool(params) and all(isinstance(v, dict) for v in params.values())
     n = int(cfg.num_hidden_layers)
     if not nested or layer_types is None:
-        return (RotaryEmbedding.from_hf_config(cfg, head_dim),) * n
-    by_type = {t: RotaryEmbedding.from_hf_config(cfg, head_dim, t) for t in set(layer_types)}
+        return (RotaryEmbedding.from_hf_config(cfg, head_dim, max_model_len=max_model_len),) * n
+    by_type = {t: RotaryEmbedding.from_hf_config(cfg, head_dim, t, max_model_len)
+               for t in set(layer_types)}
     return tuple(by_type[t] for t in layer_types)

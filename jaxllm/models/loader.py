@@ -100,6 +100,8 @@ def _model_factory(model_config: ModelConfig, mesh: Mesh, attn_backend: Any,
         if "quantization" not in accepts:
             raise ParameterError("quantization", f"{cls.__name__} has no quantized form")
         layout["quantization"] = quantization
+    if "max_model_len" in accepts:
+        layout["max_model_len"] = model_config.max_model_len
     if getattr(model_config, "kv_cache_dtype", "auto") != "auto":
         if "kv_cache_dtype" not in accepts:
             raise ParameterError("kv_cache_dtype", f"{cls.__name__} keeps no KV cache")

@@ -201,6 +201,8 @@ def aot_context(config: EngineConfig, attn_backend: Any, swiglu: Any,
     hf = mc.hf_config
     to_dict = getattr(hf, "to_dict", None)
     return {"model": to_dict() if to_dict else vars(hf), "dtype": mc.dtype,
+            # LongRoPE's factor set follows it (layers/rotary.py).
+            "max_model_len": mc.max_model_len,
             "attention": [attn_backend.name, attn_backend.interpret],
             "mlp": [swiglu.name, swiglu.kernel, swiglu.interpret, swiglu.min_tokens],
             "mesh": [list(mesh.axis_names), list(mesh.devices.shape)],

@@ -48,7 +48,7 @@ def supported(head_dim: int, rotary_dim: int) -> bool:
 
 def _kernel(pos_ref, slot_ref, off_ref, layer_ref, freq_ref, qkv_ref, norm_ref, cache_ref,
             q_out_ref, cache_out_ref, *, group: int, kv_heads: int, page_size: int, eps: float,
-            offset: bool, qk_norm: bool, parts: int, size: int):
+            offset: bool, qk_norm: bool, parts: int, size: int, rope_scale: float):
     del cache_ref  # aliased to cache_out_ref
     t, h = pl.program_id(0), pl.program_id(1)
     d = qkv_ref.shape[1]
@@ -99,6 +99,8 @@ def _kernel(pos_ref, slot_ref, off_ref, layer_ref, freq_ref, qkv_ref, norm_ref, 
 
     angles = pos_ref[t].astype(jnp.float32) * freq_ref[...].reshape(1, half)
     cos, sin = jnp.cos(angles), jnp.sin(angles)
+    if rope_scale != 1.0:
+        cos, sin = cos * rope_scale, sin * rope_scale
 
     def rope(x):
         return [(x[0] * cos - x[1] * sin).astype(dtype), (x[1] * cos + x[0] * sin).astype(dtype)]
@@ -123,15 +125,16 @@ def _kernel(pos_ref, slot_ref, off_ref, layer_ref, freq_ref, qkv_ref, norm_ref, 
 def project_qkv(qkv: jax.Array, positions: jax.Array, inv_freq: jax.Array,
                 kv_cache: jax.Array, slot_mapping: jax.Array, page_offset: jax.Array | int,
                 qk_norms: jax.Array | None, layer: jax.Array | int = 0, *, eps: float,
-                offset: bool, dtype: jnp.dtype | None = None, num_warps: int = 1,
-                interpret: bool = False) -> tuple[jax.Array, jax.Array]:
+                offset: bool, dtype: jnp.dtype | None = None, rope_scale: float = 1.0,
+                num_warps: int = 1, interpret: bool = False) -> tuple[jax.Array, jax.Array]:
     """(q `[T, KV * G, D]` normed and rotated, the cache with this step's K/V written).
 
     `qkv [T, KV, G + 2, D]` (per kv head: its G query heads, K, V); `positions [T]`;
     `inv_freq [D / 2]` float32; `kv_cache [P, 2 * KV, page_size, D]`; `slot_mapping [T]`
     (page * page_size + offset, pages counted from `page_offset`); `qk_norms [L, 2, D]`
     (every layer's q then k weights, row `layer` used; read in place, where a slice would
-    be a copy) or None for no q/k norm; `eps`, `offset` as `rms_norm`'s. `qkv` may be
+    be a copy) or None for no q/k norm; `eps`, `offset` as `rms_norm`'s; `rope_scale`
+    multiplies cos and sin (`RotaryEmbedding.scale`). `qkv` may be
     float32 partials `[S, T, KV, G + 2, D]` instead, summed here and rounded to `dtype`.
     """
     parts = qkv.shape[0] if qkv.ndim == 5 else 0
@@ -148,7 +151,8 @@ def project_qkv(qkv: jax.Array, positions: jax.Array, inv_freq: jax.Array,
     norms = (qk_norms if qk_norms is not None else jnp.zeros((1, 2, d), dtype))
     kernel = functools.partial(_kernel, group=group, kv_heads=kv_heads, page_size=page_size,
                                eps=float(eps), offset=offset, qk_norm=qk_norms is not None,
-                               parts=parts, size=t * kv_heads * g2)
+                               parts=parts, size=t * kv_heads * g2,
+                               rope_scale=float(rope_scale))
     q, cache = pl.pallas_call(
         kernel,
         out_shape=(jax.ShapeDtypeStruct((t * kv_heads * group, d), dtype),

@@ -3,6 +3,7 @@ interpret mode) against the backend's jnp contract (`AttentionBackend.project_qk
 
 from __future__ import annotations
 
+import dataclasses
 import types
 
 import jax
@@ -69,6 +70,24 @@ def test_the_kernel_equals_the_jnp_contract(group, qk_norm, offset, dtype):
     if dtype == jnp.bfloat16:
         same = np.asarray(got_q) == np.asarray(want_q)
         assert same.mean() > 0.98  # nearly every element is bit-equal
+
+
+def test_the_kernel_scales_cos_and_sin_by_the_ropes_attention_factor():
+    """yarn's and longrope's factor on cos and sin (`RotaryEmbedding.scale`) reaches the
+    rotated q and K as the jnp contract applies it."""
+    qkv, positions, cache, md, norms = _case(11, tokens=3, kv_heads=2, group=2,
+                                             dtype=jnp.float32)
+    backend = PallasGPUBackend(interpret=True)
+    outs = {}
+    for scale in (1.0, 1.3):
+        kw = dict(rope=dataclasses.replace(_rope(), scale=scale), qk_norms=norms, layer=0,
+                  eps=1e-6, offset=False)
+        want = AttentionBackend.project_qkv(backend, qkv, positions, cache, md, 0, **kw)
+        got = backend.project_qkv(qkv, positions, cache, md, 0, **kw)
+        for g, w in zip(got, want, strict=True):
+            np.testing.assert_allclose(np.asarray(g), np.asarray(w), atol=1e-5, rtol=1e-5)
+        outs[scale] = np.asarray(got[0])
+    np.testing.assert_allclose(outs[1.3], 1.3 * outs[1.0], atol=1e-5, rtol=1e-5)
 
 
 def test_the_kernel_writes_k_and_v_where_the_layout_reads_them():
