@@ -21,9 +21,10 @@ from jaxllm.errors import ParameterError
 from jaxllm.lora.config import LoRAConfig
 from jaxllm.lora.request import LoRARequest
 
-# The projections an adapter may target (PEFT module names of the decoders).
+# The projections an adapter may target (PEFT module names of the decoders; Phi-3's
+# checkpoints fuse q/k/v and gate/up into one module each).
 SUPPORTED_MODULES = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj",
-                     "down_proj")
+                     "down_proj", "qkv_proj", "gate_up_proj")
 _TENSOR = re.compile(r"layers\.(\d+)\.(?:self_attn|mlp)\.(\w+)\.lora_([AB])(?:\.\w+)?\.weight$")
 
 

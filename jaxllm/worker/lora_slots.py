@@ -32,7 +32,7 @@ def adapter_tables(linears: list[tuple[int, str, nnx.Module]], adapter: PeftAdap
     its own output columns only); zeros where the adapter leaves a module out. Ranks
     below the tables' are zero-padded."""
     out = []
-    served = {(layer, m) for layer, proj, _ in linears for m in LORA_PARTS[proj]}
+    served = {(layer, m) for layer, proj, _ in linears for m in (proj, *LORA_PARTS[proj])}
     extra = sorted(set(adapter.weights) - served)
     if extra:  # e.g. an MoE layer's expert MLP, which takes no adapter
         layer, module = extra[0]
@@ -44,8 +44,9 @@ def adapter_tables(linears: list[tuple[int, str, nnx.Module]], adapter: PeftAdap
         in_shape = a.shape[3:]
         a_val = np.zeros(a.shape[1:], np.float32)
         b_parts: list[np.ndarray | None] = []
+        by_part = _parts_of(adapter, layer, proj, lora, name)
         for p, module in enumerate(LORA_PARTS[proj]):
-            ab = adapter.weights.get((layer, module))
+            ab = by_part[p]
             if ab is None:
                 b_parts.append(None)
                 continue
@@ -65,6 +66,27 @@ def adapter_tables(linears: list[tuple[int, str, nnx.Module]], adapter: PeftAdap
             b_parts.append(np.repeat(B.T.reshape(r, src, *out_p[1:]), out_p[0] // src, axis=1))
         out += [a_val, lora.b_slot(b_parts)]
     return out
+
+
+def _parts_of(adapter: PeftAdapter, layer: int, proj: str, lora: Any,
+              name: str) -> list[tuple[np.ndarray, np.ndarray] | None]:
+    """Each PEFT part's `(A, B)` of a projection (None: left out). An adapter of a
+    checkpoint that fuses the parts itself (Phi-3's `qkv_proj`, `gate_up_proj`) has one
+    A for all and B's rows stacked: q's, then k's and v's equal shares; gate's, up's."""
+    parts = LORA_PARTS[proj]
+    fused = adapter.weights.get((layer, proj)) if len(parts) > 1 else None
+    if fused is None:
+        return [adapter.weights.get((layer, m)) for m in parts]
+    if any((layer, m) in adapter.weights for m in parts):
+        raise ValueError(f"LoRA adapter {name!r}: layer {layer} has both {proj} and its parts")
+    a, b = fused
+    rows = b.shape[0]
+    first = math.prod(lora.part_shape(0)) if len(parts) == 3 else rows // 2
+    cuts = [first, (rows + first) // 2][:len(parts) - 1]
+    if (rows - first) % (len(parts) - 1):
+        raise ValueError(f"LoRA adapter {name!r}: {proj} of layer {layer} has lora_B "
+                         f"{b.shape}, which does not split into {', '.join(parts)}")
+    return [(a, piece) for piece in np.split(b, cuts, axis=0)]
 
 
 def table_leaves(linears: list[tuple[int, str, nnx.Module]]) -> list[jax.Array]:

@@ -30,6 +30,12 @@ CASES = {
         rope_parameters={"sliding_attention": dict(rope_type="default", rope_theta=10.0),
                          "full_attention": dict(rope_type="linear", rope_theta=10000.0,
                                                 factor=4.0)}),
+    # Every prompt passes the original 4-token context, so transformers rotates by the
+    # long factors throughout, as the engine does for its 128 tokens.
+    "phi3-longrope-long-partial": dict(
+        arch="phi3", num_key_value_heads=2, original_max_position_embeddings=4,
+        partial_rotary_factor=0.5, rope_scaling=dict(
+            type="longrope", short_factor=[1.0, 1.2, 1.4, 1.6], long_factor=[2.0, 3.0, 5.0, 8.0])),
     "mixtral": dict(arch="mixtral", num_key_value_heads=2),
     "qwen3-moe-dense-layer-1": dict(arch="qwen3_moe", num_key_value_heads=2, num_experts=8,
                                     mlp_only_layers=[1]),

@@ -137,3 +137,36 @@ def test_each_projections_term_equals_its_merged_adapter_per_row_slot(tmp_path, 
                 want[row] = np.tensordot(delta, x[row], axes=linear.in_dims)
         assert np.abs(want).max() > 1.0, (layer, proj)  # the adapters reach every projection
         np.testing.assert_allclose(got, want, rtol=1e-4, atol=1e-4, err_msg=f"{layer} {proj}")
+
+
+@pytest.mark.parametrize("tp,kv_heads", [(1, 2), (2, 1)])
+def test_an_adapter_of_fused_modules_fills_the_tables_as_its_parts_would(tmp_path, tp,
+                                                                        kv_heads):
+    """Phi-3's PEFT adapters target `qkv_proj` and `gate_up_proj`: one A, B's rows
+    stacked as the checkpoint stacks the weights (q, k, v; gate, up). Their tables are
+    those of the same adapter written per part, kv heads replicated over shards too."""
+    model, _ = _load(tmp_path, tp, kv_heads)
+    arch = model.arch
+    linears = lora_linears(model)
+    parts = _random_adapter(arch, 4, ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj",
+                                      "up_proj"), seed=3)
+    rng = np.random.default_rng(5)
+    fused = {}
+    for layer in range(arch.num_layers):
+        a = rng.standard_normal((4, arch.hidden_size)).astype(np.float32)
+        for proj in ("qkv_proj", "gate_up_proj"):
+            bs = []
+            for module in LORA_PARTS[proj]:
+                bs.append(parts.weights[(layer, module)][1])
+                parts.weights[(layer, module)] = (a, bs[-1])  # the one A of its fused module
+            fused[(layer, proj)] = (a, np.concatenate(bs, axis=0))
+        fused[(layer, "o_proj")] = parts.weights[(layer, "o_proj")]
+    got = adapter_tables(linears, PeftAdapter(4, 1.0, fused), "fused")
+    want = adapter_tables(linears, parts, "parts")
+    assert len(got) == len(want)
+    for g, w in zip(got, want, strict=True):
+        np.testing.assert_array_equal(g, w)
+    assert any(np.abs(g).max() > 0 for g in got)
+    both = {**fused, (0, "q_proj"): parts.weights[(0, "q_proj")]}
+    with pytest.raises(ValueError, match="both qkv_proj and its parts"):
+        adapter_tables(linears, PeftAdapter(4, 1.0, both), "both")

@@ -155,3 +155,21 @@ def test_prefix_cache_never_serves_one_adapters_blocks_to_another_or_the_base(se
     got = [lp[t].logprob for t, lp in zip(prompt[1:], out.prompt_logprobs[1:], strict=True)]
     want_lp = hf_prompt_logprobs(merged, [prompt])[0]
     assert max(abs(g - w) for g, w in zip(got, want_lp, strict=True)) < 1e-4
+
+
+@pytest.mark.slow
+def test_a_phi3_adapter_of_its_fused_modules_matches_merged_transformers(tmp_path):
+    """PEFT names Phi-3's projections as its checkpoint fuses them (`qkv_proj`,
+    `gate_up_proj`); served from the engine's tables they give the merged model's tokens."""
+    base = make_tiny_checkpoint(tmp_path, arch="phi3", num_attention_heads=4,
+                                num_key_value_heads=2)
+    prompts = random_prompts(checkpoint_vocab_size(base), [11, 7], seed=9)
+    adapter, merged = make_peft_adapter(base, tmp_path, seed=4, r=8, lora_alpha=16,
+                                        target_modules=["qkv_proj", "o_proj", "gate_up_proj",
+                                                        "down_proj"])
+    want = merged_greedy(merged, prompts, NEW_TOKENS)
+    assert want != hf_greedy(base, prompts, NEW_TOKENS)[0]
+    llm = LLM(base, max_loras=1, **ENGINE)
+    outs = llm.generate([{"prompt_token_ids": p} for p in prompts], GREEDY, use_tqdm=False,
+                        lora_request=LoRARequest("phi", 1, adapter))
+    assert [o.outputs[0].token_ids for o in outs] == want

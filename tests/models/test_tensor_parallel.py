@@ -35,6 +35,9 @@ CASES = {
                                       num_key_value_heads=2)),
     "tp8-mqa-replicated-kv": (8, dict(arch="qwen2", num_attention_heads=8,
                                       num_key_value_heads=1, head_dim=16)),
+    # Phi-3's fused checkpoint tensors cut at the checkpoint's kv rows, then replicated.
+    "tp4-phi3-replicated-kv": (4, dict(arch="phi3", num_attention_heads=4,
+                                       num_key_value_heads=2)),
     # Expert parallel: each device holds 2 of the 4 experts (4 of 8 for Qwen3-MoE, whose
     # layer 1 is a dense, column/row-parallel MLP).
     "tp2-mixtral": (2, dict(arch="mixtral", num_attention_heads=4, num_key_value_heads=2)),
