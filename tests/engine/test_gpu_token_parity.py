@@ -31,9 +31,12 @@ pytestmark = pytest.mark.skipif(jax.default_backend() != "gpu",
 # time through the small-step kernels at decode), small enough to compile in seconds.
 SHAPE = dict(hidden_size=256, num_attention_heads=4, num_key_value_heads=2, head_dim=64)
 CASES = {
-    "llama": dict(SHAPE, intermediate_size=512),
-    "qwen3_moe": dict(SHAPE, num_experts=16, num_experts_per_tok=4,
+    "llama": dict(SHAPE, arch="llama", intermediate_size=512),
+    "qwen3_moe": dict(SHAPE, arch="qwen3_moe", num_experts=16, num_experts_per_tok=4,
                       moe_intermediate_size=128),
+    # qkv_rope's q/k norms and yarn's factor on cos and sin, compiled.
+    "qwen3-yarn": dict(SHAPE, arch="qwen3", intermediate_size=512, rope_parameters=dict(
+        rope_type="yarn", rope_theta=10000.0, factor=4.0, original_max_position_embeddings=32)),
 }
 NEW_TOKENS = 24
 
@@ -41,19 +44,19 @@ NEW_TOKENS = 24
 @pytest.fixture(scope="module")
 def checkpoints(tmp_path_factory):
     root = tmp_path_factory.mktemp("gpu-parity")
-    return {arch: make_tiny_checkpoint(root, arch=arch, init_std=0.05, **kw)
-            for arch, kw in CASES.items()}
+    return {case: make_tiny_checkpoint(root, init_std=0.05, **kw)
+            for case, kw in CASES.items()}
 
 
 @pytest.mark.parametrize("tp", [1, 2])
-@pytest.mark.parametrize("arch", sorted(CASES))
-def test_greedy_tokens_equal_transformers_on_the_gpu(checkpoints, arch, tp, monkeypatch):
+@pytest.mark.parametrize("case", sorted(CASES))
+def test_greedy_tokens_equal_transformers_on_the_gpu(checkpoints, case, tp, monkeypatch):
     if tp > jax.device_count():
         pytest.skip(f"tp {tp} needs {tp} GPUs")
     # Split-K partials wherever the engine would take them at full size (the peer sum's
     # add-norm kernel adds them at tp 2), the tiny widths too.
     monkeypatch.setattr(row_reduce, "MIN_SPLIT_WIDTH", 16)
-    model_dir = checkpoints[arch]
+    model_dir = checkpoints[case]
     # One prompt shorter than a KV page, and prompts spanning several.
     prompts = random_prompts(256, [5, 17, 40, 3], seed=1)
     want, _ = hf_greedy(model_dir, prompts, NEW_TOKENS)
