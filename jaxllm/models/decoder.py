@@ -4,7 +4,7 @@ A family (models/llama.py, models/gemma.py) only reads its Hugging Face config
 into a `DecoderArch` (models/decoder_arch.py); this module builds the layers
 from it and implements the model contract (models/contract.py). What differs
 between families is configuration: biases, q/k norms, the MLP each layer picks
-(`MLP_FACTORIES`), per-layer sliding windows and ropes, two norms per layer or
+(models/decoder_mlps.py), per-layer sliding windows and ropes, two norms per layer or
 four (Gemma's norms on the attention's and MLP's outputs), Gemma's `1 + w`
 norms, scaled embedding, attention and final logit soft-caps and attention
 scale. Weights keep Hugging Face's `[out, in]` orientation, so loading is
@@ -39,53 +39,27 @@ in one stacked array (`layer_norms`, `qk_norms`): a step pays the host per array
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Callable
 from typing import Any
 
 import jax
 import jax.numpy as jnp
 from flax import nnx
-from jax.sharding import Mesh, NamedSharding
+from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
 from jaxllm.kv_groups import KVCacheGroups
 from jaxllm.layers import row_reduce
 from jaxllm.layers.attention import AttentionBackend, AttentionMetadata
-from jaxllm.layers.gated_mlp import GatedMLP
 from jaxllm.layers.linear import Linear, make_param
 from jaxllm.layers.mlp import SwiGLU
 from jaxllm.layers.moe import SparseMoE
+from jaxllm.layers.moe_shared import SharedExpertMoE
 from jaxllm.layers.norm import RMSNorm, rms_norm
 from jaxllm.layers.quant import linear_method
 from jaxllm.models.contract import KVCacheSpec, LogitsHead, WeightSource
 from jaxllm.models.decoder_arch import DecoderArch, with_context
+from jaxllm.models.decoder_mlps import MLP_FACTORIES
 from jaxllm.models.decoder_weights import hf_weight_map
-
-
-def dense_mlp(arch: DecoderArch, layer: int, *, dtype: jnp.dtype, rngs: nnx.Rngs,
-              swiglu: SwiGLU, mesh: Mesh | None) -> nnx.Module:
-    return GatedMLP(arch.hidden_size, arch.intermediate_size, activation=arch.activation,
-                    bias=arch.mlp_bias, dtype=dtype, rngs=rngs, swiglu=swiglu,
-                    method=linear_method(arch.quantization))
-
-
-def sparse_moe(arch: DecoderArch, layer: int, *, dtype: jnp.dtype, rngs: nnx.Rngs,
-               swiglu: SwiGLU, mesh: Mesh | None) -> nnx.Module:
-    """The routed experts (models/moe.py), expert parallel over `mesh`."""
-    moe = arch.moe
-    return SparseMoE(num_experts=moe.num_experts, top_k=moe.top_k,
-                     intermediate_size=moe.intermediate_size, hidden_size=arch.hidden_size,
-                     renormalize=moe.renormalize, dtype=dtype, rngs=rngs, mesh=mesh,
-                     method=linear_method(arch.quantization))
-
-
-# Per-layer MLP kind (`DecoderArch.mlp_kinds`) -> its module. An MLP is called as
-# `mlp(x, residual, num_tokens)` -> `residual + mlp(x)` (`mlp(x)` when residual is
-# None), `num_tokens` the rows of `x` that are the step's tokens, the rest padding
-# whose output nothing reads (the experts skip them; a dense MLP computes them);
-# its checkpoint tensors are decoder_weights.MLP_WEIGHTS[kind]. `mesh`: the mesh the
-# attention is split over (layers/attention_sharded.py; None on one device).
-MLP_FACTORIES: dict[str, Callable[..., nnx.Module]] = {"dense": dense_mlp, "moe": sparse_moe}
 
 
 class DecoderAttention(nnx.Module):
@@ -369,6 +343,8 @@ class DecoderForCausalLM(nnx.Module):
         self.embed_reduce = reduce
         for layer in self.layers:
             layer.self_attn.o_proj.reduce = reduce
+            if isinstance(layer.mlp, SharedExpertMoE):
+                layer.mlp.shared_expert.down_proj.reduce = reduce
             if isinstance(layer.mlp, SparseMoE):
                 layer.mlp.reduce = reduce
             else:

@@ -42,7 +42,7 @@ class DecoderArch:
     sliding_windows: tuple[int | None, ...]  # per layer
     ropes: tuple[RotaryEmbedding, ...]  # per layer
     kv_replicas: int = 1  # copies of each checkpoint kv head (fewer kv heads than shards)
-    mlp_kinds: tuple[str, ...] = ()  # per layer, a key of decoder.MLP_FACTORIES; () = dense
+    mlp_kinds: tuple[str, ...] = ()  # per layer, a decoder_mlps.MLP_FACTORIES key; () = dense
     activation: str = "silu"  # the gated MLP's gate ("silu" or "gelu_tanh")
     norm_names: tuple[str, ...] = PRE_NORMS  # per layer; four: norms after attn/MLP too
     norm_offset: bool = False  # Gemma: RMSNorm scales by 1 + weight

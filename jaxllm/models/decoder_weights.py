@@ -8,6 +8,8 @@ norms stacked into one array (`DecoderArch.norm_names` says which, in order).
 
 from __future__ import annotations
 
+import dataclasses
+
 import numpy as np
 
 from jaxllm.models.contract import WeightSource
@@ -90,6 +92,16 @@ def gated_mlp_weights(arch: DecoderArch, hf_prefix: str,
     return out
 
 
+def sparse_mlp_weights(arch: DecoderArch, hf_prefix: str,
+                       path: tuple[str | int, ...]) -> list[WeightSource]:
+    """A sparse layer's router and experts, and its shared expert where it has one."""
+    out = moe_weights(arch, hf_prefix, path)
+    if arch.moe.shared_intermediate_size:
+        out += gated_mlp_weights(dataclasses.replace(arch, mlp_bias=False),
+                                 f"{hf_prefix}shared_expert.", path + ("shared_expert",))
+    return out
+
+
 # Per-layer MLP kind (`DecoderArch.mlp_kinds`) -> its parameters' sources (the MLP
-# modules themselves: models/decoder.py's MLP_FACTORIES).
-MLP_WEIGHTS = {"dense": gated_mlp_weights, "moe": moe_weights}
+# modules themselves: models/decoder_mlps.py's MLP_FACTORIES).
+MLP_WEIGHTS = {"dense": gated_mlp_weights, "moe": sparse_mlp_weights}

@@ -1,10 +1,11 @@
-"""The mixture-of-experts families on the generic decoder: Mixtral and Qwen3-MoE.
+"""The mixture-of-experts families on the generic decoder: Mixtral, Qwen2-MoE and Qwen3-MoE.
 
 Llama-shaped attention (Qwen3-MoE with Qwen3's per-head q/k RMSNorm), two norms
 per layer, and in place of the dense SwiGLU MLP the routed experts of
 layers/moe.py in every sparse layer (models/moe_weights.py says which layers and
 where their weights live); Qwen3-MoE's other layers keep a dense MLP of
-`intermediate_size`. Under tensor parallelism the experts split over the devices.
+`intermediate_size`; Qwen2-MoE's sparse layers add a gated shared expert
+(layers/moe_shared.py). Under tensor parallelism the experts split over the devices.
 """
 
 from __future__ import annotations
@@ -18,7 +19,7 @@ from jaxllm.models.moe_weights import MOE_MODEL_TYPES, MoEArch
 
 
 def moe_arch(cfg: Any, tensor_parallel_size: int = 1) -> DecoderArch:
-    """A Mixtral / Qwen3-MoE config as a `DecoderArch`."""
+    """A Mixtral / Qwen2-MoE / Qwen3-MoE config as a `DecoderArch`."""
     model_type = getattr(cfg, "model_type", None)
     if model_type not in MOE_MODEL_TYPES:
         raise ParameterError("model", f"model_type {model_type!r} is not a mixture-of-experts "
@@ -35,7 +36,8 @@ def moe_arch(cfg: Any, tensor_parallel_size: int = 1) -> DecoderArch:
     attention_bias = bool(getattr(cfg, "attention_bias", False))
     return DecoderArch(
         **common_fields(cfg, tensor_parallel_size),
-        qkv_bias=attention_bias,
+        # Qwen2-MoE: q/k/v biases (`qkv_bias`), none on o.
+        qkv_bias=bool(getattr(cfg, "qkv_bias", attention_bias)),
         o_bias=attention_bias,
         mlp_bias=False,
         qk_norm=model_type == "qwen3_moe",
@@ -45,6 +47,6 @@ def moe_arch(cfg: Any, tensor_parallel_size: int = 1) -> DecoderArch:
 
 
 class MoEForCausalLM(DecoderForCausalLM):
-    """Mixtral / Qwen3-MoE causal LM over a ragged, paged batch."""
+    """Mixtral / Qwen2-MoE / Qwen3-MoE causal LM over a ragged, paged batch."""
 
     arch_from_hf_config = staticmethod(moe_arch)

@@ -7,8 +7,11 @@ always renormalized. Qwen3-MoE (`Qwen3MoeForCausalLM`): a layer is sparse unless
 is listed in `mlp_only_layers` or `(layer + 1) % decoder_sparse_step != 0` (those
 keep a dense MLP of `intermediate_size`), the experts under `mlp` named
 `gate_proj` / `up_proj` / `down_proj` with `moe_intermediate_size`, renormalized iff
-`norm_topk_prob`. Both are the hub's per-expert layout, the one real checkpoints use
-and the one transformers' `save_pretrained` writes.
+`norm_topk_prob`. Qwen2-MoE (`Qwen2MoeForCausalLM`): Qwen3-MoE's layout and layer
+rule, plus in each sparse layer a shared expert (`mlp.shared_expert.*`, of
+`shared_expert_intermediate_size`) gated by `mlp.shared_expert_gate`. All are the
+hub's per-expert layout, the one real checkpoints use and the one transformers'
+`save_pretrained` writes.
 """
 
 from __future__ import annotations
@@ -21,7 +24,7 @@ import numpy as np
 from jaxllm.errors import ParameterError
 from jaxllm.models.contract import WeightSource
 
-MOE_MODEL_TYPES = ("mixtral", "qwen3_moe")
+MOE_MODEL_TYPES = ("mixtral", "qwen3_moe", "qwen2_moe")
 
 
 @dataclass(frozen=True)
@@ -35,6 +38,8 @@ class MoEArch:
     sparse_layers: tuple[bool, ...]  # per layer: routed experts (else the dense MLP)
     block: str  # the checkpoint's module holding router and experts, under model.layers.N
     names: tuple[str, str, str]  # one expert's gate, up and down projections
+    shared_intermediate_size: int = 0  # the shared expert's (0: none)
+    shared_gate: bool = False  # the shared expert's output scaled by a sigmoid gate
 
     @classmethod
     def from_hf_config(cls, cfg: Any) -> MoEArch | None:
@@ -53,12 +58,15 @@ class MoEArch:
                        names=("w1", "w3", "w2"))
         step = int(getattr(cfg, "decoder_sparse_step", 1) or 1)
         dense = {int(i) for i in (getattr(cfg, "mlp_only_layers", None) or ())}
+        shared = int(getattr(cfg, "shared_expert_intermediate_size", 0) or 0)
         return cls(num_experts=experts, top_k=int(cfg.num_experts_per_tok),
                    intermediate_size=int(cfg.moe_intermediate_size),
                    renormalize=bool(getattr(cfg, "norm_topk_prob", False)),
                    sparse_layers=tuple(i not in dense and (i + 1) % step == 0
                                        for i in range(layers)),
-                   block="mlp", names=("gate_proj", "up_proj", "down_proj"))
+                   block="mlp", names=("gate_proj", "up_proj", "down_proj"),
+                   shared_intermediate_size=shared if model_type == "qwen2_moe" else 0,
+                   shared_gate=model_type == "qwen2_moe" and shared > 0)
 
 
 def _only(ts: list[np.ndarray]) -> np.ndarray:
@@ -82,7 +90,11 @@ def moe_weights(arch: Any, hf_prefix: str, path: tuple[str | int, ...]) -> list[
     def stack(ts: list[np.ndarray]) -> np.ndarray:
         return np.stack(ts, axis=0)
 
-    return [
+    out = []
+    if moe.shared_gate:  # the shared expert itself: decoder_weights' gated MLP
+        out.append(WeightSource(path + ("shared_expert_gate",),
+                                (pre + "shared_expert_gate.weight",), _only))
+    return out + [
         WeightSource(path + ("router",), (pre + "gate.weight",), _only),
         WeightSource(path + ("gate_up_proj",), tuple(
             f"{pre}experts.{e}.{n}.weight" for e in experts for n in (gate, up)), gate_up),

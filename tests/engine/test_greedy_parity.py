@@ -39,6 +39,7 @@ CASES = {
     "mixtral": dict(arch="mixtral", num_key_value_heads=2),
     "qwen3-moe-dense-layer-1": dict(arch="qwen3_moe", num_key_value_heads=2, num_experts=8,
                                     mlp_only_layers=[1]),
+    "qwen2-moe-shared-expert": dict(arch="qwen2_moe", num_key_value_heads=2, num_experts=8),
 }
 
 
@@ -74,7 +75,7 @@ def test_greedy_tokens_top5_logprobs_and_prompt_logprobs_match_transformers(case
                 assert abs(top5[tok] - lp) < 1e-4
 
 
-@pytest.mark.parametrize("case", ["mixtral", "qwen3-moe-dense-layer-1"])
+@pytest.mark.parametrize("case", ["mixtral", "qwen3-moe-dense-layer-1", "qwen2-moe-shared-expert"])
 def test_moe_decode_steps_through_the_fused_expert_kernel_match_transformers(
         case, tmp_path, monkeypatch):
     """The same parity with every small step's experts in pallas_kernels/moe_small (its

@@ -63,6 +63,10 @@ CASES = {
     "qwen3-moe-dense-and-sparse-layers": dict(
         arch="qwen3_moe", num_hidden_layers=4, mlp_only_layers=[1], num_experts=8,
         num_experts_per_tok=3, norm_topk_prob=False),
+    # A gated shared expert beside the routed ones (softmax top-k, not renormalized);
+    # layer 1 dense; q/k/v biases.
+    "qwen2-moe-shared-expert": dict(arch="qwen2_moe", num_hidden_layers=3, mlp_only_layers=[1],
+                                    num_experts=8, num_experts_per_tok=2),
     # Gemma 2: a sliding layer then a global one, both logit soft-caps low enough to
     # bite, an attention scale that is not head_dim's, tied embeddings.
     "gemma2-softcaps-tied": dict(arch="gemma2", sliding_window=4, attn_logit_softcapping=2.0,
@@ -187,7 +191,8 @@ def test_ragged_prefill_and_decode_logits_match_transformers(case, tmp_path):
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("case", ["mixtral-4-experts-top2", "qwen3-moe-dense-and-sparse-layers"])
+@pytest.mark.parametrize("case", ["mixtral-4-experts-top2", "qwen3-moe-dense-and-sparse-layers",
+                                  "qwen2-moe-shared-expert"])
 def test_moe_logits_by_the_megablox_kernel_match_transformers(case, tmp_path):
     """The routed experts by the Pallas TPU grouped matmul (interpret mode) at every step
     size, as on TPU."""

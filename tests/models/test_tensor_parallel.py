@@ -41,6 +41,9 @@ CASES = {
     # Expert parallel: each device holds 2 of the 4 experts (4 of 8 for Qwen3-MoE, whose
     # layer 1 is a dense, column/row-parallel MLP).
     "tp2-mixtral": (2, dict(arch="mixtral", num_attention_heads=4, num_key_value_heads=2)),
+    # The routed experts expert parallel, the shared expert column/row parallel.
+    "tp2-qwen2-moe-shared": (2, dict(arch="qwen2_moe", num_attention_heads=4,
+                                     num_key_value_heads=2)),
     "tp2-qwen3-moe": (2, dict(arch="qwen3_moe", num_attention_heads=4, num_key_value_heads=2,
                               num_experts=8, mlp_only_layers=[1])),
 }

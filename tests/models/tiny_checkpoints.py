@@ -31,6 +31,8 @@ from transformers import (
     PreTrainedTokenizerFast,
     Qwen2Config,
     Qwen2ForCausalLM,
+    Qwen2MoeConfig,
+    Qwen2MoeForCausalLM,
     Qwen3Config,
     Qwen3ForCausalLM,
     Qwen3MoeConfig,
@@ -44,16 +46,19 @@ ARCHS = {
     "qwen3": (Qwen3Config, Qwen3ForCausalLM),
     "mixtral": (MixtralConfig, MixtralForCausalLM),
     "qwen3_moe": (Qwen3MoeConfig, Qwen3MoeForCausalLM),
+    "qwen2_moe": (Qwen2MoeConfig, Qwen2MoeForCausalLM),
     "phi3": (Phi3Config, Phi3ForCausalLM),
     "gemma2": (Gemma2Config, Gemma2ForCausalLM),
     "gemma3": (Gemma3TextConfig, Gemma3ForCausalLM),
 }
 # Mixture-of-experts defaults: 4 experts, top 2 (Qwen3-MoE: experts half the dense MLP's
-# width, top-k weights renormalized).
+# width, top-k weights renormalized; Qwen2-MoE: a shared expert beside them).
 ARCH_DEFAULTS = {
     "mixtral": dict(num_local_experts=4, num_experts_per_tok=2),
     "qwen3_moe": dict(num_experts=4, num_experts_per_tok=2, moe_intermediate_size=64,
                       norm_topk_prob=True),
+    "qwen2_moe": dict(num_experts=4, num_experts_per_tok=2, moe_intermediate_size=64,
+                      shared_expert_intermediate_size=96),
 }
 # Gemma's norms scale by 1 + weight: its random norm weights sit around 0.
 _OFFSET_NORMS = ("gemma2", "gemma3")
