@@ -34,6 +34,9 @@ CASES = {
     "llama": dict(SHAPE, arch="llama", intermediate_size=512),
     "qwen3_moe": dict(SHAPE, arch="qwen3_moe", num_experts=16, num_experts_per_tok=4,
                       moe_intermediate_size=128),
+    # The routed experts' small-step kernels beside a shared expert's dense MLP.
+    "qwen2_moe": dict(SHAPE, arch="qwen2_moe", num_experts=16, num_experts_per_tok=4,
+                      moe_intermediate_size=128, shared_expert_intermediate_size=256),
     # qkv_rope's q/k norms and yarn's factor on cos and sin, compiled.
     "qwen3-yarn": dict(SHAPE, arch="qwen3", intermediate_size=512, rope_parameters=dict(
         rope_type="yarn", rope_theta=10000.0, factor=4.0, original_max_position_embeddings=32)),
