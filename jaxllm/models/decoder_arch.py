@@ -141,7 +141,17 @@ def layer_ropes(cfg: Any, head_dim: int, layer_types: tuple[str, ...] | None,
     nested = bool(params) and all(isinstance(v, dict) for v in params.values())
     n = int(cfg.num_hidden_layers)
     if not nested or layer_types is None:
-        return (RotaryEmbedding.from_hf_config(cfg, head_dim, max_model_len=max_model_len),) * n
-    by_type = {t: RotaryEmbedding.from_hf_config(cfg, head_dim, t, max_model_len)
-               for t in set(layer_types)}
-    return tuple(by_type[t] for t in layer_types)
+        ropes = (RotaryEmbedding.from_hf_config(cfg, head_dim, max_model_len=max_model_len),) * n
+    else:
+        by_type = {t: RotaryEmbedding.from_hf_config(cfg, head_dim, t, max_model_len)
+                   for t in set(layer_types)}
+        ropes = tuple(by_type[t] for t in layer_types)
+    # SmolLM3: a 0 in `no_rope_layers` marks a layer that rotates nothing (NoPE).
+    uses = getattr(cfg, "no_rope_layers", None)
+    if uses is None:
+        return ropes
+    if len(uses) != n:
+        raise ParameterError("config.json:no_rope_layers", f"has {len(uses)} entries for {n} "
+                             "layers")
+    return tuple(r if use else RotaryEmbedding(head_dim, 0, ())
+                 for r, use in zip(ropes, uses, strict=True))

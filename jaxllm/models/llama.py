@@ -1,9 +1,10 @@
-"""The Llama family on the generic decoder: Llama 2/3/3.1, Mistral, Qwen2, Qwen3.
+"""The Llama family on the generic decoder: Llama 2/3/3.1, Mistral, Qwen2, Qwen3, SmolLM3.
 
-The four Hugging Face architectures differ only in q/k/v (and o) bias, per-head
-q/k RMSNorm (Qwen3), the rope parameters and the sliding window (Mistral;
-Qwen2/3 per `layer_types`); all run SwiGLU MLPs and two norms per layer. The
-weights' layouts and shardings are models/decoder.py's.
+The Hugging Face architectures differ only in q/k/v (and o) bias, per-head q/k
+RMSNorm (Qwen3), the rope parameters, layers without rope (SmolLM3's
+`no_rope_layers`, models/decoder_arch.py) and the sliding window (Mistral; Qwen2/3
+per `layer_types`); all run SwiGLU MLPs and two norms per layer. The weights'
+layouts and shardings are models/decoder.py's.
 """
 
 from __future__ import annotations
@@ -14,7 +15,7 @@ from jaxllm.errors import ParameterError
 from jaxllm.models.decoder import DecoderForCausalLM
 from jaxllm.models.decoder_arch import DecoderArch, common_fields
 
-MODEL_TYPES = ("llama", "mistral", "qwen2", "qwen3")
+MODEL_TYPES = ("llama", "mistral", "qwen2", "qwen3", "smollm3")
 
 
 def llama_arch(cfg: Any, tensor_parallel_size: int = 1) -> DecoderArch:
@@ -38,6 +39,6 @@ def llama_arch(cfg: Any, tensor_parallel_size: int = 1) -> DecoderArch:
 
 
 class LlamaForCausalLM(DecoderForCausalLM):
-    """Llama / Mistral / Qwen2 / Qwen3 causal LM over a ragged, paged batch."""
+    """Llama / Mistral / Qwen2 / Qwen3 / SmolLM3 causal LM over a ragged, paged batch."""
 
     arch_from_hf_config = staticmethod(llama_arch)

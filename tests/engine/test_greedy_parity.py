@@ -20,6 +20,7 @@ CASES = {
     "mistral": dict(arch="mistral", num_key_value_heads=2),
     "qwen2-bias-tied": dict(arch="qwen2", num_key_value_heads=2, tie_word_embeddings=True),
     "qwen3-qknorm": dict(arch="qwen3", num_key_value_heads=2, tie_word_embeddings=False),
+    "smollm3-nope-layer": dict(arch="smollm3", num_key_value_heads=2, no_rope_layer_interval=2),
     # Sliding windows shorter than the prompts; soft-caps low enough to change logits.
     "gemma2-softcaps": dict(arch="gemma2", num_key_value_heads=2, sliding_window=8,
                             attn_logit_softcapping=2.0, final_logit_softcapping=3.0,

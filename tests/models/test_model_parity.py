@@ -46,6 +46,8 @@ CASES = {
     "mistral-sliding-window": dict(arch="mistral", sliding_window=4),
     "qwen2-bias-tied": dict(arch="qwen2", tie_word_embeddings=True),
     "qwen3-qk-norm": dict(arch="qwen3", head_dim=32),
+    # Layer 1 of 2 rotates nothing (NoPE); GQA, untied.
+    "smollm3-nope-layer": dict(arch="smollm3", no_rope_layer_interval=2),
     # YaRN: frequencies ramped between interpolated and kept, cos and sin scaled.
     "qwen3-yarn-rope": dict(arch="qwen3", rope_parameters=dict(
         rope_type="yarn", rope_theta=10000.0, factor=4.0, original_max_position_embeddings=64)),

@@ -37,6 +37,8 @@ from transformers import (
     Qwen3ForCausalLM,
     Qwen3MoeConfig,
     Qwen3MoeForCausalLM,
+    SmolLM3Config,
+    SmolLM3ForCausalLM,
 )
 
 ARCHS = {
@@ -48,6 +50,7 @@ ARCHS = {
     "qwen3_moe": (Qwen3MoeConfig, Qwen3MoeForCausalLM),
     "qwen2_moe": (Qwen2MoeConfig, Qwen2MoeForCausalLM),
     "phi3": (Phi3Config, Phi3ForCausalLM),
+    "smollm3": (SmolLM3Config, SmolLM3ForCausalLM),
     "gemma2": (Gemma2Config, Gemma2ForCausalLM),
     "gemma3": (Gemma3TextConfig, Gemma3ForCausalLM),
 }
