@@ -45,7 +45,7 @@ class ModelConfig:
     hf_config: Any  # transformers.PretrainedConfig
     eos_token_ids: list[int] = field(default_factory=list)
     generation_defaults: dict[str, Any] = field(default_factory=dict)
-    # An encoder (BertModel) runs whole prompts without a KV cache and only pools.
+    # An encoder (BERT, RoBERTa) runs whole prompts without a KV cache and only pools.
     is_encoder: bool = False
     # What the engine serves, vLLM's names: "generate" and/or "embed" (`runner`).
     supported_tasks: tuple[str, ...] = ("generate", "embed")
@@ -321,10 +321,10 @@ class EngineArgs:
                         or "float32").replace("torch.", "")
             if dtype not in _DTYPES:
                 dtype = "float32"
-        from jaxllm.models.registry import is_encoder_architecture
+        from jaxllm.models import registry
 
-        is_encoder = is_encoder_architecture(
-            (getattr(hf_config, "architectures", None) or ["?"])[0])
+        arch = (getattr(hf_config, "architectures", None) or ["?"])[0]
+        is_encoder = registry.is_encoder_architecture(arch)
         tasks = self._supported_tasks(is_encoder)
         pooler = load_pooler_config(model, is_encoder)
         if not is_encoder and pooler.pooling_type != "LAST":
@@ -333,7 +333,8 @@ class EngineArgs:
                 raise ParameterError("1_Pooling/config.json", f"{pooler.pooling_type} pooling "
                                      "of a decoder model is not supported; supported: last token")
             tasks = tuple(t for t in tasks if t != "embed")
-        limit = int(getattr(hf_config, "max_position_embeddings", 0) or 2048)
+        limit = registry.usable_positions(arch, hf_config) or int(
+            getattr(hf_config, "max_position_embeddings", 0) or 2048)
         # sentence-transformers caps its input (max_seq_length); vLLM takes that cap too.
         default_len = min(limit, pooler.max_seq_length or limit)
         max_len = self.max_model_len or default_len
@@ -341,9 +342,9 @@ class EngineArgs:
             raise ParameterError("max_model_len", f"must be at least 1, got {max_len}")
         if max_len > limit and os.environ.get("JAXLLM_ALLOW_LONG_MAX_MODEL_LEN") != "1":
             # As vLLM: positions past the trained range give garbage, not an error.
-            raise ParameterError("max_model_len",
-                                 f"{max_len} exceeds the model's max_position_embeddings "
-                                 f"({limit}); set JAXLLM_ALLOW_LONG_MAX_MODEL_LEN=1 to allow it")
+            raise ParameterError("max_model_len", f"{max_len} exceeds the positions the "
+                                 f"model holds ({limit}, from max_position_embeddings); set "
+                                 "JAXLLM_ALLOW_LONG_MAX_MODEL_LEN=1 to allow it")
         if self.load_format not in ("auto", "safetensors", "orbax", "dummy"):
             raise ParameterError("load_format", "must be 'auto', 'safetensors', 'orbax' or "
                                  f"'dummy', got {self.load_format!r}")

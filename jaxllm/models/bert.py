@@ -1,10 +1,13 @@
-"""BERT-family encoders (Hugging Face `BertModel`) in Flax NNX, for embedding requests.
+"""BERT-family encoders (Hugging Face `BertModel`, `RobertaModel`, `XLMRobertaModel`) in
+Flax NNX, for embedding requests.
 
 The encoder reads a ragged batch of whole prompts flattened to `[T]` tokens:
 every request is one segment, attention is bidirectional inside a segment and
 masked across segments (plain jnp, no KV cache), and positions restart at 0 in
-each segment. Weights keep Hugging Face's `[out, in]` orientation; q/k/v are
-stacked so a layer runs one matmul for them.
+each segment (RoBERTa's embedding rows start at `padding_idx + 1`). Each token
+carries a token type (0, or 1 for a BERT text pair's second text). Weights keep
+Hugging Face's `[out, in]` orientation; q/k/v are stacked so a layer runs one
+matmul for them.
 
 Sharding over the mesh axis 'model', as Megatron splits a layer:
 
@@ -50,18 +53,26 @@ class BertArch:
     type_vocab_size: int
     layer_norm_eps: float
     hidden_act: str
+    # Row of position 0 in the position table: RoBERTa numbers positions from
+    # padding_idx + 1 (transformers' create_position_ids_from_input_ids).
+    position_offset: int = 0
 
     @property
     def head_dim(self) -> int:
         return self.hidden_size // self.num_heads
 
+    @property
+    def usable_positions(self) -> int:
+        """The longest prompt the position table holds."""
+        return self.max_positions - self.position_offset
+
     @classmethod
-    def from_hf_config(cls, cfg: Any) -> BertArch:
+    def from_hf_config(cls, cfg: Any, position_offset: int = 0) -> BertArch:
         act = getattr(cfg, "hidden_act", "gelu")
         if act not in _ACTIVATIONS:
             raise ParameterError("config.json:hidden_act",
                                  f"{act!r} is not supported; supported: {sorted(_ACTIVATIONS)}")
-        kind = getattr(cfg, "position_embedding_type", "absolute")
+        kind = getattr(cfg, "position_embedding_type", None) or "absolute"
         if kind != "absolute":
             raise ParameterError("config.json:position_embedding_type",
                                  f"{kind!r} is not supported; supported: 'absolute'")
@@ -69,13 +80,17 @@ class BertArch:
         if int(cfg.hidden_size) % heads:
             raise ParameterError("config.json:num_attention_heads",
                                  f"{heads} does not divide hidden_size={cfg.hidden_size}")
+        if int(cfg.max_position_embeddings) <= position_offset:
+            raise ParameterError("config.json:max_position_embeddings",
+                                 f"{cfg.max_position_embeddings} leaves no position after "
+                                 f"the offset padding_idx + 1 = {position_offset}")
         return cls(vocab_size=int(cfg.vocab_size), hidden_size=int(cfg.hidden_size),
                    intermediate_size=int(cfg.intermediate_size),
                    num_layers=int(cfg.num_hidden_layers), num_heads=heads,
                    max_positions=int(cfg.max_position_embeddings),
                    type_vocab_size=int(getattr(cfg, "type_vocab_size", 2) or 1),
                    layer_norm_eps=float(getattr(cfg, "layer_norm_eps", 1e-12)),
-                   hidden_act=act)
+                   hidden_act=act, position_offset=position_offset)
 
 
 def layer_norm(x: jax.Array, weight: jax.Array, bias: jax.Array, eps: float) -> jax.Array:
@@ -125,29 +140,37 @@ class BertModel(nnx.Module):
     """A BERT encoder over a ragged batch of whole prompts; no KV cache."""
 
     is_encoder = True  # the engine runs it with the encoder runner (worker/encoder_runner.py)
+    # The checkpoint prefixes a trunk may carry (a task model's, or vLLM's "model.").
+    trunk_prefixes = ("", "bert.", "model.")
 
     def __init__(self, hf_config: Any, *, dtype: str | jnp.dtype, rngs: nnx.Rngs,
                  attn_backend: Any = None, swiglu: Any = None, tensor_parallel_size: int = 1):
         # attn_backend, swiglu: the loader's decoder knobs; an encoder attends in jnp.
-        arch = BertArch.from_hf_config(hf_config)
+        arch = self.arch_from_hf_config(hf_config)
         dtype = jnp.dtype(dtype)
         self.arch = arch
         h = arch.hidden_size
         self.word_embeddings = _param(rngs, (arch.vocab_size, h), dtype, P(None, None))
         self.position_embeddings = _param(rngs, (arch.max_positions, h), dtype, P(None, None))
-        # Token type 0 only: an embedding request is one text.
-        self.token_type_embedding = _param(rngs, (h,), dtype, P(None))
+        self.token_type_embeddings = _param(rngs, (arch.type_vocab_size, h), dtype,
+                                            P(None, None))
         self.embed_norm = _param(rngs, (2, h), dtype, P(None, None), "zeros")
         self.layers = nnx.List([BertLayer(arch, dtype=dtype, rngs=rngs)
                                 for _ in range(arch.num_layers)])
 
-    def __call__(self, input_ids: jax.Array, positions: jax.Array,
-                 segment_ids: jax.Array) -> jax.Array:
+    @staticmethod
+    def arch_from_hf_config(hf_config: Any) -> BertArch:
+        return BertArch.from_hf_config(hf_config)
+
+    def __call__(self, input_ids: jax.Array, positions: jax.Array, segment_ids: jax.Array,
+                 token_types: jax.Array) -> jax.Array:
         """Hidden states `[T, hidden]` of a flat batch: token t belongs to segment
-        `segment_ids[t]` (padding tokens carry a segment of their own) at `positions[t]`."""
+        `segment_ids[t]` (padding tokens carry a segment of their own) at `positions[t]`,
+        of type `token_types[t]`."""
         x = (jnp.take(self.word_embeddings[...], input_ids, axis=0)
-             + jnp.take(self.position_embeddings[...], positions, axis=0)
-             + self.token_type_embedding[...])
+             + jnp.take(self.position_embeddings[...], positions + self.arch.position_offset,
+                        axis=0)
+             + jnp.take(self.token_type_embeddings[...], token_types, axis=0))
         norm = self.embed_norm[...]
         x = layer_norm(x, norm[0], norm[1], self.arch.layer_norm_eps)
         mask = segment_ids[:, None] == segment_ids[None, :]
@@ -155,53 +178,89 @@ class BertModel(nnx.Module):
             x = layer(x, mask)
         return x
 
-    @staticmethod
-    def hf_weight_map(hf_config: Any, tensor_parallel_size: int = 1) -> list[WeightSource]:
+    @classmethod
+    def hf_weight_map(cls, hf_config: Any, tensor_parallel_size: int = 1) -> list[WeightSource]:
         """Where each parameter comes from in a Hugging Face `BertModel` checkpoint."""
-        arch = BertArch.from_hf_config(hf_config)
-        n, d = arch.num_heads, arch.head_dim
+        return trunk_weight_map(cls.arch_from_hf_config(hf_config), "")
 
-        def only(ts: list) -> Any:
-            return ts[0]
-
-        def stack(ts: list) -> Any:
-            return np.stack(ts, axis=0)
-
-        def heads(ts: list) -> Any:
-            return np.stack([t.reshape(n, d, *t.shape[1:]) for t in ts], axis=0)
-
-        def o_heads(ts: list) -> Any:
-            return ts[0].reshape(ts[0].shape[0], n, d)
-
-        e = "embeddings."
-        out = [WeightSource(("word_embeddings",), (e + "word_embeddings.weight",), only),
-               WeightSource(("position_embeddings",), (e + "position_embeddings.weight",), only),
-               WeightSource(("token_type_embedding",), (e + "token_type_embeddings.weight",),
-                            lambda ts: ts[0][0]),
-               WeightSource(("embed_norm",), (e + "LayerNorm.weight", e + "LayerNorm.bias"),
-                            stack)]
-        for i in range(arch.num_layers):
-            p, path = f"encoder.layer.{i}.", ("layers", i)
-            a, ln = p + "attention.", ("attention.output.LayerNorm", "output.LayerNorm")
-            out += [
-                WeightSource(path + ("qkv_proj",), tuple(
-                    f"{a}self.{x}.weight" for x in ("query", "key", "value")), heads),
-                WeightSource(path + ("qkv_bias",), tuple(
-                    f"{a}self.{x}.bias" for x in ("query", "key", "value")), heads),
-                WeightSource(path + ("o_proj",), (a + "output.dense.weight",), o_heads),
-                WeightSource(path + ("o_bias",), (a + "output.dense.bias",), only),
-                WeightSource(path + ("up_proj",), (p + "intermediate.dense.weight",), only),
-                WeightSource(path + ("up_bias",), (p + "intermediate.dense.bias",), only),
-                WeightSource(path + ("down_proj",), (p + "output.dense.weight",), only),
-                WeightSource(path + ("down_bias",), (p + "output.dense.bias",), only),
-                WeightSource(path + ("norm_weight",), tuple(p + f"{x}.weight" for x in ln),
-                             stack),
-                WeightSource(path + ("norm_bias",), tuple(p + f"{x}.bias" for x in ln), stack),
-            ]
-        return out
+    @classmethod
+    def hf_checkpoint_renames(cls, hf_config: Any, names: set[str]) -> dict[str, str]:
+        """The checkpoint's trunk tensors under their unprefixed names: hub checkpoints
+        save the trunk bare (save_pretrained of the base model), under the task model's
+        prefix (`roberta.`, `bert.`) or under `model.`."""
+        for prefix in cls.trunk_prefixes:
+            if prefix + "embeddings.word_embeddings.weight" in names:
+                return {n: n[len(prefix):] for n in names if prefix and n.startswith(prefix)}
+        return {}
 
     @staticmethod
     def hf_ignored_tensor(hf_config: Any, name: str) -> bool:
-        """The pooler head (sentence embeddings pool hidden states instead) and the
-        position-id buffer old exporters saved."""
-        return name.startswith("pooler.") or name == "embeddings.position_ids"
+        """Heads an embedding does not use (the pooler: sentence embeddings pool hidden
+        states instead; a masked-LM or classifier head) and the buffers old exporters
+        saved."""
+        return (name.startswith(("pooler.", "lm_head.", "cls.", "classifier."))
+                or name in ("embeddings.position_ids", "embeddings.token_type_ids"))
+
+
+class RobertaModel(BertModel):
+    """RoBERTa and XLM-RoBERTa: BERT's encoder with positions numbered from
+    padding_idx + 1 (their checkpoints have one token type)."""
+
+    trunk_prefixes = ("", "roberta.", "model.")
+
+    @staticmethod
+    def arch_from_hf_config(hf_config: Any) -> BertArch:
+        return BertArch.from_hf_config(hf_config, roberta_position_offset(hf_config))
+
+
+def roberta_position_offset(hf_config: Any) -> int:
+    """RoBERTa's first position row: padding_idx (the pad token id) + 1."""
+    pad = getattr(hf_config, "pad_token_id", None)
+    if pad is None:
+        raise ParameterError("config.json:pad_token_id", "RoBERTa numbers positions from "
+                             "padding_idx + 1, so the config must name its pad token id")
+    return int(pad) + 1
+
+
+def trunk_weight_map(arch: BertArch, prefix: str) -> list[WeightSource]:
+    """Where the encoder's parameters come from: checkpoint tensors named `prefix` +
+    transformers' `BertModel` names."""
+    n, d = arch.num_heads, arch.head_dim
+
+    def only(ts: list) -> Any:
+        return ts[0]
+
+    def stack(ts: list) -> Any:
+        return np.stack(ts, axis=0)
+
+    def heads(ts: list) -> Any:
+        return np.stack([t.reshape(n, d, *t.shape[1:]) for t in ts], axis=0)
+
+    def o_heads(ts: list) -> Any:
+        return ts[0].reshape(ts[0].shape[0], n, d)
+
+    e = prefix + "embeddings."
+    out = [WeightSource(("word_embeddings",), (e + "word_embeddings.weight",), only),
+           WeightSource(("position_embeddings",), (e + "position_embeddings.weight",), only),
+           WeightSource(("token_type_embeddings",), (e + "token_type_embeddings.weight",),
+                        only),
+           WeightSource(("embed_norm",), (e + "LayerNorm.weight", e + "LayerNorm.bias"),
+                        stack)]
+    for i in range(arch.num_layers):
+        p, path = f"{prefix}encoder.layer.{i}.", ("layers", i)
+        a, ln = p + "attention.", ("attention.output.LayerNorm", "output.LayerNorm")
+        out += [
+            WeightSource(path + ("qkv_proj",), tuple(
+                f"{a}self.{x}.weight" for x in ("query", "key", "value")), heads),
+            WeightSource(path + ("qkv_bias",), tuple(
+                f"{a}self.{x}.bias" for x in ("query", "key", "value")), heads),
+            WeightSource(path + ("o_proj",), (a + "output.dense.weight",), o_heads),
+            WeightSource(path + ("o_bias",), (a + "output.dense.bias",), only),
+            WeightSource(path + ("up_proj",), (p + "intermediate.dense.weight",), only),
+            WeightSource(path + ("up_bias",), (p + "intermediate.dense.bias",), only),
+            WeightSource(path + ("down_proj",), (p + "output.dense.weight",), only),
+            WeightSource(path + ("down_bias",), (p + "output.dense.bias",), only),
+            WeightSource(path + ("norm_weight",), tuple(p + f"{x}.weight" for x in ln), stack),
+            WeightSource(path + ("norm_bias",), tuple(p + f"{x}.bias" for x in ln), stack),
+        ]
+    return out

@@ -215,6 +215,11 @@ class SafetensorsCheckpoint:
     def names(self) -> set[str]:
         return set(self._entries)
 
+    def rename(self, renames: dict[str, str]) -> None:
+        """Reads tensors by new names: `renames` maps a stored name to the name the
+        model's weight map uses."""
+        self._entries = {renames.get(n, n): e for n, e in self._entries.items()}
+
     def read(self, name: str) -> np.ndarray:
         path, entry = self._entries[name]
         if path not in self._maps:
@@ -253,6 +258,9 @@ def _safetensors_files(model_dir: str) -> list[str]:
 def _load_safetensors(cls: type, hf_config: Any, model_dir: str, state: nnx.State,
                       shardings: dict, tp: int) -> dict:
     ckpt = SafetensorsCheckpoint(model_dir)
+    renames = getattr(cls, "hf_checkpoint_renames", None)
+    if renames is not None:  # an encoder's trunk is saved with or without a prefix
+        ckpt.rename(renames(hf_config, ckpt.names()))
     sources = cls.hf_weight_map(hf_config, *([tp] if tp > 1 else []))
     variables = dict(nnx.to_flat_state(state))
     available = ckpt.names()

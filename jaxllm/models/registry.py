@@ -7,8 +7,10 @@ configuration of the generic decoder (models/decoder.py); an encoder
 
 from __future__ import annotations
 
+from typing import Any
+
 from jaxllm.errors import ParameterError
-from jaxllm.models.bert import BertModel
+from jaxllm.models.bert import BertModel, RobertaModel
 from jaxllm.models.gemma import GemmaForCausalLM
 from jaxllm.models.llama import LlamaForCausalLM
 from jaxllm.models.moe import MoEForCausalLM
@@ -27,12 +29,22 @@ _MODELS: dict[str, type] = {
     "Gemma2ForCausalLM": GemmaForCausalLM,
     "Gemma3ForCausalLM": GemmaForCausalLM,
     "BertModel": BertModel,
+    "RobertaModel": RobertaModel,
+    "XLMRobertaModel": RobertaModel,
 }
 
 
 def is_encoder_architecture(architecture: str) -> bool:
     """Whether the architecture is an encoder (whole prompts, no KV cache, pooling only)."""
     return bool(getattr(_MODELS.get(architecture), "is_encoder", False))
+
+
+def usable_positions(architecture: str, hf_config: Any) -> int | None:
+    """The longest prompt an encoder's position table holds (None: not an encoder)."""
+    cls = _MODELS.get(architecture)
+    if not getattr(cls, "is_encoder", False):
+        return None
+    return cls.arch_from_hf_config(hf_config).usable_positions
 
 
 def supported_architectures() -> list[str]:

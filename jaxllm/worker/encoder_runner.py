@@ -1,4 +1,5 @@
-"""The model runner of an encoder-only model (BertModel): whole prompts in, pooled vectors out.
+"""The model runner of an encoder-only model (BERT, RoBERTa): whole prompts in, pooled
+vectors out.
 
 The scheduler hands it new requests only, each with its whole prompt (an
 encoder keeps no KV cache, so nothing is chunked or resumed). One step packs
@@ -31,21 +32,24 @@ from jaxllm.distributed.dp_devices import core_devices
 from jaxllm.distributed.mesh import make_mesh
 from jaxllm.layers.attention import get_attention_backend
 from jaxllm.models.loader import load_model
+from jaxllm.sampling_params import PoolingParams
 from jaxllm.worker.buckets import Buckets
 from jaxllm.worker.programs import enable_compilation_cache
 
 logger = logging.getLogger(__name__)
 
 
-def pack_encoder_inputs(prompts: list[list[int]], t_pad: int, num_rows: int) -> np.ndarray:
-    """One flat int32 array: `[3, t_pad]` (input ids, positions, segment ids; padding
-    tokens sit in segment `num_rows`, alone), then `[2, num_rows]` (each request's first
-    token and length; padding rows have length 0)."""
+def pack_encoder_inputs(prompts: list[list[int]], t_pad: int, num_rows: int,
+                        type_starts: list[int | None] | None = None) -> np.ndarray:
+    """One flat int32 array: `[4, t_pad]` (input ids, positions, segment ids, token types;
+    padding tokens sit in segment `num_rows`, alone), then `[2, num_rows]` (each request's
+    first token and length; padding rows have length 0). A request's tokens from
+    `type_starts[i]` on are of type 1 (None: all of type 0)."""
     lens = np.fromiter((len(p) for p in prompts), np.int32, len(prompts))
     total, n = int(lens.sum()), lens.size
-    packed = np.zeros(3 * t_pad + 2 * num_rows, np.int32)
-    tok = packed[:3 * t_pad].reshape(3, t_pad)
-    req = packed[3 * t_pad:].reshape(2, num_rows)
+    packed = np.zeros(4 * t_pad + 2 * num_rows, np.int32)
+    tok = packed[:4 * t_pad].reshape(4, t_pad)
+    req = packed[4 * t_pad:].reshape(2, num_rows)
     starts = np.cumsum(lens) - lens
     seg = np.repeat(np.arange(n, dtype=np.int32), lens)
     if total:
@@ -53,6 +57,10 @@ def pack_encoder_inputs(prompts: list[list[int]], t_pad: int, num_rows: int) -> 
     tok[1, :total] = np.arange(total, dtype=np.int32) - starts[seg]
     tok[2, :total] = seg
     tok[2, total:] = num_rows
+    if type_starts is not None and total:
+        first = np.array([len(p) if t is None else t for p, t in zip(prompts, type_starts,
+                                                                     strict=True)], np.int32)
+        tok[3, :total] = tok[1, :total] >= first[seg]
     req[0, :n], req[1, :n] = starts, lens
     return packed
 
@@ -76,8 +84,7 @@ class EncoderStepHandle:
 
     req_ids: list[str]
     pooled: jax.Array  # [max_num_seqs, hidden] float32
-    normalize: np.ndarray  # [n] bool
-    dimensions: list[int | None]
+    params: list[PoolingParams]
 
 
 class EncoderModelRunner:
@@ -109,11 +116,11 @@ class EncoderModelRunner:
         pooling_type = self.pooling_type
 
         def encode(weights: list, packed: jax.Array) -> jax.Array:
-            t_pad = (packed.shape[0] - 2 * self.num_rows) // 3
-            tok = packed[:3 * t_pad].reshape(3, t_pad)
-            req = packed[3 * t_pad:].reshape(2, self.num_rows)
+            t_pad = (packed.shape[0] - 2 * self.num_rows) // 4
+            tok = packed[:4 * t_pad].reshape(4, t_pad)
+            req = packed[4 * t_pad:].reshape(2, self.num_rows)
             m = nnx.merge(graphdef, jax.tree.unflatten(state_def, weights))
-            hidden = m(tok[0], tok[1], tok[2])
+            hidden = m(tok[0], tok[1], tok[2], tok[3])
             return pool_hidden(hidden, req, tok[2], pooling_type)
 
         self._encode = jax.jit(encode)
@@ -139,19 +146,18 @@ class EncoderModelRunner:
             return None
         t0 = time.perf_counter()
         new = {r.req_id: r for r in so.scheduled_new_reqs}
-        prompts, normalize, dims = [], [], []
+        prompts, params = [], []
         for req_id, count in zip(so.req_ids, so.num_tokens.tolist(), strict=True):
             r = new.get(req_id)
             if r is None or count != len(r.prompt_token_ids):
                 raise RuntimeError(f"encoder request {req_id!r} was not scheduled whole")
             prompts.append(r.prompt_token_ids)
-            params = r.pooling_params
-            normalize.append(bool(params.normalize))
-            dims.append(params.dimensions)
+            params.append(r.pooling_params)
         t_pad = self.buckets.pad_tokens(int(so.num_tokens.sum()))
-        pooled = self._encode(self.state, pack_encoder_inputs(prompts, t_pad, self.num_rows))
+        packed = pack_encoder_inputs(prompts, t_pad, self.num_rows)
+        pooled = self._encode(self.state, packed)
         self.dispatch_seconds += time.perf_counter() - t0
-        return EncoderStepHandle(list(so.req_ids), pooled, np.asarray(normalize, bool), dims)
+        return EncoderStepHandle(list(so.req_ids), pooled, params)
 
     def dispatch_sample(self, h: EncoderStepHandle | None, grammar_bitmask: Any) -> None:
         """Nothing to sample: an encoder only pools."""
@@ -165,9 +171,9 @@ class EncoderModelRunner:
         vecs = np.asarray(h.pooled)[:n]
         self.wait_seconds += time.perf_counter() - t0
         out = {}
-        for i, (req_id, dim) in enumerate(zip(h.req_ids, h.dimensions, strict=True)):
-            v = vecs[i] if dim is None else vecs[i, :dim]
-            if h.normalize[i]:
+        for i, (req_id, params) in enumerate(zip(h.req_ids, h.params, strict=True)):
+            v = vecs[i] if params.dimensions is None else vecs[i, :params.dimensions]
+            if params.normalize:
                 v = v / max(float(np.linalg.norm(v)), 1e-12)
             out[req_id] = v.tolist()
         return ModelRunnerOutput(req_ids=h.req_ids, sampled_token_ids=None, pooler_output=out,
