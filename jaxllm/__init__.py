@@ -15,6 +15,7 @@ add_gpu_xla_flags()  # also before the backend starts
 
 from jaxllm.config import EngineArgs  # noqa: E402 - after the clock above
 from jaxllm.outputs import (  # noqa: E402
+    ClassificationRequestOutput,
     CompletionOutput,
     PoolingRequestOutput,
     RequestOutput,
@@ -25,8 +26,8 @@ from jaxllm.sampling_params import PoolingParams, RequestOutputKind, SamplingPar
 __version__ = "0.1.0"
 
 __all__ = ["IMPORT_TIME", "LLM", "EngineArgs", "SamplingParams", "PoolingParams", "RequestOutput",
-           "CompletionOutput", "PoolingRequestOutput", "ScoringRequestOutput", "RequestOutputKind",
-           "__version__"]
+           "CompletionOutput", "PoolingRequestOutput", "ScoringRequestOutput",
+           "ClassificationRequestOutput", "RequestOutputKind", "__version__"]
 
 
 def __getattr__(name: str):

@@ -13,7 +13,7 @@ from jaxllm.distributed.multihost import DistributedSpec, check_engine_host, res
 from jaxllm.errors import ParameterError
 from jaxllm.lora.config import LoRAConfig
 from jaxllm.models.eagle_config import read_eagle_head
-from jaxllm.pooler_config import PoolerConfig, load_pooler_config
+from jaxllm.pooler_config import PoolerConfig, classifier_pooler_config, load_pooler_config
 from jaxllm.quant_config import resolve_quantization
 from jaxllm.spec_decode.config import MODEL_METHODS, SpeculativeConfig
 
@@ -45,9 +45,11 @@ class ModelConfig:
     hf_config: Any  # transformers.PretrainedConfig
     eos_token_ids: list[int] = field(default_factory=list)
     generation_defaults: dict[str, Any] = field(default_factory=dict)
-    # An encoder (BERT, RoBERTa) runs whole prompts without a KV cache and only pools.
+    # An encoder (BERT, RoBERTa, their cross-encoders) runs whole prompts without a KV
+    # cache and only pools.
     is_encoder: bool = False
-    # What the engine serves, vLLM's names: "generate" and/or "embed" (`runner`).
+    # What the engine serves, vLLM's names: "generate" and/or "embed" (`runner`); a
+    # cross-encoder's "classify" and "score".
     supported_tasks: tuple[str, ...] = ("generate", "embed")
     pooler_config: PoolerConfig = field(default_factory=lambda: PoolerConfig("LAST", True))
     quantization: str | None = None  # resolved: None | "fp8" | "fp8_static" | "int8"
@@ -325,8 +327,10 @@ class EngineArgs:
 
         arch = (getattr(hf_config, "architectures", None) or ["?"])[0]
         is_encoder = registry.is_encoder_architecture(arch)
-        tasks = self._supported_tasks(is_encoder)
-        pooler = load_pooler_config(model, is_encoder)
+        labels = registry.classifier_labels(arch, hf_config)  # None: not a cross-encoder
+        tasks = self._supported_tasks(is_encoder, labels)
+        pooler = (load_pooler_config(model, is_encoder) if labels is None
+                  else classifier_pooler_config(hf_config, labels))
         if not is_encoder and pooler.pooling_type != "LAST":
             # The decoder runner pools the last token only (worker/model_runner.py).
             if tasks == ("embed",):
@@ -366,7 +370,8 @@ class EngineArgs:
             hf_config=hf_config, eos_token_ids=eos_ids, generation_defaults=gen_defaults,
             is_encoder=is_encoder, supported_tasks=tasks, pooler_config=pooler, **quant)
 
-    def _supported_tasks(self, is_encoder: bool) -> tuple[str, ...]:
+    def _supported_tasks(self, is_encoder: bool, labels: int | None) -> tuple[str, ...]:
+        """`labels`: a cross-encoder's label count (None for any other model)."""
         runners = ("auto", "generate", "pooling")
         if self.runner not in runners:
             raise ParameterError("runner", f"must be one of {runners}, got {self.runner!r}")
@@ -376,6 +381,12 @@ class EngineArgs:
         runner = self.runner
         if runner == "auto" and self.task != "auto":
             runner = "pooling" if self.task == "embed" else "generate"
+        if labels is not None:  # it scores pairs only with one logit, as vLLM's rule
+            if runner == "generate" or self.task == "embed":
+                raise ParameterError("runner" if runner == "generate" else "task",
+                                     "this model is a cross-encoder: it classifies and "
+                                     "scores (runner='pooling'); it cannot generate or embed")
+            return ("classify", "score") if labels == 1 else ("classify",)
         if is_encoder:
             if runner == "generate":
                 raise ParameterError("runner", "this model is an encoder: it only embeds "

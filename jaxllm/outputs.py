@@ -75,3 +75,22 @@ class ScoringRequestOutput:
     prompt_token_ids: list[int]
     outputs: ScoringOutput
     finished: bool = True
+
+
+@dataclass
+class ClassificationOutput:
+    probs: list[float]  # one per label: the model's classify activation of its logits
+
+    @property
+    def num_classes(self) -> int:
+        return len(self.probs)
+
+
+@dataclass
+class ClassificationRequestOutput:
+    """One prompt's class probabilities (`LLM.classify`), as vLLM's."""
+
+    request_id: str
+    prompt_token_ids: list[int]
+    outputs: ClassificationOutput
+    finished: bool = True

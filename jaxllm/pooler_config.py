@@ -1,10 +1,12 @@
-"""How a model turns hidden states into one embedding: the pooling its checkpoint asks for.
+"""How a model turns hidden states into one embedding, or a cross-encoder its logits into
+probabilities and scores: the pooling and activations its checkpoint asks for.
 
 A sentence-transformers checkpoint says it in `modules.json` (a `Pooling`
 module whose folder holds `config.json`, and an optional `Normalize` module)
 and caps its input in `sentence_bert_config.json` (`max_seq_length`). Without
 those files an encoder pools its CLS token and a decoder its last token, both
-normalized, as vLLM defaults them.
+normalized, as vLLM defaults them. A cross-encoder pools its first token; its
+activations follow vLLM's (`classifier_pooler_config`).
 """
 
 from __future__ import annotations
@@ -12,6 +14,9 @@ from __future__ import annotations
 import json
 import os
 from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
 
 from jaxllm.errors import ParameterError
 
@@ -25,11 +30,65 @@ _ST_UNSUPPORTED = ("pooling_mode_max_tokens", "pooling_mode_mean_sqrt_len_tokens
 _ST_PREFIX = "sentence_transformers.models."
 
 
+ACTIVATIONS = ("identity", "sigmoid", "softmax", "tanh")
+
+# sentence-transformers' CrossEncoder activation (a torch.nn.modules class) -> ours; a
+# Sigmoid or Softmax is the classify activation, as vLLM maps them.
+_ST_ACTIVATIONS = {"torch.nn.modules.linear.Identity": "identity",
+                   "torch.nn.modules.activation.Sigmoid": None,
+                   "torch.nn.modules.activation.Softmax": None,
+                   "torch.nn.modules.activation.Tanh": "tanh"}
+
+
 @dataclass(frozen=True)
 class PoolerConfig:
     pooling_type: str  # MEAN | CLS | LAST
     normalize: bool  # the default of PoolingParams.normalize
     max_seq_length: int | None = None  # sentence-transformers' input cap, if it sets one
+    # A cross-encoder's activations of its logits, one of ACTIVATIONS.
+    classify_activation: str = "softmax"  # for "classify"
+    score_activation: str = "sigmoid"  # for "score"
+
+
+def classifier_pooler_config(hf_config: Any, num_labels: int) -> PoolerConfig:
+    """A cross-encoder's pooling (its first token) and activations, as vLLM's: classify
+    follows transformers' `problem_type` (regression: none; multi-label: sigmoid; else
+    sigmoid for one label, softmax over several); score takes sentence-transformers'
+    `activation_fn` (config.json `sentence_transformers` or
+    `sbert_ce_default_activation_function`) where one is set, else the classify one."""
+    problem = getattr(hf_config, "problem_type", None) or ""
+    if problem == "regression":
+        classify = "identity"
+    elif problem == "multi_label_classification" or num_labels < 2:
+        classify = "sigmoid"
+    else:
+        classify = "softmax"
+    st = getattr(hf_config, "sentence_transformers", None)
+    field, name = "config.json:sbert_ce_default_activation_function", None
+    if isinstance(st, dict) and st.get("activation_fn"):
+        field, name = "config.json:sentence_transformers.activation_fn", st["activation_fn"]
+    else:
+        name = getattr(hf_config, "sbert_ce_default_activation_function", None)
+    score = classify
+    if name:
+        if name not in _ST_ACTIVATIONS:
+            raise ParameterError(field, f"{name!r} is not supported; supported: "
+                                 f"{', '.join(_ST_ACTIVATIONS)}")
+        score = _ST_ACTIVATIONS[name] or classify
+    return PoolerConfig("CLS", False, classify_activation=classify, score_activation=score)
+
+
+def activate(kind: str, logits: np.ndarray) -> np.ndarray:
+    """One request's logits `[num_labels]` under activation `kind` (ACTIVATIONS)."""
+    x = np.asarray(logits, np.float64)
+    if kind == "sigmoid":
+        return 1.0 / (1.0 + np.exp(-x))
+    if kind == "softmax":
+        e = np.exp(x - x.max())
+        return e / e.sum()
+    if kind == "tanh":
+        return np.tanh(x)
+    return x
 
 
 def _read_json(path: str) -> object:

@@ -268,11 +268,19 @@ class SamplingParams(
         return msgspec.structs.replace(self)
 
 
-class PoolingParams(msgspec.Struct, omit_defaults=True, kw_only=True):  # type: ignore[call-arg]
-    """Knobs for `LLM.embed`/`encode`, as vLLM's: `normalize` the pooled vector (None: as
-    the model's pooling config says, L2-normalized unless a sentence-transformers
-    checkpoint has no Normalize module); `dimensions` keeps the first that many
-    (matryoshka models only)."""
+POOLING_TASKS = ("embed", "classify", "score")
 
+
+class PoolingParams(msgspec.Struct, omit_defaults=True, kw_only=True):  # type: ignore[call-arg]
+    """Knobs for `LLM.embed`/`encode`/`classify`/`score`, as vLLM's: `task` is what the
+    pooled state becomes (None: the model's first pooling task; `LLM`'s methods set it).
+    For "embed": `normalize` the pooled vector (None: as the model's pooling config says,
+    L2-normalized unless a sentence-transformers checkpoint has no Normalize module);
+    `dimensions` keeps the first that many (matryoshka models only). For a cross-encoder:
+    `token_type_start` is where token type 1 begins (a BERT text pair's second text;
+    None: every token is type 0), vLLM's compressed token type ids."""
+
+    task: str | None = None
     normalize: bool | None = None
     dimensions: int | None = None
+    token_type_start: int | None = None

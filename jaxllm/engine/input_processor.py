@@ -15,6 +15,7 @@ from jaxllm.lora.peft import check_lora_request
 from jaxllm.lora.request import LoRARequest
 from jaxllm.sampling_params import (
     INT64_MAX,
+    POOLING_TASKS,
     SEED_LIMIT,
     PoolingParams,
     RequestOutputKind,
@@ -140,12 +141,14 @@ class InputProcessor:
                 params: SamplingParams | PoolingParams, arrival_time: float | None = None,
                 priority: int = 0) -> tuple[EngineCoreRequest, str | None]:
         pooling = isinstance(params, PoolingParams)
-        self._check_task("embed" if pooling else "generate")
+        if pooling:
+            params = self._pooling_task(params)
+        self._check_task(params.task if pooling else "generate")
         text, ids = self.tokenize(prompt)
         self._validate_prompt(ids, pooling)
         if pooling:
             return EngineCoreRequest(request_id=request_id, prompt_token_ids=ids,
-                                     pooling_params=self._pooling_params(params),
+                                     pooling_params=self._pooling_params(params, len(ids)),
                                      arrival_time=arrival_time or time.time(),
                                      priority=priority), text
         check_int("priority", priority, -INT64_MAX, INT64_MAX)
@@ -179,18 +182,55 @@ class InputProcessor:
                                  arrival_time=arrival_time or time.time(),
                                  priority=priority), text
 
+    def _supported_tasks(self) -> tuple[str, ...]:
+        return getattr(self.model_config, "supported_tasks", ("generate", "embed"))
+
+    def _pooling_task(self, params: PoolingParams) -> PoolingParams:
+        """`params` with its task set: the model's first pooling task if none is named."""
+        if params.task is not None:
+            if params.task not in POOLING_TASKS:
+                raise ParameterError("task", f"must be one of {POOLING_TASKS}, got "
+                                     f"{params.task!r}")
+            return params
+        task = next((t for t in self._supported_tasks() if t in POOLING_TASKS), "embed")
+        return msgspec.structs.replace(params, task=task)
+
     def _check_task(self, task: str) -> None:
-        """A generate-only model asked to embed, or an embed-only one asked to generate."""
-        if task in getattr(self.model_config, "supported_tasks", ("generate", "embed")):
+        """A generate-only model asked to embed, an embed-only one asked to generate, or a
+        model asked for a pooling task it does not serve."""
+        tasks = self._supported_tasks()
+        if task in tasks:
             return
+        if "classify" in tasks:
+            why = " (a score needs a single label: num_labels 1)" if task == "score" else ""
+            raise ParameterError("task", f"this model is a cross-encoder: it serves "
+                                 f"{' and '.join(tasks)}, not {task}{why}")
         if task == "embed":
             raise ParameterError("task", "this model does not support embeddings (it runs "
                                  "with runner='generate'); start it with runner='pooling'")
+        if task != "generate":
+            raise ParameterError("task", f"this model does not support {task}: only a "
+                                 "cross-encoder (a sequence classifier) does")
         raise ParameterError("task", "this model does not support generation (it is a "
                              "pooling model: runner='pooling' or an encoder); use embed")
 
-    def _pooling_params(self, params: PoolingParams) -> PoolingParams:
-        """`params` with its normalization resolved and `dimensions` checked."""
+    def _pooling_params(self, params: PoolingParams, num_tokens: int) -> PoolingParams:
+        """`params` with its normalization resolved and the task's own fields checked."""
+        if params.task != "embed":
+            for name in ("normalize", "dimensions"):
+                if getattr(params, name) is not None:
+                    raise ParameterError(name, f"applies to embeddings only, not to "
+                                         f"{params.task}")
+            if params.token_type_start is not None:
+                check_int("token_type_start", params.token_type_start, 0, num_tokens)
+                types = int(getattr(self.model_config.hf_config, "type_vocab_size", 1) or 1)
+                if params.token_type_start < num_tokens and types < 2:
+                    raise ParameterError("token_type_start", "this model has one token type "
+                                         "(type_vocab_size 1)")
+            return params
+        if params.token_type_start is not None:
+            raise ParameterError("token_type_start", "applies to a cross-encoder's text "
+                                 "pairs only, not to embeddings")
         if params.dimensions is not None:
             hf = self.model_config.hf_config
             if not (getattr(hf, "is_matryoshka", False)

@@ -13,9 +13,21 @@ from jaxllm.config import EngineArgs
 from jaxllm.engine.input_processor import PromptType
 from jaxllm.engine.llm_engine import LLMEngine
 from jaxllm.entrypoints.openai.tools import check_tools, template_messages
-from jaxllm.entrypoints.score_utils import check_pairs, pair_scores
+from jaxllm.entrypoints.score_utils import (
+    check_pairs,
+    cross_encoder_pairs,
+    cross_encoder_scores,
+    is_cross_encoder,
+    pair_scores,
+)
 from jaxllm.lora.request import LoRARequest
-from jaxllm.outputs import PoolingRequestOutput, RequestOutput, ScoringRequestOutput
+from jaxllm.outputs import (
+    ClassificationOutput,
+    ClassificationRequestOutput,
+    PoolingRequestOutput,
+    RequestOutput,
+    ScoringRequestOutput,
+)
 from jaxllm.sampling_params import PoolingParams, RequestOutputKind, SamplingParams
 
 Messages = list[dict[str, Any]]
@@ -82,24 +94,53 @@ class LLM:
         params = sampling_params or self.get_default_sampling_params()
         return self._run(prompts, params, use_tqdm, None, lora_request)
 
+    def encode(self, prompts: PromptType | Sequence[PromptType],
+               pooling_params: PoolingParams | None = None, use_tqdm: bool = True, *,
+               pooling_task: str | None = None) -> list[PoolingRequestOutput]:
+        """Pooled outputs of `pooling_task` ("embed", "classify" or "score"; None: the
+        params' task, else the model's first)."""
+        if isinstance(prompts, (str, dict)):
+            prompts = [prompts]
+        params = pooling_params or PoolingParams()
+        if pooling_task is not None:
+            params = msgspec.structs.replace(params, task=pooling_task)
+        return self._run(list(prompts), params, use_tqdm, None)
+
     def embed(self, prompts: PromptType | Sequence[PromptType],
               pooling_params: PoolingParams | None = None,
               use_tqdm: bool = True) -> list[PoolingRequestOutput]:
-        if isinstance(prompts, (str, dict)):
-            prompts = [prompts]
-        return self._run(list(prompts), pooling_params or PoolingParams(), use_tqdm, None)
+        return self.encode(prompts, pooling_params, use_tqdm, pooling_task="embed")
 
-    encode = embed
+    def classify(self, prompts: PromptType | Sequence[PromptType], *, use_tqdm: bool = True,
+                 pooling_params: PoolingParams | None = None
+                 ) -> list[ClassificationRequestOutput]:
+        """A cross-encoder's class probabilities of each prompt, as vLLM's `LLM.classify`."""
+        return [ClassificationRequestOutput(o.request_id, o.prompt_token_ids,
+                                            ClassificationOutput(o.outputs.data))
+                for o in self.encode(prompts, pooling_params, use_tqdm, pooling_task="classify")]
 
     def score(self, data_1: PromptType | Sequence[PromptType],
               data_2: PromptType | Sequence[PromptType], *, use_tqdm: bool = True,
               pooling_params: PoolingParams | None = None) -> list[ScoringRequestOutput]:
-        """vLLM's `LLM.score` for an embedding model: the cosine similarity of each pair's
-        embeddings, the pairs 1:1, 1:N (`data_1`'s one text against each of `data_2`) or
-        N:N (in order). Each text is embedded once."""
+        """vLLM's `LLM.score`, the pairs 1:1, 1:N (`data_1`'s one text against each of
+        `data_2`) or N:N (in order). A cross-encoder runs each pair of texts through the
+        model as one text-pair encoding (the score: its logit's activation, a sigmoid
+        unless the checkpoint names another); an embedding model embeds each text once
+        and scores the cosine similarity of each pair's embeddings."""
         first = [data_1] if isinstance(data_1, (str, dict)) else list(data_1)
         second = [data_2] if isinstance(data_2, (str, dict)) else list(data_2)
-        check_pairs(len(first), len(second), ("data_1", "data_2"))
+        names = ("data_1", "data_2")
+        check_pairs(len(first), len(second), names)
+        mc = self.llm_engine.model_config
+        if is_cross_encoder(mc.supported_tasks):
+            pairs = cross_encoder_pairs(self.get_tokenizer(), first, second, names,
+                                        mc.max_model_len)
+            base = pooling_params or PoolingParams()
+            params = [msgspec.structs.replace(base, task="score", token_type_start=start)
+                      for _, start in pairs]
+            outs = self._run([{"prompt_token_ids": ids} for ids, _ in pairs], params,
+                             use_tqdm, None)
+            return cross_encoder_scores(outs)
         embedded = self.embed(first + second, pooling_params, use_tqdm)
         return pair_scores(embedded[:len(first)], embedded[len(first):],
                            getattr(self.get_tokenizer(), "pad_token_id", None))

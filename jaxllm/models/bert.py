@@ -1,5 +1,5 @@
 """BERT-family encoders (Hugging Face `BertModel`, `RobertaModel`, `XLMRobertaModel`) in
-Flax NNX, for embedding requests.
+Flax NNX, for embedding requests; the cross-encoders' heads build on them (cross_encoder.py).
 
 The encoder reads a ragged batch of whole prompts flattened to `[T]` tokens:
 every request is one segment, attention is bidirectional inside a segment and

@@ -2,7 +2,9 @@
 
 Every causal LM implements the model contract (models/contract.py) as a
 configuration of the generic decoder (models/decoder.py); an encoder
-(`is_encoder`, models/bert.py) runs under the encoder runner instead.
+(`is_encoder`, models/bert.py) runs under the encoder runner instead, and a
+cross-encoder (`is_classifier`, models/cross_encoder.py) is an encoder with a
+classification head.
 """
 
 from __future__ import annotations
@@ -11,6 +13,11 @@ from typing import Any
 
 from jaxllm.errors import ParameterError
 from jaxllm.models.bert import BertModel, RobertaModel
+from jaxllm.models.cross_encoder import (
+    BertForSequenceClassification,
+    RobertaForSequenceClassification,
+    num_labels,
+)
 from jaxllm.models.gemma import GemmaForCausalLM
 from jaxllm.models.llama import LlamaForCausalLM
 from jaxllm.models.moe import MoEForCausalLM
@@ -31,12 +38,23 @@ _MODELS: dict[str, type] = {
     "BertModel": BertModel,
     "RobertaModel": RobertaModel,
     "XLMRobertaModel": RobertaModel,
+    "BertForSequenceClassification": BertForSequenceClassification,
+    "RobertaForSequenceClassification": RobertaForSequenceClassification,
+    "XLMRobertaForSequenceClassification": RobertaForSequenceClassification,
 }
 
 
 def is_encoder_architecture(architecture: str) -> bool:
     """Whether the architecture is an encoder (whole prompts, no KV cache, pooling only)."""
     return bool(getattr(_MODELS.get(architecture), "is_encoder", False))
+
+
+def classifier_labels(architecture: str, hf_config: Any) -> int | None:
+    """A cross-encoder's label count (it classifies and scores, not embeds); None for
+    any other architecture."""
+    if not getattr(_MODELS.get(architecture), "is_classifier", False):
+        return None
+    return num_labels(hf_config)
 
 
 def usable_positions(architecture: str, hf_config: Any) -> int | None:

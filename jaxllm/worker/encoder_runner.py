@@ -1,5 +1,5 @@
-"""The model runner of an encoder-only model (BERT, RoBERTa): whole prompts in, pooled
-vectors out.
+"""The model runner of an encoder-only model (BERT, RoBERTa and their cross-encoders): whole
+prompts in, pooled vectors or classifier outputs out.
 
 The scheduler hands it new requests only, each with its whole prompt (an
 encoder keeps no KV cache, so nothing is chunked or resumed). One step packs
@@ -7,8 +7,10 @@ the prompts into a flat token batch padded to a token bucket, every request
 one segment of a segment-masked bidirectional attention, and runs one jitted
 program per token bucket that encodes and pools (mean, CLS or last token, as
 the checkpoint's pooling config says) into `[max_num_seqs, hidden]` float32
-rows. Truncation to `dimensions` and normalization run on the host, on the
-pooled rows that come back (one device-to-host copy per step).
+rows; a cross-encoder's program pools the first token and runs its head into
+`[max_num_seqs, num_labels]` logits. On the host, from the rows that come back
+(one device-to-host copy per step): an embedding's truncation to `dimensions`
+and normalization, a classification's or a score's activation.
 """
 
 from __future__ import annotations
@@ -32,6 +34,7 @@ from jaxllm.distributed.dp_devices import core_devices
 from jaxllm.distributed.mesh import make_mesh
 from jaxllm.layers.attention import get_attention_backend
 from jaxllm.models.loader import load_model
+from jaxllm.pooler_config import activate
 from jaxllm.sampling_params import PoolingParams
 from jaxllm.worker.buckets import Buckets
 from jaxllm.worker.programs import enable_compilation_cache
@@ -83,7 +86,7 @@ class EncoderStepHandle:
     """A dispatched encoder step whose pooled rows are (possibly) still on the device."""
 
     req_ids: list[str]
-    pooled: jax.Array  # [max_num_seqs, hidden] float32
+    pooled: jax.Array  # [max_num_seqs, hidden] float32, or a cross-encoder's logits
     params: list[PoolingParams]
 
 
@@ -111,9 +114,10 @@ class EncoderModelRunner:
                                     mc.max_model_len, config.cache_config.block_size,
                                     config.token_buckets, config.request_buckets)
         self.num_rows = sc.max_num_seqs
-        self.pooling_type = mc.pooler_config.pooling_type
+        self.pooler_config = mc.pooler_config
+        classifies = bool(getattr(model, "is_classifier", False))
         state_def = jax.tree.structure(state)
-        pooling_type = self.pooling_type
+        pooling_type = "CLS" if classifies else self.pooler_config.pooling_type
 
         def encode(weights: list, packed: jax.Array) -> jax.Array:
             t_pad = (packed.shape[0] - 2 * self.num_rows) // 4
@@ -121,7 +125,8 @@ class EncoderModelRunner:
             req = packed[4 * t_pad:].reshape(2, self.num_rows)
             m = nnx.merge(graphdef, jax.tree.unflatten(state_def, weights))
             hidden = m(tok[0], tok[1], tok[2], tok[3])
-            return pool_hidden(hidden, req, tok[2], pooling_type)
+            pooled = pool_hidden(hidden, req, tok[2], pooling_type)
+            return m.classify(pooled) if classifies else pooled
 
         self._encode = jax.jit(encode)
         self.wait_seconds = self.dispatch_seconds = 0.0
@@ -154,7 +159,8 @@ class EncoderModelRunner:
             prompts.append(r.prompt_token_ids)
             params.append(r.pooling_params)
         t_pad = self.buckets.pad_tokens(int(so.num_tokens.sum()))
-        packed = pack_encoder_inputs(prompts, t_pad, self.num_rows)
+        packed = pack_encoder_inputs(prompts, t_pad, self.num_rows,
+                                     [p.token_type_start for p in params])
         pooled = self._encode(self.state, packed)
         self.dispatch_seconds += time.perf_counter() - t0
         return EncoderStepHandle(list(so.req_ids), pooled, params)
@@ -171,10 +177,16 @@ class EncoderModelRunner:
         vecs = np.asarray(h.pooled)[:n]
         self.wait_seconds += time.perf_counter() - t0
         out = {}
+        pc = self.pooler_config
         for i, (req_id, params) in enumerate(zip(h.req_ids, h.params, strict=True)):
-            v = vecs[i] if params.dimensions is None else vecs[i, :params.dimensions]
-            if params.normalize:
-                v = v / max(float(np.linalg.norm(v)), 1e-12)
+            if params.task == "classify":
+                v = activate(pc.classify_activation, vecs[i])
+            elif params.task == "score":
+                v = activate(pc.score_activation, vecs[i])
+            else:
+                v = vecs[i] if params.dimensions is None else vecs[i, :params.dimensions]
+                if params.normalize:
+                    v = v / max(float(np.linalg.norm(v)), 1e-12)
             out[req_id] = v.tolist()
         return ModelRunnerOutput(req_ids=h.req_ids, sampled_token_ids=None, pooler_output=out,
                                  sampled_array=np.full(n, -1, np.int64))
