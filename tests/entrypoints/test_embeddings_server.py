@@ -1,7 +1,8 @@
 """/v1/embeddings over a real server: all-MiniLM-L6-v2 matches sentence-transformers through
 the official openai client (float and base64); input forms, usage, and every bad field is a
-400 naming it; a model asked for what it does not serve gets a clear 400. /score and
-/rerank give sentence-transformers' cosine similarities, as vLLM's do for embedding models."""
+400 naming it; a model asked for what it does not serve (generation, /classify) gets a
+clear 400. /score and /rerank give sentence-transformers' cosine similarities, as vLLM's
+do for embedding models."""
 
 from __future__ import annotations
 
@@ -100,12 +101,14 @@ def test_a_bad_field_is_a_400_naming_it(server, body, param):
     assert resp.json()["error"]["param"] == param, resp.text
 
 
-def test_an_embedding_model_refuses_generation_and_unknown_models(server):
+def test_an_embedding_model_refuses_generation_classification_and_unknown_models(server):
     for path, body in (("/v1/completions", {"prompt": "hi"}),
                        ("/v1/chat/completions", {"messages": [{"role": "user",
-                                                               "content": "hi"}]})):
+                                                               "content": "hi"}]}),
+                       ("/classify", {"input": "hi"})):
         resp = post(server, path, {"model": MODEL, **body})
         assert resp.status_code == 400 and "does not support" in resp.text, resp.text
+        assert resp.json()["error"]["param"] == "model"
     assert post(server, "/v1/embeddings", {"model": "nope", "input": "hi"}).status_code == 404
     # The server still serves after every refusal.
     assert post(server, "/v1/embeddings", {"model": MODEL, "input": "hi"}).status_code == 200

@@ -89,7 +89,7 @@ class GuardMiddleware:
     """API-key check on the API's routes (vLLM's /v1, and the pooling routes outside it:
     compute is never open) and a cap on the request body size (pure ASGI)."""
 
-    PROTECTED = ("/v1", "/v2", "/score", "/rerank")
+    PROTECTED = ("/v1", "/v2", "/score", "/rerank", "/classify")
 
     def __init__(self, app: Any, api_key: str | None, max_bytes: int):
         self.app = app
@@ -240,7 +240,7 @@ def build_app(engine: AsyncLLM, options: ServerOptions,
     def generates(api: str) -> None:
         if "generate" not in engine.model_config.supported_tasks:
             raise HTTPError(400, f"The model does not support {api} API (it is a pooling "
-                            "model: use /v1/embeddings)", "model")
+                            "model: use /v1/embeddings, /classify or /score)", "model")
 
     @app.post("/v1/completions")
     async def completions(body: CompletionRequest, raw: Request) -> Any:

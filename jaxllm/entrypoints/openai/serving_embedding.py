@@ -1,4 +1,5 @@
-"""/v1/embeddings: one pooling request per input, for encoder and decoder models alike."""
+"""/v1/embeddings: one pooling request per input, for encoder and decoder models alike; and
+the pooling requests the other pooling routes (serving_score.py) share."""
 
 from __future__ import annotations
 
@@ -54,9 +55,9 @@ class OpenAIServingEmbedding(OpenAIServing):
         self.check_embeds("Embeddings")
         prompts = [self._tokenized(p, req.add_special_tokens) for p in _inputs(req.input)]
         request_id = random_id("embd")
-        outs = await self.embed(prompts, PoolingParams(normalize=req.normalize,
-                                                       dimensions=req.dimensions),
-                                req.priority, request_id, ["input"] * len(prompts))
+        outs = await self.pool(prompts, PoolingParams(task="embed", normalize=req.normalize,
+                                                      dimensions=req.dimensions),
+                               req.priority, request_id, ["input"] * len(prompts))
         data = [EmbeddingData(index=i, embedding=encode_embedding(out.outputs.embedding,
                                                                   req.encoding_format))
                 for i, out in enumerate(outs)]
@@ -66,20 +67,35 @@ class OpenAIServingEmbedding(OpenAIServing):
                                                  total_tokens=num_tokens))
 
     def check_embeds(self, api: str) -> None:
-        if "embed" not in self.model_config.supported_tasks:
-            raise HTTPError(400, f"The model does not support {api} API (start it with "
-                            "--runner pooling)", "model")
+        self.check_task("embed", api)
 
-    async def embed(self, prompts: list[PromptType], params: PoolingParams, priority: int,
-                    request_id: str, fields: list[str]) -> list[PoolingRequestOutput]:
-        """Every prompt's embedding, in order; a bad prompt is an error naming its entry
-        of `fields` (the body's field it came from)."""
+    def check_task(self, task: str, api: str) -> None:
+        """A 400 naming the model where it does not serve `task` (vLLM's names)."""
+        tasks = self.model_config.supported_tasks
+        if task in tasks:
+            return
+        if "classify" in tasks:
+            hint = ("a score needs a single label: num_labels 1" if task == "score" else
+                    f"it is a cross-encoder: it serves {' and '.join(tasks)}")
+        elif task == "embed":
+            hint = "start it with --runner pooling"
+        else:
+            hint = "only a cross-encoder (a sequence classifier) does"
+        raise HTTPError(400, f"The model does not support {api} API ({hint})", "model")
+
+    async def pool(self, prompts: list[PromptType],
+                   params: PoolingParams | list[PoolingParams], priority: int,
+                   request_id: str, fields: list[str]) -> list[PoolingRequestOutput]:
+        """Every prompt's pooled output, in order (`params`: one for all, or one each); a
+        bad prompt is an error naming its entry of `fields` (the body's field it came
+        from)."""
         self.check_alive()
         added: list[tuple[str, RequestOutputCollector]] = []
         try:
             for i, prompt in enumerate(prompts):
                 rid = f"{request_id}-{i}"
-                added.append((rid, self.engine.add_request(rid, prompt, params, priority)))
+                p = params[i] if isinstance(params, list) else params
+                added.append((rid, self.engine.add_request(rid, prompt, p, priority)))
         except ParameterError as e:
             self.engine.abort_now([rid for rid, _ in added])
             if e.field in ("prompt", "prompt_token_ids"):
@@ -92,7 +108,7 @@ class OpenAIServingEmbedding(OpenAIServing):
         for out in outs:
             if not isinstance(out, PoolingRequestOutput):
                 raise_if_failed(out)  # the core rejected it
-                raise HTTPError(500, "the engine returned no embedding")
+                raise HTTPError(500, "the engine returned no pooled output")
         return outs
 
     def _tokenized(self, prompt: PromptType, add_special_tokens: bool) -> PromptType:

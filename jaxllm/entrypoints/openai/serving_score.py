@@ -1,7 +1,8 @@
-"""vLLM's /score and /rerank for embedding models: each pair of texts scored by the cosine
-similarity of their embeddings (entrypoints/score_utils.py), rerank in the shape Jina's
-and Cohere's clients read (results best first, `top_n` of them); and the routes of the
-pooling APIs, /v1/embeddings with them."""
+"""vLLM's /score and /rerank: an embedding model scores each pair of texts by the cosine
+similarity of their embeddings, a cross-encoder by running the pair through the model
+(entrypoints/score_utils.py); rerank in the shape Jina's and Cohere's clients read
+(results best first, `top_n` of them); and the routes of the pooling APIs,
+/v1/embeddings and /classify with them."""
 
 from __future__ import annotations
 
@@ -14,9 +15,18 @@ from pydantic import Field
 
 from jaxllm.entrypoints.openai.protocol import OpenAIBaseModel, UsageInfo
 from jaxllm.entrypoints.openai.protocol_embedding import EmbeddingRequest
-from jaxllm.entrypoints.openai.serving_embedding import OpenAIServingEmbedding
+from jaxllm.entrypoints.openai.serving_classify import (
+    ClassificationRequest,
+    OpenAIServingClassify,
+)
 from jaxllm.entrypoints.openai.serving_engine import random_id
-from jaxllm.entrypoints.score_utils import check_pairs, pair_scores
+from jaxllm.entrypoints.score_utils import (
+    check_pairs,
+    cross_encoder_pairs,
+    cross_encoder_scores,
+    is_cross_encoder,
+    pair_scores,
+)
 from jaxllm.errors import ParameterError
 from jaxllm.outputs import ScoringRequestOutput
 from jaxllm.sampling_params import PoolingParams
@@ -77,7 +87,9 @@ def _texts(value: str | list[str]) -> list[str]:
     return [value] if isinstance(value, str) else list(value)
 
 
-class OpenAIServingScore(OpenAIServingEmbedding):
+class OpenAIServingScore(OpenAIServingClassify):
+    """Every pooling API: embeddings, classification, scores and reranking."""
+
     async def create_score(self, req: ScoreRequest) -> ScoreResponse:
         model = self.check_model(req.model)
         req.check_strings()
@@ -109,25 +121,40 @@ class OpenAIServingScore(OpenAIServingEmbedding):
 
     async def _scores(self, first: list[str], second: list[str], names: tuple[str, str],
                       priority: int, request_id: str) -> list[ScoringRequestOutput]:
-        """The pairs' scores: each text embedded once, all in one batch."""
-        self.check_embeds("Score")
+        """The pairs' scores, all in one batch: a cross-encoder's of each pair's encoding,
+        else the cosine similarities of the texts' embeddings (each text embedded once)."""
+        tasks = self.model_config.supported_tasks
+        self.check_task("score" if is_cross_encoder(tasks) else "embed", "Score")
         check_pairs(len(first), len(second), names)
+        if is_cross_encoder(tasks):
+            pairs = cross_encoder_pairs(self.tokenizer, first, second, names,
+                                        self.model_config.max_model_len)
+            outs = await self.pool([{"prompt_token_ids": ids} for ids, _ in pairs],
+                                   [PoolingParams(task="score", token_type_start=start)
+                                    for _, start in pairs],
+                                   priority, request_id, [names[1]] * len(pairs))
+            return cross_encoder_scores(outs)
         prompts = [self._tokenized(t, True) for t in first + second]
         fields = [names[0]] * len(first) + [names[1]] * len(second)
-        outs = await self.embed(prompts, PoolingParams(), priority, request_id, fields)
+        outs = await self.pool(prompts, PoolingParams(task="embed"), priority, request_id,
+                               fields)
         return pair_scores(outs[:len(first)], outs[len(first):],
                            getattr(self.tokenizer, "pad_token_id", None))
 
 
 def add_pooling_routes(app: FastAPI, serving: OpenAIServingScore, respond: Callable,
                        until_disconnect: Callable) -> None:
-    """The pooling APIs' routes: POST /v1/embeddings; /score and /v1/score; /rerank,
-    /v1/rerank and /v2/rerank, as vLLM serves them. Each request is aborted if its
-    client goes away (`until_disconnect`)."""
+    """The pooling APIs' routes: POST /v1/embeddings; /classify; /score and /v1/score;
+    /rerank, /v1/rerank and /v2/rerank, as vLLM serves them. Each request is aborted if
+    its client goes away (`until_disconnect`)."""
 
     @app.post("/v1/embeddings")
     async def embeddings(body: EmbeddingRequest, raw: Request) -> Any:
         return respond(await until_disconnect(raw, serving.create_embedding(body)))
+
+    @app.post("/classify")
+    async def classify(body: ClassificationRequest, raw: Request) -> Any:
+        return respond(await until_disconnect(raw, serving.create_classify(body)))
 
     async def score(body: ScoreRequest, raw: Request) -> Any:
         return respond(await until_disconnect(raw, serving.create_score(body)))
