@@ -145,17 +145,21 @@ class PagedKVCache:
         return jax.jit(lambda: jnp.zeros(shape, dtype), out_shardings=sharding)()
 
 
+def cuda_runtime() -> Any:
+    """CUDA's runtime library (the one JAX's CUDA plugin has loaded already), or None."""
+    for name in ("libcudart.so.13", "libcudart.so.12", "libcudart.so"):
+        try:
+            return ctypes.CDLL(name)
+        except OSError:
+            continue
+    return None
+
+
 def gpu_memory(device: Any) -> tuple[int, int]:
     """(free, total) bytes of a GPU by CUDA's runtime, as vLLM's `mem_get_info`: what
     sizes the cache under XLA's VMM allocator, which gives no memory statistics. Free
     memory is what nothing on the device holds, this process's weights included."""
-    lib = None
-    for name in ("libcudart.so.13", "libcudart.so.12", "libcudart.so"):
-        try:  # the runtime JAX's CUDA plugin has loaded already
-            lib = ctypes.CDLL(name)
-            break
-        except OSError:
-            continue
+    lib = cuda_runtime()
     if lib is None:
         raise RuntimeError("the GPU allocator gives no memory statistics and CUDA's runtime "
                            "library was not found: set kv_cache_bytes or "
