@@ -1,9 +1,8 @@
 """The sparse mixture-of-experts MLP: a router picks `top_k` of `num_experts` SwiGLU
 experts per token and the layer returns their outputs' weighted sum.
 
-Routing (`route`): softmax over all experts' logits in float32, the `top_k`
-largest, renormalized to sum to one when `renormalize` (Mixtral always; that
-equals a softmax over the top-k logits; Qwen3-MoE iff `norm_topk_prob`).
+Routing (layers/moe_routing.py): the softmax top-k (`route`), or grouped sigmoid
+scores with a correction bias (`grouped_route`, GLM-4.5).
 
 The experts run as two grouped matmuls over the T*k (token, expert) pairs
 sorted by expert (`expert_ffn`): gather each pair's token row, gate/up for each
@@ -71,6 +70,7 @@ from jax.sharding import PartitionSpec as P
 from jaxllm.errors import ParameterError
 from jaxllm.layers.grouped_matmul import GroupedMatmul, default_grouped_matmul
 from jaxllm.layers.linear import make_param
+from jaxllm.layers.moe_routing import GroupedRouting, grouped_route, route
 from jaxllm.layers.norm import rms_norm
 from jaxllm.layers.quant import quantize_traced
 from jaxllm.layers.row_reduce import NormWeight
@@ -79,15 +79,6 @@ from jaxllm.layers.row_reduce import NormWeight
 SMALL_TOKENS = 16
 # The bodies of a small step's unquantized experts (`small_step_kernel`).
 SMALL_KERNELS = ("loop", "pallas")
-
-
-def route(logits: jax.Array, top_k: int, renormalize: bool) -> tuple[jax.Array, jax.Array]:
-    """(weights `[T, k]` float32, expert ids `[T, k]` int32) for router logits `[T, E]`."""
-    probs = jax.nn.softmax(logits.astype(jnp.float32), axis=-1)
-    weights, ids = jax.lax.top_k(probs, top_k)
-    if renormalize:
-        weights = weights / jnp.sum(weights, axis=-1, keepdims=True)
-    return weights, ids.astype(jnp.int32)
 
 
 def small_token_limit(mesh: Mesh | None = None) -> int:
@@ -282,7 +273,9 @@ class SparseMoE(nnx.Module):
     def __init__(self, *, num_experts: int, top_k: int, intermediate_size: int,
                  hidden_size: int, renormalize: bool, dtype: jnp.dtype, rngs: nnx.Rngs,
                  gmm: GroupedMatmul | None = None, mesh: Mesh | None = None,
-                 method: Any = None):
+                 method: Any = None, grouped: GroupedRouting | None = None):
+        """`grouped`: route by grouped sigmoid scores with a float32 router and correction
+        bias (layers/moe_routing.py) instead of the softmax top-k."""
         e, i, h = num_experts, intermediate_size, hidden_size
         if not 1 <= top_k <= e:
             raise ParameterError("config.json:num_experts_per_tok",
@@ -299,7 +292,10 @@ class SparseMoE(nnx.Module):
         # The partial outputs' sum over 'model' for the steps it takes
         # (layers/row_reduce.py), attached after loading; None: psum.
         self.reduce: nnx.Module | None = nnx.data(None)
-        self.router = make_param(rngs, (e, h), dtype, P(None, None))
+        self.grouped = grouped
+        self.router = make_param(rngs, (e, h), jnp.float32 if grouped else dtype, P(None, None))
+        self.e_score_correction_bias = (make_param(rngs, (e,), jnp.float32, P(None), "zeros")
+                                        if grouped else None)
         self.method = method
         self.gate_up_proj, self.gate_up_proj_scale = _experts(rngs, (e, 2, i, h), dtype, method)
         self.down_proj, self.down_proj_scale = _experts(rngs, (e, h, i), dtype, method)
@@ -315,7 +311,8 @@ class SparseMoE(nnx.Module):
         """`residual` plus the experts' weighted output for the normed input `x` (the
         output alone when `residual` is None), as the decoder calls every MLP. Rows
         from `num_tokens` on (the step's padding; None: none) get no expert output."""
-        logits = jnp.einsum("th,eh->te", x, self.router[...],
+        router = self.router[...]
+        logits = jnp.einsum("th,eh->te", x.astype(router.dtype), router,
                             preferred_element_type=jnp.float32)
         experts = (self.gate_up_proj[...], self.down_proj[...])
         if self.method is not None:
@@ -326,14 +323,24 @@ class SparseMoE(nnx.Module):
         num_tokens = jnp.asarray(x.shape[0] if num_tokens is None else num_tokens, jnp.int32)
         small = x.shape[0] <= self.small_tokens  # static: the step's bucket
         tp = 1 if self.mesh is None else self.mesh.shape["model"]
-        fused = small and self._fused(x, experts[0].shape[0] // tp, *experts[0].shape[2:])
-        # The fused path routes inside its kernels; the others take `route`'s pairs.
-        routing = logits if fused else route(logits, self.top_k, self.renormalize)
+        kernels = small and self._fused(x, experts[0].shape[0] // tp, *experts[0].shape[2:])
+        # The fused path routes inside its kernels (softmax top-k only); the others take
+        # the routing's pairs.
+        fused = kernels and self.grouped is None
+        if fused:
+            routing = logits
+        elif self.grouped is None:
+            routing = route(logits, self.top_k, self.renormalize)
+        else:
+            routing = grouped_route(logits, self.e_score_correction_bias[...], self.grouped)
 
         def ffn(x, routing, statics, num_tokens, *experts, first=0):
             if fused:
                 return routed_logits_kernel(x, routing, *experts[:2], self.top_k,
                                             self.renormalize, first, num_tokens,
+                                            self.kernel_interpret)
+            if kernels:
+                return routed_expert_kernel(x, *routing, *experts[:2], first, num_tokens,
                                             self.kernel_interpret)
             kw = dict(input_scales=statics or None, num_tokens=num_tokens)
             if small:

@@ -98,7 +98,7 @@ def sparse_mlp_weights(arch: DecoderArch, hf_prefix: str,
     out = moe_weights(arch, hf_prefix, path)
     if arch.moe.shared_intermediate_size:
         out += gated_mlp_weights(dataclasses.replace(arch, mlp_bias=False),
-                                 f"{hf_prefix}shared_expert.", path + ("shared_expert",))
+                                 f"{hf_prefix}{arch.moe.shared_name}.", path + ("shared_expert",))
     return out
 
 

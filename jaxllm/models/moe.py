@@ -1,11 +1,14 @@
-"""The mixture-of-experts families on the generic decoder: Mixtral, Qwen2-MoE and Qwen3-MoE.
+"""The mixture-of-experts families on the generic decoder: Mixtral, Qwen2/3-MoE and GLM-4.5.
 
 Llama-shaped attention (Qwen3-MoE with Qwen3's per-head q/k RMSNorm), two norms
 per layer, and in place of the dense SwiGLU MLP the routed experts of
 layers/moe.py in every sparse layer (models/moe_weights.py says which layers and
 where their weights live); Qwen3-MoE's other layers keep a dense MLP of
 `intermediate_size`; Qwen2-MoE's sparse layers add a gated shared expert
-(layers/moe_shared.py). Under tensor parallelism the experts split over the devices.
+(layers/moe_shared.py). GLM-4.5: partial rotary, optional q/k norms, grouped sigmoid
+routing and an ungated shared expert, its first layers dense, and the checkpoint's
+multi-token-prediction layers (past `num_hidden_layers`) left unread. Under tensor
+parallelism the experts split over the devices.
 """
 
 from __future__ import annotations
@@ -19,7 +22,7 @@ from jaxllm.models.moe_weights import MOE_MODEL_TYPES, MoEArch
 
 
 def moe_arch(cfg: Any, tensor_parallel_size: int = 1) -> DecoderArch:
-    """A Mixtral / Qwen2-MoE / Qwen3-MoE config as a `DecoderArch`."""
+    """A Mixtral / Qwen2-MoE / Qwen3-MoE / GLM-4.5 config as a `DecoderArch`."""
     model_type = getattr(cfg, "model_type", None)
     if model_type not in MOE_MODEL_TYPES:
         raise ParameterError("model", f"model_type {model_type!r} is not a mixture-of-experts "
@@ -34,19 +37,28 @@ def moe_arch(cfg: Any, tensor_parallel_size: int = 1) -> DecoderArch:
                              f"{tensor_parallel_size} does not divide the {moe.num_experts} "
                              "experts (each device holds whole experts)")
     attention_bias = bool(getattr(cfg, "attention_bias", False))
+    glm = model_type == "glm4_moe"
     return DecoderArch(
         **common_fields(cfg, tensor_parallel_size),
-        # Qwen2-MoE: q/k/v biases (`qkv_bias`), none on o.
+        # Qwen2-MoE (`qkv_bias`) and GLM-4.5 (`attention_bias`): q/k/v biases, none on o.
         qkv_bias=bool(getattr(cfg, "qkv_bias", attention_bias)),
-        o_bias=attention_bias,
+        o_bias=attention_bias and not glm,
         mlp_bias=False,
-        qk_norm=model_type == "qwen3_moe",
+        qk_norm=model_type == "qwen3_moe" or (glm and bool(getattr(cfg, "use_qk_norm", False))),
         mlp_kinds=tuple("moe" if sparse else "dense" for sparse in moe.sparse_layers),
         moe=moe,
     )
 
 
 class MoEForCausalLM(DecoderForCausalLM):
-    """Mixtral / Qwen2-MoE / Qwen3-MoE causal LM over a ragged, paged batch."""
+    """Mixtral / Qwen2-MoE / Qwen3-MoE / GLM-4.5 causal LM over a ragged, paged batch."""
 
     arch_from_hf_config = staticmethod(moe_arch)
+
+    @classmethod
+    def hf_ignored_tensor(cls, hf_config: Any, name: str) -> bool:
+        """Also GLM-4.5's multi-token-prediction layers, which speculation would read."""
+        layers, extra = int(hf_config.num_hidden_layers), int(
+            getattr(hf_config, "num_nextn_predict_layers", 0) or 0)
+        mtp = tuple(f"model.layers.{i}." for i in range(layers, layers + extra))
+        return (extra > 0 and name.startswith(mtp)) or super().hf_ignored_tensor(hf_config, name)

@@ -9,7 +9,10 @@ keep a dense MLP of `intermediate_size`), the experts under `mlp` named
 `gate_proj` / `up_proj` / `down_proj` with `moe_intermediate_size`, renormalized iff
 `norm_topk_prob`. Qwen2-MoE (`Qwen2MoeForCausalLM`): Qwen3-MoE's layout and layer
 rule, plus in each sparse layer a shared expert (`mlp.shared_expert.*`, of
-`shared_expert_intermediate_size`) gated by `mlp.shared_expert_gate`. All are the
+`shared_expert_intermediate_size`) gated by `mlp.shared_expert_gate`. GLM-4.5
+(`Glm4MoeForCausalLM`): sparse from layer `first_k_dense_replace` on, routed by grouped
+sigmoid scores with `mlp.gate.e_score_correction_bias` (layers/moe_routing.py), and an
+ungated shared expert `mlp.shared_experts` of `n_shared_experts` experts' width. All are the
 hub's per-expert layout, the one real checkpoints use and the one transformers'
 `save_pretrained` writes.
 """
@@ -22,9 +25,10 @@ from typing import Any
 import numpy as np
 
 from jaxllm.errors import ParameterError
+from jaxllm.layers.moe_routing import GroupedRouting
 from jaxllm.models.contract import WeightSource
 
-MOE_MODEL_TYPES = ("mixtral", "qwen3_moe", "qwen2_moe")
+MOE_MODEL_TYPES = ("mixtral", "qwen3_moe", "qwen2_moe", "glm4_moe")
 
 
 @dataclass(frozen=True)
@@ -40,6 +44,8 @@ class MoEArch:
     names: tuple[str, str, str]  # one expert's gate, up and down projections
     shared_intermediate_size: int = 0  # the shared expert's (0: none)
     shared_gate: bool = False  # the shared expert's output scaled by a sigmoid gate
+    shared_name: str = "shared_expert"  # its module under `block`
+    grouped: GroupedRouting | None = None  # grouped sigmoid routing (else softmax top-k)
 
     @classmethod
     def from_hf_config(cls, cfg: Any) -> MoEArch | None:
@@ -56,6 +62,21 @@ class MoEArch:
                        intermediate_size=int(cfg.intermediate_size), renormalize=True,
                        sparse_layers=(True,) * layers, block="block_sparse_moe",
                        names=("w1", "w3", "w2"))
+        if model_type == "glm4_moe":
+            routing = GroupedRouting(
+                top_k=int(cfg.num_experts_per_tok), renormalize=bool(cfg.norm_topk_prob),
+                groups=int(cfg.n_group or 1), topk_groups=int(cfg.topk_group or 1),
+                scale=float(cfg.routed_scaling_factor))
+            routing.check(experts)
+            first_sparse = int(getattr(cfg, "first_k_dense_replace", 0) or 0)
+            return cls(num_experts=experts, top_k=routing.top_k,
+                       intermediate_size=int(cfg.moe_intermediate_size),
+                       renormalize=routing.renormalize,
+                       sparse_layers=tuple(i >= first_sparse for i in range(layers)),
+                       block="mlp", names=("gate_proj", "up_proj", "down_proj"),
+                       shared_intermediate_size=int(cfg.moe_intermediate_size)
+                       * int(getattr(cfg, "n_shared_experts", 0) or 0),
+                       shared_name="shared_experts", grouped=routing)
         step = int(getattr(cfg, "decoder_sparse_step", 1) or 1)
         dense = {int(i) for i in (getattr(cfg, "mlp_only_layers", None) or ())}
         shared = int(getattr(cfg, "shared_expert_intermediate_size", 0) or 0)
@@ -94,6 +115,9 @@ def moe_weights(arch: Any, hf_prefix: str, path: tuple[str | int, ...]) -> list[
     if moe.shared_gate:  # the shared expert itself: decoder_weights' gated MLP
         out.append(WeightSource(path + ("shared_expert_gate",),
                                 (pre + "shared_expert_gate.weight",), _only))
+    if moe.grouped is not None:
+        out.append(WeightSource(path + ("e_score_correction_bias",),
+                                (pre + "gate.e_score_correction_bias",), _only))
     return out + [
         WeightSource(path + ("router",), (pre + "gate.weight",), _only),
         WeightSource(path + ("gate_up_proj",), tuple(

@@ -32,6 +32,7 @@ _MODELS: dict[str, type] = {
     "Phi3ForCausalLM": Phi3ForCausalLM,
     "MixtralForCausalLM": MoEForCausalLM,
     "Qwen2MoeForCausalLM": MoEForCausalLM,
+    "Glm4MoeForCausalLM": MoEForCausalLM,
     "Qwen3MoeForCausalLM": MoEForCausalLM,
     "Gemma2ForCausalLM": GemmaForCausalLM,
     "Gemma3ForCausalLM": GemmaForCausalLM,

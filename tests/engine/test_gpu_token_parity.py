@@ -37,6 +37,9 @@ CASES = {
     # The routed experts' small-step kernels beside a shared expert's dense MLP.
     "qwen2_moe": dict(SHAPE, arch="qwen2_moe", num_experts=16, num_experts_per_tok=4,
                       moe_intermediate_size=128, shared_expert_intermediate_size=256),
+    # Grouped sigmoid routing in jnp before the same kernels; partial rotary (no qkv_rope).
+    "glm4_moe": dict(SHAPE, arch="glm4_moe", n_routed_experts=16, num_experts_per_tok=4,
+                     n_group=4, topk_group=2, moe_intermediate_size=128),
     # qkv_rope's q/k norms and yarn's factor on cos and sin, compiled.
     "qwen3-yarn": dict(SHAPE, arch="qwen3", intermediate_size=512, rope_parameters=dict(
         rope_type="yarn", rope_theta=10000.0, factor=4.0, original_max_position_embeddings=32)),

@@ -41,6 +41,7 @@ CASES = {
     "qwen3-moe-dense-layer-1": dict(arch="qwen3_moe", num_key_value_heads=2, num_experts=8,
                                     mlp_only_layers=[1]),
     "qwen2-moe-shared-expert": dict(arch="qwen2_moe", num_key_value_heads=2, num_experts=8),
+    "glm4-moe-grouped-routing": dict(arch="glm4_moe", num_key_value_heads=2),
 }
 
 
@@ -76,10 +77,12 @@ def test_greedy_tokens_top5_logprobs_and_prompt_logprobs_match_transformers(case
                 assert abs(top5[tok] - lp) < 1e-4
 
 
-@pytest.mark.parametrize("case", ["mixtral", "qwen3-moe-dense-layer-1", "qwen2-moe-shared-expert"])
+@pytest.mark.parametrize("case", ["mixtral", "qwen3-moe-dense-layer-1", "qwen2-moe-shared-expert",
+                                  "glm4-moe-grouped-routing"])
 def test_moe_decode_steps_through_the_fused_expert_kernel_match_transformers(
         case, tmp_path, monkeypatch):
     """The same parity with every small step's experts in pallas_kernels/moe_small (its
-    Pallas interpret mode on the CPU) instead of the loop."""
+    Pallas interpret mode on the CPU) instead of the loop; GLM-4.5's grouped routing in
+    jnp before them, the others' in the routing kernel."""
     monkeypatch.setenv("JAXLLM_MOE_SMALL_KERNEL", "pallas")
     test_greedy_tokens_top5_logprobs_and_prompt_logprobs_match_transformers(case, tmp_path)

@@ -69,6 +69,9 @@ CASES = {
     # layer 1 dense; q/k/v biases.
     "qwen2-moe-shared-expert": dict(arch="qwen2_moe", num_hidden_layers=3, mlp_only_layers=[1],
                                     num_experts=8, num_experts_per_tok=2),
+    # GLM-4.5 (tiny_checkpoints' defaults: grouped sigmoid routing with a correction bias,
+    # a shared expert, layer 0 dense, partial rotary, q/k norms, q/k/v biases).
+    "glm4-moe-grouped-routing": dict(arch="glm4_moe", num_hidden_layers=3),
     # Gemma 2: a sliding layer then a global one, both logit soft-caps low enough to
     # bite, an attention scale that is not head_dim's, tied embeddings.
     "gemma2-softcaps-tied": dict(arch="gemma2", sliding_window=4, attn_logit_softcapping=2.0,
@@ -194,7 +197,7 @@ def test_ragged_prefill_and_decode_logits_match_transformers(case, tmp_path):
 
 @pytest.mark.slow
 @pytest.mark.parametrize("case", ["mixtral-4-experts-top2", "qwen3-moe-dense-and-sparse-layers",
-                                  "qwen2-moe-shared-expert"])
+                                  "qwen2-moe-shared-expert", "glm4-moe-grouped-routing"])
 def test_moe_logits_by_the_megablox_kernel_match_transformers(case, tmp_path):
     """The routed experts by the Pallas TPU grouped matmul (interpret mode) at every step
     size, as on TPU."""

@@ -44,6 +44,8 @@ CASES = {
     # The routed experts expert parallel, the shared expert column/row parallel.
     "tp2-qwen2-moe-shared": (2, dict(arch="qwen2_moe", num_attention_heads=4,
                                      num_key_value_heads=2)),
+    "tp2-glm4-moe-grouped": (2, dict(arch="glm4_moe", num_attention_heads=4,
+                                     num_key_value_heads=2)),
     "tp2-qwen3-moe": (2, dict(arch="qwen3_moe", num_attention_heads=4, num_key_value_heads=2,
                               num_experts=8, mlp_only_layers=[1])),
 }

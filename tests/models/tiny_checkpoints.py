@@ -20,6 +20,8 @@ from transformers import (
     Gemma2ForCausalLM,
     Gemma3ForCausalLM,
     Gemma3TextConfig,
+    Glm4MoeConfig,
+    Glm4MoeForCausalLM,
     LlamaConfig,
     LlamaForCausalLM,
     MistralConfig,
@@ -49,6 +51,7 @@ ARCHS = {
     "mixtral": (MixtralConfig, MixtralForCausalLM),
     "qwen3_moe": (Qwen3MoeConfig, Qwen3MoeForCausalLM),
     "qwen2_moe": (Qwen2MoeConfig, Qwen2MoeForCausalLM),
+    "glm4_moe": (Glm4MoeConfig, Glm4MoeForCausalLM),
     "phi3": (Phi3Config, Phi3ForCausalLM),
     "smollm3": (SmolLM3Config, SmolLM3ForCausalLM),
     "gemma2": (Gemma2Config, Gemma2ForCausalLM),
@@ -62,6 +65,12 @@ ARCH_DEFAULTS = {
                       norm_topk_prob=True),
     "qwen2_moe": dict(num_experts=4, num_experts_per_tok=2, moe_intermediate_size=64,
                       shared_expert_intermediate_size=96),
+    # GLM-4.5: 8 experts in 4 groups, the best 2 groups kept, top 2; weights renormalized
+    # then scaled; a shared expert; layer 0 dense; half of each head rotated; q/k norms.
+    "glm4_moe": dict(n_routed_experts=8, num_experts_per_tok=2, n_group=4, topk_group=2,
+                     moe_intermediate_size=32, n_shared_experts=1, first_k_dense_replace=1,
+                     routed_scaling_factor=2.5, partial_rotary_factor=0.5, use_qk_norm=True,
+                     attention_bias=True),
 }
 # Gemma's norms scale by 1 + weight: its random norm weights sit around 0.
 _OFFSET_NORMS = ("gemma2", "gemma3")
@@ -101,6 +110,9 @@ def make_tiny_checkpoint(tmp_path, arch: str = "llama", *, dtype: str = "float32
                 p.copy_((0.0 if arch in _OFFSET_NORMS else 1.0) + 0.1 * torch.randn_like(p))
             else:
                 p.normal_(0.0, init_std)
+        for name, b in model.named_buffers():
+            if name.endswith("e_score_correction_bias"):  # a learned buffer, zeros at init
+                b.normal_(0.0, 0.3)
     model = model.to(_TORCH_DTYPES[dtype])
     model.config.dtype = dtype
     out = tempfile.mkdtemp(prefix=f"{arch}-", dir=str(tmp_path))
