@@ -33,7 +33,7 @@ from jaxllm.models.decoder import DecoderAttention
 from jaxllm.models.decoder_weights import hf_weight_map
 from jaxllm.models.eagle_config import FIELD, EagleHeadSpec, canonical
 from jaxllm.models.llama import llama_arch
-from jaxllm.models.loader import SafetensorsCheckpoint
+from jaxllm.models.safetensors_files import SafetensorsCheckpoint
 
 # The head's RMSNorm weights, stacked in this order.
 NORMS = {"eagle": ("layers.0.post_attention_layernorm",),

@@ -20,16 +20,12 @@ shards, or any `*.safetensors` files in the directory; bf16/fp16/fp32 on disk.
 from __future__ import annotations
 
 import functools
-import glob
 import inspect
-import json
-import os
 from collections.abc import Callable
 from typing import Any
 
 import jax
 import jax.numpy as jnp
-import ml_dtypes
 import numpy as np
 from flax import nnx
 from jax.sharding import Mesh, NamedSharding
@@ -58,13 +54,7 @@ from jaxllm.models.quant_load import (
 )
 from jaxllm.models.quant_load import ignored as quant_ignored
 from jaxllm.models.registry import get_model_class
-
-_ST_DTYPES = {
-    "F64": np.float64, "F32": np.float32, "F16": np.float16, "BF16": ml_dtypes.bfloat16,
-    "F8_E4M3": ml_dtypes.float8_e4m3fn, "F8_E5M2": ml_dtypes.float8_e5m2,
-    "I64": np.int64, "I32": np.int32, "I16": np.int16, "I8": np.int8,
-    "U64": np.uint64, "U32": np.uint32, "U16": np.uint16, "U8": np.uint8, "BOOL": np.bool_,
-}
+from jaxllm.models.safetensors_files import SafetensorsCheckpoint
 
 
 def kv_cache_spec(hf_config: Any, tensor_parallel_size: int = 1) -> KVCacheSpec:
@@ -148,7 +138,8 @@ def load_model(model_config: ModelConfig, mesh: Mesh, attn_backend: Any,
             values[kv] = _place(np.ones(state[kv].get_value().shape, np.float32),
                                 shardings[kv])
     else:
-        values = _load_safetensors(cls, hf_config, model_config.model, state, shardings, tp)
+        ckpt = SafetensorsCheckpoint(model_config.model)
+        values = _load_safetensors(cls, hf_config, ckpt, state, shardings, tp)
     nnx.replace_by_pure_dict(state, values)
     return nnx.merge(graphdef, state)
 
@@ -197,67 +188,9 @@ def uses_orbax(model_config: ModelConfig) -> bool:
 
 # ---- safetensors ------------------------------------------------------------------------
 
-class SafetensorsCheckpoint:
-    """Tensor name -> memory-mapped numpy view, over every safetensors file of a directory."""
-
-    def __init__(self, model_dir: str):
-        self.model_dir = model_dir
-        self._entries: dict[str, tuple[str, dict]] = {}
-        self._maps: dict[str, tuple[np.memmap, int]] = {}
-        for path in _safetensors_files(model_dir):
-            with open(path, "rb") as f:
-                header_len = int.from_bytes(f.read(8), "little")
-                header = json.loads(f.read(header_len))
-            header.pop("__metadata__", None)
-            for name, entry in header.items():
-                self._entries.setdefault(name, (path, entry))
-
-    def names(self) -> set[str]:
-        return set(self._entries)
-
-    def rename(self, renames: dict[str, str]) -> None:
-        """Reads tensors by new names: `renames` maps a stored name to the name the
-        model's weight map uses."""
-        self._entries = {renames.get(n, n): e for n, e in self._entries.items()}
-
-    def read(self, name: str) -> np.ndarray:
-        path, entry = self._entries[name]
-        if path not in self._maps:
-            with open(path, "rb") as f:
-                header_len = int.from_bytes(f.read(8), "little")
-            self._maps[path] = (np.memmap(path, dtype=np.uint8, mode="r"), 8 + header_len)
-        data, base = self._maps[path]
-        if entry["dtype"] not in _ST_DTYPES:
-            raise ParameterError("model", f"tensor {name!r} in {path} has unsupported dtype "
-                                 f"{entry['dtype']}")
-        start, end = entry["data_offsets"]
-        dtype = np.dtype(_ST_DTYPES[entry["dtype"]])
-        return data[base + start:base + end].view(dtype).reshape(entry["shape"])
-
-
-def _safetensors_files(model_dir: str) -> list[str]:
-    index = os.path.join(model_dir, "model.safetensors.index.json")
-    if os.path.isfile(index):
-        with open(index) as f:
-            weight_map = json.load(f)["weight_map"]
-        files = [os.path.join(model_dir, name) for name in sorted(set(weight_map.values()))]
-        missing = [p for p in files if not os.path.isfile(p)]
-        if missing:
-            raise ParameterError("model", f"{index} names shard {missing[0]!r}, which is missing")
-        return files
-    single = os.path.join(model_dir, "model.safetensors")
-    if os.path.isfile(single):
-        return [single]
-    files = sorted(glob.glob(os.path.join(model_dir, "*.safetensors")))
-    if not files:
-        raise ParameterError("model", f"no safetensors weights in {model_dir!r} (jaxllm reads "
-                             "*.safetensors only; use load_format='dummy' for random weights)")
-    return files
-
-
-def _load_safetensors(cls: type, hf_config: Any, model_dir: str, state: nnx.State,
-                      shardings: dict, tp: int) -> dict:
-    ckpt = SafetensorsCheckpoint(model_dir)
+def _load_safetensors(cls: type, hf_config: Any, ckpt: SafetensorsCheckpoint,
+                      state: nnx.State, shardings: dict, tp: int) -> dict:
+    model_dir = ckpt.model_dir
     renames = getattr(cls, "hf_checkpoint_renames", None)
     if renames is not None:  # an encoder's trunk is saved with or without a prefix
         ckpt.rename(renames(hf_config, ckpt.names()))
@@ -276,7 +209,8 @@ def _load_safetensors(cls: type, hf_config: Any, model_dir: str, state: nnx.Stat
     if unexpected:
         more = f" (and {len(unexpected) - 1} more)" if len(unexpected) > 1 else ""
         raise ParameterError("model", f"checkpoint {model_dir!r} has unexpected tensor "
-                             f"{unexpected[0]!r}{more}, which {cls.__name__} does not use")
+                             f"{ckpt.stored_name(unexpected[0])!r}{more}, which "
+                             f"{cls.__name__} does not use")
     sourced = {src.path for src in sources}
     sourced |= {at(p) for p in sourced for at in (scale_path, input_scale_path)}
     sourced.add(KV_SCALES)
