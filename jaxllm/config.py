@@ -54,6 +54,10 @@ class ModelConfig:
     pooler_config: PoolerConfig = field(default_factory=lambda: PoolerConfig("LAST", True))
     quantization: str | None = None  # resolved: None | "fp8" | "fp8_static" | "int8"
     kv_cache_dtype: str = "auto"
+    # A multimodal checkpoint served as its language model (models/multimodal.py): its
+    # architecture; `hf_config` is then the text config and the loader reads the
+    # checkpoint's tensors under the text model's names.
+    checkpoint_architecture: str | None = None
 
     @property
     def architecture(self) -> str:
@@ -308,13 +312,16 @@ class EngineArgs:
                 raw = json.load(f)
         except (json.JSONDecodeError, UnicodeDecodeError) as e:
             raise ParameterError("model", f"config.json in {model!r} is not valid JSON: {e}") from e
-        for key in ("architectures", "hidden_size", "num_hidden_layers", "vocab_size"):
+        from jaxllm.models.multimodal import config_keys, text_model_of
+
+        for key in config_keys(raw):
             if key not in raw:
                 raise ParameterError(f"config.json:{key}", f"missing in {cfg_path}")
         try:
             hf_config = AutoConfig.from_pretrained(model)
         except Exception as e:  # transformers raises many types for bad configs
             raise ParameterError("model", f"transformers cannot read {cfg_path}: {e}") from e
+        hf_config, checkpoint_architecture = text_model_of(hf_config, model)
         if self.dtype not in _DTYPES:
             raise ParameterError("dtype", f"must be one of {_DTYPES}, got {self.dtype!r}")
         dtype = self.dtype
@@ -368,7 +375,8 @@ class EngineArgs:
             seed=self.seed, skip_tokenizer_init=self.skip_tokenizer_init,
             load_format=self.load_format, served_model_name=self.served_model_name or model,
             hf_config=hf_config, eos_token_ids=eos_ids, generation_defaults=gen_defaults,
-            is_encoder=is_encoder, supported_tasks=tasks, pooler_config=pooler, **quant)
+            is_encoder=is_encoder, supported_tasks=tasks, pooler_config=pooler,
+            checkpoint_architecture=checkpoint_architecture, **quant)
 
     def _supported_tasks(self, is_encoder: bool, labels: int | None) -> tuple[str, ...]:
         """`labels`: a cross-encoder's label count (None for any other model)."""

@@ -15,6 +15,8 @@ Then either
 
 Checkpoints: `model.safetensors`, a `model.safetensors.index.json` over several
 shards, or any `*.safetensors` files in the directory; bf16/fp16/fp32 on disk.
+A multimodal checkpoint's language model is read under its text model's tensor
+names, its vision tensors skipped (models/multimodal.py).
 """
 
 from __future__ import annotations
@@ -42,6 +44,7 @@ from jaxllm.errors import ParameterError
 from jaxllm.layers.attention_sharded import shard_attention
 from jaxllm.layers.linear import INIT_STD
 from jaxllm.models.contract import KVCacheSpec
+from jaxllm.models.multimodal import text_tensor_name
 from jaxllm.models.orbax_io import ORBAX_DIR, is_orbax_checkpoint, load_orbax
 from jaxllm.models.quant_load import (
     KV_SCALES,
@@ -138,7 +141,9 @@ def load_model(model_config: ModelConfig, mesh: Mesh, attn_backend: Any,
             values[kv] = _place(np.ones(state[kv].get_value().shape, np.float32),
                                 shardings[kv])
     else:
-        ckpt = SafetensorsCheckpoint(model_config.model)
+        # A multimodal checkpoint's language model is read under the text model's names.
+        multimodal = getattr(model_config, "checkpoint_architecture", None)
+        ckpt = SafetensorsCheckpoint(model_config.model, text_tensor_name if multimodal else None)
         values = _load_safetensors(cls, hf_config, ckpt, state, shardings, tp)
     nnx.replace_by_pure_dict(state, values)
     return nnx.merge(graphdef, state)

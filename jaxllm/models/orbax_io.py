@@ -95,6 +95,9 @@ def save_orbax(model: nnx.Module, hf_config: Any, source_dir: str, out_dir: str,
     # Weights are stored in jaxllm's layout: a source FP8 checkpoint's format no longer
     # describes them (the quantization is in METADATA_FILE).
     cfg.pop("quantization_config", None)
+    # Whether the head is the embedding matrix, as laid out: a multimodal checkpoint's
+    # is read from its tensors (models/multimodal.py), which the conversion does not copy.
+    cfg["tie_word_embeddings"] = bool(getattr(hf_config, "tie_word_embeddings", False))
     with open(cfg_path, "w") as f:
         json.dump(cfg, f, indent=2)
 

@@ -4,7 +4,8 @@ Every causal LM implements the model contract (models/contract.py) as a
 configuration of the generic decoder (models/decoder.py); an encoder
 (`is_encoder`, models/bert.py) runs under the encoder runner instead, and a
 cross-encoder (`is_classifier`, models/cross_encoder.py) is an encoder with a
-classification head.
+classification head. A multimodal checkpoint is served as its language model's
+architecture (models/multimodal.py).
 """
 
 from __future__ import annotations
@@ -21,6 +22,7 @@ from jaxllm.models.cross_encoder import (
 from jaxllm.models.gemma import GemmaForCausalLM
 from jaxllm.models.llama import LlamaForCausalLM
 from jaxllm.models.moe import MoEForCausalLM
+from jaxllm.models.multimodal import TEXT_ARCHITECTURES
 from jaxllm.models.phi3 import Phi3ForCausalLM
 
 _MODELS: dict[str, type] = {
@@ -67,7 +69,8 @@ def usable_positions(architecture: str, hf_config: Any) -> int | None:
 
 
 def supported_architectures() -> list[str]:
-    return sorted(_MODELS)
+    """Every `architectures[0]` jaxllm serves: its own and the multimodal ones (as text)."""
+    return sorted([*_MODELS, *TEXT_ARCHITECTURES])
 
 
 def get_model_class(architecture: str) -> type:

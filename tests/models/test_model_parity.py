@@ -348,7 +348,8 @@ def test_dummy_weights_are_deterministic_from_the_seed(tmp_path):
 
 def test_unsupported_architecture_lists_the_supported_ones():
     with pytest.raises(ParameterError, match="supported: BertModel, Gemma2ForCausalLM, "
-                                             "Gemma3ForCausalLM, LlamaForCausalLM"):
+                                             "Gemma3ForCausalLM, Gemma3ForConditionalGeneration, "
+                                             "LlamaForCausalLM"):
         get_model_class("GPT2LMHeadModel")
 
 
