@@ -4,7 +4,10 @@ A PEFT directory holds `adapter_config.json` (rank `r`, `lora_alpha`,
 `target_modules`, `use_rslora`) and `adapter_model.safetensors` with tensors
 named `...layers.{i}.{self_attn|mlp}.{module}.lora_{A|B}.weight`, A `[r, in]`
 and B `[out, r]`. The scale `lora_alpha / r` (`lora_alpha / sqrt(r)` with
-rsLoRA) is folded into B here, so the device computes `(x @ A.T) @ B.T`.
+rsLoRA) is folded into B here, so the device computes `(x @ A.T) @ B.T`. An
+adapter of a multimodal model (models/multimodal.py) names the language model's
+modules in either layout; its vision tower's and projector's tensors are skipped,
+as vLLM skips them: a text request runs neither.
 """
 
 from __future__ import annotations
@@ -20,11 +23,13 @@ import numpy as np
 from jaxllm.errors import ParameterError
 from jaxllm.lora.config import LoRAConfig
 from jaxllm.lora.request import LoRARequest
+from jaxllm.models.multimodal import text_tensor_name
 
 # The projections an adapter may target (PEFT module names of the decoders; Phi-3's
 # checkpoints fuse q/k/v and gate/up into one module each).
 SUPPORTED_MODULES = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj",
                      "down_proj", "qkv_proj", "gate_up_proj")
+_PEFT_PREFIX = "base_model.model."
 _TENSOR = re.compile(r"layers\.(\d+)\.(?:self_attn|mlp)\.(\w+)\.lora_([AB])(?:\.\w+)?\.weight$")
 
 
@@ -66,6 +71,9 @@ def load_peft_adapter(path: str, max_lora_rank: int) -> PeftAdapter:
     tensors = _read_tensors(path)
     halves: dict[tuple[int, str], dict[str, np.ndarray]] = {}
     for name, value in tensors.items():
+        module_path = name[len(_PEFT_PREFIX):] if name.startswith(_PEFT_PREFIX) else name
+        if text_tensor_name(module_path) is None:
+            continue
         m = _TENSOR.search(name)
         if m is None:
             raise ParameterError("lora_path", f"{path!r}: tensor {name!r} is not a LoRA "

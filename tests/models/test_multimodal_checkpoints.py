@@ -1,6 +1,6 @@
 """Multimodal Gemma 3 and Mistral 3 checkpoints load as their language model: the config
-seam (models/multimodal.py), both tensor layouts, the strict loader and orbax
-conversion. Outputs against transformers: tests/engine/test_multimodal_text_engine.py."""
+seam (models/multimodal.py), both tensor layouts, the strict loader, orbax conversion
+and PEFT adapters. Outputs against transformers: tests/engine/test_multimodal_text_engine.py."""
 
 from __future__ import annotations
 
@@ -20,6 +20,7 @@ from jaxllm.distributed.mesh import make_mesh
 from jaxllm.entrypoints.cli_convert import convert
 from jaxllm.errors import ParameterError
 from jaxllm.layers.attention import get_attention_backend
+from jaxllm.lora.peft import load_peft_adapter
 from jaxllm.models.loader import kv_cache_spec, load_model
 from tests.models.tiny_multimodal import (
     MODEL_CLASSES,
@@ -146,3 +147,23 @@ def test_converted_multimodal_checkpoint_restores_the_text_models_weights(tmp_pa
     for path, w in want.items():
         np.testing.assert_array_equal(got[path], w)
 
+
+def test_peft_adapter_of_the_wrapper_loads_its_language_layers_and_skips_the_tower(tmp_path):
+    """PEFT targets SigLIP's q_proj/v_proj too (`...vision_tower.encoder.layers.0.self_attn`),
+    whose names would otherwise read as language layer 0's."""
+    from peft import LoraConfig, get_peft_model
+
+    model_dir = make_tiny_multimodal_checkpoint(tmp_path, "gemma3")
+    base = MODEL_CLASSES["gemma3"].from_pretrained(model_dir, dtype=torch.float32)
+    peft_model = get_peft_model(base, LoraConfig(r=4, lora_alpha=8,
+                                                 target_modules=["q_proj", "v_proj", "fc1"]))
+    adapter_dir = str(tmp_path / "adapter")
+    peft_model.save_pretrained(adapter_dir)
+    stored = load_file(os.path.join(adapter_dir, "adapter_model.safetensors"))
+    assert any(".vision_tower.encoder.layers.0.self_attn.q_proj." in n for n in stored)
+    adapter = load_peft_adapter(adapter_dir, max_lora_rank=8)
+    assert set(adapter.weights) == {(i, m) for i in (0, 1) for m in ("q_proj", "v_proj")}
+    at = "base_model.model.model.language_model.layers.0.self_attn.q_proj."
+    a, b = adapter.weights[(0, "q_proj")]
+    np.testing.assert_array_equal(a, stored[at + "lora_A.weight"].numpy())
+    np.testing.assert_array_equal(b, stored[at + "lora_B.weight"].numpy() * 2.0)
