@@ -3,6 +3,8 @@ and fan an n > 1 request out into its children (vLLM's parallel sampling)."""
 
 from __future__ import annotations
 
+import json
+import os
 import time
 from typing import Any
 
@@ -35,11 +37,26 @@ def load_tokenizer(model_config: ModelConfig) -> Any | None:
     from transformers import AutoTokenizer
 
     try:
-        return AutoTokenizer.from_pretrained(model_config.tokenizer)
+        tokenizer = AutoTokenizer.from_pretrained(model_config.tokenizer)
     except Exception as e:
         raise ParameterError("tokenizer", f"cannot load a tokenizer from "
                              f"{model_config.tokenizer!r} ({e}); pass skip_tokenizer_init=True "
                              "to serve token ids only") from e
+    if not getattr(tokenizer, "chat_template", None):
+        tokenizer.chat_template = processor_chat_template(model_config.tokenizer)
+    return tokenizer
+
+
+def processor_chat_template(tokenizer_dir: str) -> str | None:
+    """The chat template a multimodal checkpoint keeps for its processor only
+    (`chat_template.json`), which vLLM falls back to when the tokenizer has none."""
+    path = os.path.join(tokenizer_dir, "chat_template.json")
+    try:
+        with open(path) as f:
+            template = json.load(f).get("chat_template")
+    except (OSError, ValueError, AttributeError):
+        return None
+    return template if isinstance(template, str) and template else None
 
 
 def fan_out(params: SamplingParams) -> list[SamplingParams]:

@@ -12,6 +12,7 @@ from tqdm.auto import tqdm
 from jaxllm.config import EngineArgs
 from jaxllm.engine.input_processor import PromptType
 from jaxllm.engine.llm_engine import LLMEngine
+from jaxllm.entrypoints.chat_content import text_messages
 from jaxllm.entrypoints.openai.tools import check_tools, template_messages
 from jaxllm.entrypoints.score_utils import (
     check_pairs,
@@ -83,9 +84,10 @@ class LLM:
         ip = self.llm_engine.input_processor
         tok = self.get_tokenizer()
         prompts: list[PromptType] = []
-        for conv in batch:
+        for b, conv in enumerate(batch):
+            field = "messages" if len(batch) == 1 and batch[0] is messages else f"messages[{b}]"
             text = ip.apply_chat_template(
-                template_messages(list(conv)), chat_template,
+                template_messages(text_messages(list(conv), field)), chat_template,
                 add_generation_prompt and not continue_final_message,
                 continue_final_message=continue_final_message, **kwargs)
             # The template already carries any special tokens the model wants.

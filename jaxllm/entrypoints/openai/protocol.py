@@ -13,6 +13,7 @@ from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field
 
+from jaxllm.entrypoints.chat_content import content_text
 from jaxllm.entrypoints.openai.strings import check_strings
 from jaxllm.entrypoints.openai.structured import ResponseFormat, structured_params
 from jaxllm.entrypoints.openai.tool_protocol import DeltaToolCall, ToolCall
@@ -269,17 +270,8 @@ class ChatCompletionRequest(SamplingFields):
     def messages_as_dicts(self) -> list[dict[str, Any]]:
         out = []
         for i, m in enumerate(self.messages):
-            content = m.content
-            if isinstance(content, list):
-                texts = []
-                for part in content:
-                    if part.type != "text" or part.text is None:
-                        raise ParameterError(f"messages[{i}].content",
-                                             f"content part type {part.type!r} is not "
-                                             "supported (only 'text')")
-                    texts.append(part.text)
-                content = "".join(texts)
-            msg: dict[str, Any] = {"role": m.role, "content": content or ""}
+            msg: dict[str, Any] = {"role": m.role,
+                                   "content": content_text(f"messages[{i}].content", m.content)}
             if m.name is not None:
                 msg["name"] = m.name
             if m.tool_calls is not None and m.role == "assistant":
