@@ -6,13 +6,19 @@ import numpy as np
 import torch
 
 
-def hf_greedy(model_dir: str, prompts: list[list[int]], max_new_tokens: int,
-              top_k: int = 5) -> tuple[list[list[int]], list[list[dict[int, float]]]]:
-    """Per prompt: greedy token ids and, per step, the top-k logprobs {token: logprob}."""
+def _model(model_dir: str, model_cls: type | None) -> torch.nn.Module:
+    """`model_cls` (default: AutoModelForCausalLM) from `model_dir`, float32, eval mode."""
     from transformers import AutoModelForCausalLM
 
-    model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32)
-    model.eval()
+    cls = model_cls or AutoModelForCausalLM
+    return cls.from_pretrained(model_dir, dtype=torch.float32).eval()
+
+
+def hf_greedy(model_dir: str, prompts: list[list[int]], max_new_tokens: int,
+              top_k: int = 5, model_cls: type | None = None
+              ) -> tuple[list[list[int]], list[list[dict[int, float]]]]:
+    """Per prompt: greedy token ids and, per step, the top-k logprobs {token: logprob}."""
+    model = _model(model_dir, model_cls)
     tokens, tops = [], []
     with torch.no_grad():
         for prompt in prompts:
@@ -40,11 +46,10 @@ def random_prompts(vocab: int, lengths: list[int], seed: int = 0) -> list[list[i
     return [rng.integers(8, vocab, size=n).tolist() for n in lengths]
 
 
-def hf_prompt_logprobs(model_dir: str, prompts: list[list[int]]) -> list[list[float]]:
+def hf_prompt_logprobs(model_dir: str, prompts: list[list[int]],
+                       model_cls: type | None = None) -> list[list[float]]:
     """Per prompt: the logprob transformers gives each prompt token after the first."""
-    from transformers import AutoModelForCausalLM
-
-    model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
+    model = _model(model_dir, model_cls)
     out = []
     with torch.no_grad():
         for prompt in prompts:
