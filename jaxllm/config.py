@@ -13,7 +13,12 @@ from jaxllm.distributed.multihost import DistributedSpec, check_engine_host, res
 from jaxllm.errors import ParameterError
 from jaxllm.lora.config import LoRAConfig
 from jaxllm.models.eagle_config import read_eagle_head
-from jaxllm.pooler_config import PoolerConfig, classifier_pooler_config, load_pooler_config
+from jaxllm.pooler_config import (
+    PoolerConfig,
+    classifier_pooler_config,
+    load_pooler_config,
+    supported_tasks,
+)
 from jaxllm.quant_config import resolve_quantization
 from jaxllm.spec_decode.config import MODEL_METHODS, SpeculativeConfig
 
@@ -335,7 +340,7 @@ class EngineArgs:
         arch = (getattr(hf_config, "architectures", None) or ["?"])[0]
         is_encoder = registry.is_encoder_architecture(arch)
         labels = registry.classifier_labels(arch, hf_config)  # None: not a cross-encoder
-        tasks = self._supported_tasks(is_encoder, labels)
+        tasks = supported_tasks(self.runner, self.task, is_encoder, labels)
         pooler = (load_pooler_config(model, is_encoder) if labels is None
                   else classifier_pooler_config(hf_config, labels))
         if not is_encoder and pooler.pooling_type != "LAST":
@@ -377,28 +382,3 @@ class EngineArgs:
             hf_config=hf_config, eos_token_ids=eos_ids, generation_defaults=gen_defaults,
             is_encoder=is_encoder, supported_tasks=tasks, pooler_config=pooler,
             checkpoint_architecture=checkpoint_architecture, **quant)
-
-    def _supported_tasks(self, is_encoder: bool, labels: int | None) -> tuple[str, ...]:
-        """`labels`: a cross-encoder's label count (None for any other model)."""
-        runners = ("auto", "generate", "pooling")
-        if self.runner not in runners:
-            raise ParameterError("runner", f"must be one of {runners}, got {self.runner!r}")
-        tasks = ("auto", "generate", "embed")
-        if self.task not in tasks:
-            raise ParameterError("task", f"must be one of {tasks}, got {self.task!r}")
-        runner = self.runner
-        if runner == "auto" and self.task != "auto":
-            runner = "pooling" if self.task == "embed" else "generate"
-        if labels is not None:  # it scores pairs only with one logit, as vLLM's rule
-            if runner == "generate" or self.task == "embed":
-                raise ParameterError("runner" if runner == "generate" else "task",
-                                     "this model is a cross-encoder: it classifies and "
-                                     "scores (runner='pooling'); it cannot generate or embed")
-            return ("classify", "score") if labels == 1 else ("classify",)
-        if is_encoder:
-            if runner == "generate":
-                raise ParameterError("runner", "this model is an encoder: it only embeds "
-                                     "(runner='pooling'); it cannot generate")
-            return ("embed",)
-        return {"auto": ("generate", "embed"), "generate": ("generate",),
-                "pooling": ("embed",)}[runner]

@@ -148,3 +148,30 @@ def _st_pooling_type(path: str) -> str:
         raise ParameterError("1_Pooling/config.json", f"{path} must enable exactly one of "
                              f"{', '.join(_ST_MODES)}, got {len(modes)}")
     return modes[0]
+
+
+def supported_tasks(runner: str, task: str, is_encoder: bool,
+                    labels: int | None) -> tuple[str, ...]:
+    """What an engine serves (vLLM's task names) for EngineArgs' `runner` and `task`;
+    `labels`: a cross-encoder's label count (None for any other model)."""
+    runners = ("auto", "generate", "pooling")
+    if runner not in runners:
+        raise ParameterError("runner", f"must be one of {runners}, got {runner!r}")
+    tasks = ("auto", "generate", "embed")
+    if task not in tasks:
+        raise ParameterError("task", f"must be one of {tasks}, got {task!r}")
+    if runner == "auto" and task != "auto":
+        runner = "pooling" if task == "embed" else "generate"
+    if labels is not None:  # it scores pairs only with one logit, as vLLM's rule
+        if runner == "generate" or task == "embed":
+            raise ParameterError("runner" if runner == "generate" else "task",
+                                 "this model is a cross-encoder: it classifies and "
+                                 "scores (runner='pooling'); it cannot generate or embed")
+        return ("classify", "score") if labels == 1 else ("classify",)
+    if is_encoder:
+        if runner == "generate":
+            raise ParameterError("runner", "this model is an encoder: it only embeds "
+                                 "(runner='pooling'); it cannot generate")
+        return ("embed",)
+    return {"auto": ("generate", "embed"), "generate": ("generate",),
+            "pooling": ("embed",)}[runner]
