@@ -11,23 +11,15 @@ from __future__ import annotations
 
 from typing import Any
 
-from jaxllm.errors import ParameterError
 from jaxllm.models.decoder import DecoderForCausalLM
-from jaxllm.models.decoder_arch import DecoderArch, common_fields
+from jaxllm.models.decoder_arch import DecoderArch, common_fields, swiglu_model_type
 
 MODEL_TYPES = ("llama", "mistral", "qwen2", "qwen3", "smollm3")
 
 
 def llama_arch(cfg: Any, tensor_parallel_size: int = 1) -> DecoderArch:
     """A Llama-family config as a `DecoderArch`."""
-    model_type = getattr(cfg, "model_type", "llama")
-    if model_type not in MODEL_TYPES:
-        raise ParameterError("model", f"model_type {model_type!r} is not a Llama-family "
-                             f"model; supported: {', '.join(MODEL_TYPES)}")
-    act = getattr(cfg, "hidden_act", "silu")
-    if act != "silu":
-        raise ParameterError("config.json:hidden_act", f"{act!r} is not supported; "
-                             "supported: 'silu'")
+    model_type = swiglu_model_type(cfg, MODEL_TYPES, "Llama-family", default="llama")
     attention_bias = bool(getattr(cfg, "attention_bias", False))
     return DecoderArch(
         **common_fields(cfg, tensor_parallel_size),

@@ -17,20 +17,13 @@ from typing import Any
 
 from jaxllm.errors import ParameterError
 from jaxllm.models.decoder import DecoderForCausalLM
-from jaxllm.models.decoder_arch import DecoderArch, common_fields
+from jaxllm.models.decoder_arch import DecoderArch, common_fields, swiglu_model_type
 from jaxllm.models.moe_weights import MOE_MODEL_TYPES, MoEArch
 
 
 def moe_arch(cfg: Any, tensor_parallel_size: int = 1) -> DecoderArch:
     """A Mixtral / Qwen2-MoE / Qwen3-MoE / GLM-4.5 config as a `DecoderArch`."""
-    model_type = getattr(cfg, "model_type", None)
-    if model_type not in MOE_MODEL_TYPES:
-        raise ParameterError("model", f"model_type {model_type!r} is not a mixture-of-experts "
-                             f"model; supported: {', '.join(MOE_MODEL_TYPES)}")
-    act = getattr(cfg, "hidden_act", "silu")
-    if act != "silu":
-        raise ParameterError("config.json:hidden_act", f"{act!r} is not supported; "
-                             "supported: 'silu'")
+    model_type = swiglu_model_type(cfg, MOE_MODEL_TYPES, "mixture-of-experts")
     moe = MoEArch.from_hf_config(cfg)
     if tensor_parallel_size > 1 and moe.num_experts % tensor_parallel_size:
         raise ParameterError("tensor_parallel_size",

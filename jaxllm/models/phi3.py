@@ -17,7 +17,7 @@ import numpy as np
 from jaxllm.errors import ParameterError
 from jaxllm.models.contract import WeightSource
 from jaxllm.models.decoder import DecoderForCausalLM
-from jaxllm.models.decoder_arch import DecoderArch, common_fields
+from jaxllm.models.decoder_arch import DecoderArch, common_fields, swiglu_model_type
 from jaxllm.models.decoder_weights import hf_weight_map
 
 MODEL_TYPES = ("phi3",)
@@ -25,14 +25,7 @@ MODEL_TYPES = ("phi3",)
 
 def phi3_arch(cfg: Any, tensor_parallel_size: int = 1) -> DecoderArch:
     """A Phi-3 config as a `DecoderArch`."""
-    model_type = getattr(cfg, "model_type", None)
-    if model_type not in MODEL_TYPES:
-        raise ParameterError("model", f"model_type {model_type!r} is not a Phi-3 model; "
-                             f"supported: {', '.join(MODEL_TYPES)}")
-    act = getattr(cfg, "hidden_act", "silu")
-    if act != "silu":
-        raise ParameterError("config.json:hidden_act", f"{act!r} is not supported; "
-                             "supported: 'silu'")
+    swiglu_model_type(cfg, MODEL_TYPES, "Phi-3")
     return DecoderArch(**common_fields(cfg, tensor_parallel_size), qkv_bias=False,
                        o_bias=False, mlp_bias=False, qk_norm=False)
 
