@@ -142,11 +142,14 @@ class AttentionBackend:
 
     def attend(self, q: jax.Array, kv_cache: jax.Array, md: AttentionMetadata, *,
                sm_scale: float, sliding_window: int | None = None,
-               soft_cap: float | None = None, page_offset: int = 0) -> jax.Array:
+               soft_cap: float | None = None, page_offset: int = 0,
+               sinks: jax.Array | None = None) -> jax.Array:
+        """Each query row's attention over its request's cached keys; `sinks`: the
+        query heads' learned sink logits `[num_q_heads]` float32 (GPT-OSS), or None."""
         return xla.ragged_paged_attention(
             q, kv_cache, md.kv_lens, md.page_indices, md.cu_q_lens, md.num_seqs,
             sm_scale=sm_scale, sliding_window=sliding_window, soft_cap=soft_cap,
-            page_offset=page_offset)
+            page_offset=page_offset, sinks=sinks)
 
 
 def _to_fp8_range(x: jax.Array, scale: jax.Array) -> jax.Array:

@@ -23,6 +23,7 @@ import jax.numpy as jnp
 import numpy as np
 from jax.sharding import PartitionSpec as P
 
+from jaxllm.errors import ParameterError
 from jaxllm.layers.attention_backend import (
     QKV_SPLIT_ROWS,
     AttentionBackend,
@@ -77,9 +78,11 @@ class PallasTPUBackend(_PallasBackend):
 
     def attend(self, q: jax.Array, kv_cache: jax.Array, md: AttentionMetadata, *,
                sm_scale: float, sliding_window: int | None = None,
-               soft_cap: float | None = None, page_offset: int = 0) -> jax.Array:
+               soft_cap: float | None = None, page_offset: int = 0,
+               sinks: jax.Array | None = None) -> jax.Array:
         from pallas_kernels.ragged_paged_attention import tpu
 
+        _no_sinks(sinks, self.name)
         return tpu.ragged_paged_attention(
             q, kv_cache, md.kv_lens, md.page_indices, md.cu_q_lens, md.num_seqs,
             sm_scale=sm_scale, sliding_window=sliding_window, soft_cap=soft_cap,
@@ -159,7 +162,9 @@ class PallasGPUBackend(_PallasBackend):
 
     def attend(self, q: jax.Array, kv_cache: jax.Array, md: AttentionMetadata, *,
                sm_scale: float, sliding_window: int | None = None,
-               soft_cap: float | None = None, page_offset: int = 0) -> jax.Array:
+               soft_cap: float | None = None, page_offset: int = 0,
+               sinks: jax.Array | None = None) -> jax.Array:
+        _no_sinks(sinks, self.name)
         return self._attend_jit(q, kv_cache, md, jnp.int32(page_offset), sm_scale=sm_scale,
                                 sliding_window=sliding_window, soft_cap=soft_cap)
 
@@ -224,3 +229,9 @@ def _interpret_callbacks_on_the_host() -> None:
 
     io_callback_impl._jaxllm_interpret_patch = True
     jax_callback.io_callback_impl = io_callback_impl
+
+
+def _no_sinks(sinks: jax.Array | None, backend: str) -> None:
+    if sinks is not None:
+        raise ParameterError("attention_backend", f"{backend!r} has no attention sinks "
+                             "(GPT-OSS); use 'xla'")

@@ -90,15 +90,20 @@ class ShardedAttention:
 
     def attend(self, q: jax.Array, kv_cache: jax.Array, md: AttentionMetadata, *,
                sm_scale: float, sliding_window: int | None = None,
-               soft_cap: float | None = None, page_offset: int = 0) -> jax.Array:
+               soft_cap: float | None = None, page_offset: int = 0,
+               sinks: jax.Array | None = None) -> jax.Array:
         cache, heads = self.backend.kv_cache_spec(self.axis), P(None, self.axis, None)
+        # The sinks split with the query heads (an empty tuple where absent).
+        extras = () if sinks is None else (sinks,)
 
-        def body(q, kv_cache, md):
+        def body(q, kv_cache, md, extras):
             return self.backend.attend(q, kv_cache, md, sm_scale=sm_scale,
                                        sliding_window=sliding_window, soft_cap=soft_cap,
-                                       page_offset=page_offset)
+                                       page_offset=page_offset,
+                                       sinks=extras[0] if extras else None)
 
-        return self._map(body, (heads, cache, P()), heads)(q, kv_cache, md)
+        specs = (heads, cache, P(), tuple(P(self.axis) for _ in extras))
+        return self._map(body, specs, heads)(q, kv_cache, md, extras)
 
 
 def shard_attention(backend: AttentionBackend, mesh: Mesh,

@@ -19,6 +19,9 @@ Semantics (shared/DESIGN.md, "Kernels"):
   `kv_lens[r] - q_len[r] + j` and sees keys at positions <= its own, and, with
   a sliding window W, only keys at positions > its own - W.
 * Optional logit soft-cap: `s = cap * tanh(s / cap)` before the softmax.
+* Optional attention sinks (GPT-OSS): one learned logit per query head, `sinks
+  [num_q_heads]`, joins each row's softmax as a key that carries no value, so the
+  row's weights sum to less than one.
 * GQA: query head h reads kv head `h // (num_q_heads // num_kv_heads)`.
 
 The softmax runs in float32 whatever the input dtype.
@@ -79,6 +82,7 @@ def ragged_paged_attention(
     sliding_window: int | None = None,
     soft_cap: float | None = None,
     page_offset: int = 0,
+    sinks: jax.Array | None = None,
 ) -> jax.Array:
     num_tokens, num_q_heads, head_dim = q.shape
     _, page_size, two_h, _ = kv_cache.shape
@@ -90,6 +94,8 @@ def ragged_paged_attention(
     qf = q.astype(jnp.float32).reshape(num_tokens, num_kv_heads, group, head_dim) * sm_scale
     key_pos = jnp.arange(max_len, dtype=jnp.int32)
     n = jnp.reshape(num_seqs, (-1,))[0]
+    sink = (None if sinks is None else
+            sinks.astype(jnp.float32).reshape(1, num_kv_heads, group, 1))
 
     def one_request(r, out):
         kv = kv_cache[page_indices[r] + page_offset].reshape(max_len, two_h, head_dim)
@@ -103,9 +109,15 @@ def ragged_paged_attention(
             mask &= key_pos[None, :] > pos[:, None] - sliding_window
         mask &= ((req == r) & valid)[:, None]
         s = jnp.where(mask[:, None, None, :], s, MASK_VALUE)
-        p = jnp.exp(s - s.max(axis=-1, keepdims=True))
+        m = s.max(axis=-1, keepdims=True)
+        if sink is not None:
+            m = jnp.maximum(m, sink)
+        p = jnp.exp(s - m)
         p = jnp.where(mask[:, None, None, :], p, 0.0)
-        denom = jnp.maximum(p.sum(axis=-1, keepdims=True), 1e-30)
+        denom = p.sum(axis=-1, keepdims=True)
+        if sink is not None:
+            denom = denom + jnp.exp(sink - m)
+        denom = jnp.maximum(denom, 1e-30)
         o = jnp.einsum("tkgl,lkd->tkgd", p / denom, v)
         return out + o
 
