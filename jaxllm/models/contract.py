@@ -49,15 +49,18 @@ class WeightSource:
 @dataclasses.dataclass(frozen=True)
 class LogitsHead:
     """Float32 logits `[N, vocab]` (sharded over vocab on 'model') for hidden `[N, H]`
-    from the `[vocab, H]` head matrix, soft-capped (`cap * tanh(logits / cap)`) where
-    the family caps its final logits (Gemma 2). Hashable: the runner's compiled
-    steps are cached per head function."""
+    from the `[vocab, H]` head matrix, times `scale` where the family scales them
+    (Granite), soft-capped (`cap * tanh(logits / cap)`) where it caps them (Gemma 2).
+    Hashable: the runner's compiled steps are cached per head function."""
 
     soft_cap: float | None = None
+    scale: float = 1.0
 
     def __call__(self, head: jax.Array, hidden: jax.Array) -> jax.Array:
         logits = jnp.einsum("nh,vh->nv", hidden.astype(head.dtype), head,
                             preferred_element_type=jnp.float32)
+        if self.scale != 1.0:
+            logits = logits * self.scale
         if self.soft_cap is not None:
             logits = self.soft_cap * jnp.tanh(logits / self.soft_cap)
         return logits

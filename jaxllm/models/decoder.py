@@ -223,7 +223,7 @@ class DecoderForCausalLM(nnx.Module):
         self.lm_head = (None if arch.tie_word_embeddings else
                         make_param(rngs, (arch.vocab_size, arch.hidden_size), dtype,
                                    P("model", None)))
-        self.head_logits = LogitsHead(arch.final_soft_cap)
+        self.head_logits = LogitsHead(arch.final_soft_cap, arch.logits_scale)
         # The vocab-parallel lookup's sum for small steps (attach_row_reduce); None: XLA's.
         self.embed_reduce: nnx.Module | None = nnx.data(None)
         # An fp8 KV cache's per-layer K and V scales (the checkpoint's, else 1.0 as vLLM).

@@ -50,6 +50,10 @@ class DecoderArch:
     attn_soft_cap: float | None = None
     final_soft_cap: float | None = None
     query_pre_attn_scalar: float | None = None  # the attention scale is its -1/2 power
+    logits_scale: float = 1.0  # the final logits times this (Granite)
+    # What the family's weight map folded into o_proj and down_proj (Granite's residual
+    # multiplier); a LoRA adapter's terms on them take it too (worker/lora_slots.py).
+    residual_scale: float = 1.0
     moe: MoEArch | None = None  # the routed experts of the "moe" layers (models/moe.py)
     # "int8" / "fp8" / "fp8_static": the attention, dense MLP and MoE experts' method
     # (layers/quant.py);

@@ -20,6 +20,7 @@ from jaxllm.models.cross_encoder import (
     num_labels,
 )
 from jaxllm.models.gemma import GemmaForCausalLM
+from jaxllm.models.granite import GraniteForCausalLM
 from jaxllm.models.llama import LlamaForCausalLM
 from jaxllm.models.moe import MoEForCausalLM
 from jaxllm.models.multimodal import TEXT_ARCHITECTURES
@@ -32,6 +33,7 @@ _MODELS: dict[str, type] = {
     "Qwen3ForCausalLM": LlamaForCausalLM,
     "SmolLM3ForCausalLM": LlamaForCausalLM,
     "Phi3ForCausalLM": Phi3ForCausalLM,
+    "GraniteForCausalLM": GraniteForCausalLM,
     "MixtralForCausalLM": MoEForCausalLM,
     "Qwen2MoeForCausalLM": MoEForCausalLM,
     "Glm4MoeForCausalLM": MoEForCausalLM,

@@ -26,11 +26,12 @@ from jaxllm.lora.request import LoRARequest
 
 
 def adapter_tables(linears: list[tuple[int, str, nnx.Module]], adapter: PeftAdapter,
-                   name: str) -> list[np.ndarray]:
+                   name: str, residual_scale: float = 1.0) -> list[np.ndarray]:
     """The adapter's value for one slot of every table (in `table_leaves` order): per
     projection its A `[P, r, *in]` then its B (`LoRA.b_slot`: each part's rows over
     its own output columns only); zeros where the adapter leaves a module out. Ranks
-    below the tables' are zero-padded."""
+    below the tables' are zero-padded. `residual_scale`: what the model's o_proj and
+    down_proj weights carry (`DecoderArch.residual_scale`), which their B takes too."""
     out = []
     served = {(layer, m) for layer, proj, _ in linears for m in (proj, *LORA_PARTS[proj])}
     extra = sorted(set(adapter.weights) - served)
@@ -61,6 +62,8 @@ def adapter_tables(linears: list[tuple[int, str, nnx.Module]], adapter: PeftAdap
             if B.shape[0] % per_head or out_p[0] % (B.shape[0] // per_head):
                 raise ValueError(f"LoRA adapter {name!r}: {module} of layer {layer} has lora_B "
                                  f"{B.shape}; the model wants out={math.prod(out_p)}")
+            if proj in ("o_proj", "down_proj"):
+                B = B * np.float32(residual_scale)
             src = B.shape[0] // per_head
             # kv heads replicated over tensor-parallel shards (models/decoder.py)
             b_parts.append(np.repeat(B.T.reshape(r, src, *out_p[1:]), out_p[0] // src, axis=1))
@@ -125,6 +128,7 @@ class LoRASlots:
         self.num_rows = num_rows
         self.last_args: tuple = ()  # the last step's program argument (prompt logprobs)
         self.linears = lora_linears(model)
+        self.residual_scale = model.arch.residual_scale
         self.max_loras, self.max_lora_rank = max_loras, max_lora_rank
         self.state = state
         position = {id(leaf): i for i, leaf in enumerate(state)}
@@ -193,7 +197,8 @@ class LoRASlots:
             self.host.pop(victim, None)  # read again from disk if it comes back
         if key not in self.host:
             adapter = load_peft_adapter(lr.lora_path, self.max_lora_rank)
-            self.host[key] = adapter_tables(self.linears, adapter, lr.lora_name)
+            self.host[key] = adapter_tables(self.linears, adapter, lr.lora_name,
+                                            self.residual_scale)
         self._store(self.host[key], slot)
         self.slot_of[key] = slot
         self.loads += 1

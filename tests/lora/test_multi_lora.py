@@ -173,3 +173,21 @@ def test_a_phi3_adapter_of_its_fused_modules_matches_merged_transformers(tmp_pat
     outs = llm.generate([{"prompt_token_ids": p} for p in prompts], GREEDY, use_tqdm=False,
                         lora_request=LoRARequest("phi", 1, adapter))
     assert [o.outputs[0].token_ids for o in outs] == want
+
+
+@pytest.mark.slow
+def test_a_granite_adapter_takes_the_residual_multiplier_folded_into_its_base(tmp_path):
+    """Granite's o_proj and down_proj carry its residual multiplier as they load, so their
+    adapters' terms take it too: the merged model's tokens."""
+    base = make_tiny_checkpoint(tmp_path, arch="granite", num_attention_heads=4,
+                                num_key_value_heads=2, residual_multiplier=0.3,
+                                embedding_multiplier=4.0, logits_scaling=2.0)
+    prompts = random_prompts(checkpoint_vocab_size(base), [11, 7], seed=3)
+    adapter, merged = make_peft_adapter(base, tmp_path, seed=6, r=8, lora_alpha=16,
+                                        target_modules=["o_proj", "down_proj"])
+    want = merged_greedy(merged, prompts, NEW_TOKENS)
+    assert want != hf_greedy(base, prompts, NEW_TOKENS)[0]
+    llm = LLM(base, max_loras=1, **ENGINE)
+    outs = llm.generate([{"prompt_token_ids": p} for p in prompts], GREEDY, use_tqdm=False,
+                        lora_request=LoRARequest("granite", 1, adapter))
+    assert [o.outputs[0].token_ids for o in outs] == want

@@ -48,6 +48,14 @@ CASES = {
     "qwen3-qk-norm": dict(arch="qwen3", head_dim=32),
     # Layer 1 of 2 rotates nothing (NoPE); GQA, untied.
     "smollm3-nope-layer": dict(arch="smollm3", no_rope_layer_interval=2),
+    # Granite's four multipliers, tied (the embedding's folded into the logits head) and
+    # untied with biases.
+    "granite-multipliers-tied": dict(arch="granite", tie_word_embeddings=True,
+                                     embedding_multiplier=12.0, residual_multiplier=0.22,
+                                     attention_multiplier=0.015625, logits_scaling=8.0),
+    "granite-multipliers-biases": dict(arch="granite", attention_bias=True, mlp_bias=True,
+                                       embedding_multiplier=3.0, residual_multiplier=0.5,
+                                       attention_multiplier=0.1, logits_scaling=0.5),
     # YaRN: frequencies ramped between interpolated and kept, cos and sin scaled.
     "qwen3-yarn-rope": dict(arch="qwen3", rope_parameters=dict(
         rope_type="yarn", rope_theta=10000.0, factor=4.0, original_max_position_embeddings=64)),
