@@ -1,7 +1,8 @@
-"""The Llama family on the generic decoder: Llama 2/3/3.1, Mistral, Qwen2, Qwen3, SmolLM3.
+"""The Llama family on the generic decoder: Llama 2/3/3.1, Mistral, Qwen2/3, SmolLM3, Seed-OSS.
 
 The Hugging Face architectures differ only in q/k/v (and o) bias, per-head q/k
-RMSNorm (Qwen3), the rope parameters, layers without rope (SmolLM3's
+RMSNorm (Qwen3), the output projection's bias (Seed-OSS's `attention_out_bias`), the
+rope parameters, layers without rope (SmolLM3's
 `no_rope_layers`, models/decoder_arch.py) and the sliding window (Mistral; Qwen2/3
 per `layer_types`); all run SwiGLU MLPs and two norms per layer. The weights'
 layouts and shardings are models/decoder.py's.
@@ -14,7 +15,7 @@ from typing import Any
 from jaxllm.models.decoder import DecoderForCausalLM
 from jaxllm.models.decoder_arch import DecoderArch, common_fields, swiglu_model_type
 
-MODEL_TYPES = ("llama", "mistral", "qwen2", "qwen3", "smollm3")
+MODEL_TYPES = ("llama", "mistral", "qwen2", "qwen3", "smollm3", "seed_oss")
 
 
 def llama_arch(cfg: Any, tensor_parallel_size: int = 1) -> DecoderArch:
@@ -24,13 +25,16 @@ def llama_arch(cfg: Any, tensor_parallel_size: int = 1) -> DecoderArch:
     return DecoderArch(
         **common_fields(cfg, tensor_parallel_size),
         qkv_bias=model_type == "qwen2" or attention_bias,
-        o_bias=model_type != "qwen2" and attention_bias,
+        # Seed-OSS names the output projection's bias on its own.
+        o_bias=(bool(getattr(cfg, "attention_out_bias", False)) if model_type == "seed_oss"
+                else model_type != "qwen2" and attention_bias),
         mlp_bias=bool(getattr(cfg, "mlp_bias", False)),
         qk_norm=model_type == "qwen3",
     )
 
 
 class LlamaForCausalLM(DecoderForCausalLM):
-    """Llama / Mistral / Qwen2 / Qwen3 / SmolLM3 causal LM over a ragged, paged batch."""
+    """Llama / Mistral / Qwen2 / Qwen3 / SmolLM3 / Seed-OSS causal LM over a ragged, paged
+    batch."""
 
     arch_from_hf_config = staticmethod(llama_arch)

@@ -46,6 +46,9 @@ CASES = {
     "mistral-sliding-window": dict(arch="mistral", sliding_window=4),
     "qwen2-bias-tied": dict(arch="qwen2", tie_word_embeddings=True),
     "qwen3-qk-norm": dict(arch="qwen3", head_dim=32),
+    # q/k/v biases and, named apart, the output projection's (and the MLP's).
+    "seed-oss-biases": dict(arch="seed_oss", attention_bias=True, attention_out_bias=True,
+                            mlp_bias=True),
     # Layer 1 of 2 rotates nothing (NoPE); GQA, untied.
     "smollm3-nope-layer": dict(arch="smollm3", no_rope_layer_interval=2),
     # Granite's four multipliers, tied (the embedding's folded into the logits head) and

@@ -41,6 +41,8 @@ from transformers import (
     Qwen3ForCausalLM,
     Qwen3MoeConfig,
     Qwen3MoeForCausalLM,
+    SeedOssConfig,
+    SeedOssForCausalLM,
     SmolLM3Config,
     SmolLM3ForCausalLM,
 )
@@ -57,6 +59,7 @@ ARCHS = {
     "phi3": (Phi3Config, Phi3ForCausalLM),
     "granite": (GraniteConfig, GraniteForCausalLM),
     "smollm3": (SmolLM3Config, SmolLM3ForCausalLM),
+    "seed_oss": (SeedOssConfig, SeedOssForCausalLM),
     "gemma2": (Gemma2Config, Gemma2ForCausalLM),
     "gemma3": (Gemma3TextConfig, Gemma3ForCausalLM),
 }
