@@ -51,6 +51,7 @@ class DecoderArch:
     final_soft_cap: float | None = None
     query_pre_attn_scalar: float | None = None  # the attention scale is its -1/2 power
     logits_scale: float = 1.0  # the final logits times this (Granite)
+    rope_interleaved: bool = False  # rotates (2i, 2i+1) pairs (decoder_weights.rope_order)
     # What the family's weight map folded into o_proj and down_proj (Granite's residual
     # multiplier); a LoRA adapter's terms on them take it too (worker/lora_slots.py).
     residual_scale: float = 1.0

@@ -9,9 +9,11 @@ norms stacked into one array (`DecoderArch.norm_names` says which, in order).
 from __future__ import annotations
 
 import dataclasses
+from typing import Any
 
 import numpy as np
 
+from jaxllm.errors import ParameterError
 from jaxllm.models.contract import WeightSource
 from jaxllm.models.decoder_arch import DecoderArch
 from jaxllm.models.moe_weights import moe_weights
@@ -21,16 +23,33 @@ def _only(ts: list[np.ndarray]) -> np.ndarray:
     return ts[0]
 
 
+def rope_order(arch: DecoderArch) -> np.ndarray | None:
+    """Where each head dimension of q and k is read from for a family that rotates
+    interleaved pairs (GLM, ERNIE): the rotated dimensions' even ones, then their odd
+    ones, then the rest. That turns the pairs' rotation into the rotate-half one the
+    attention applies, and q.k is unchanged by one permutation of both; None for the
+    rotate-half families."""
+    if not arch.rope_interleaved:
+        return None
+    rd, d = arch.ropes[0].rotary_dim, arch.head_dim
+    return np.concatenate([np.arange(0, rd, 2), np.arange(1, rd, 2), np.arange(rd, d)])
+
+
 def hf_weight_map(arch: DecoderArch) -> list[WeightSource]:
     """Every parameter of the module with the HF tensors it comes from."""
     kv, g, d, h = arch.num_kv_heads, arch.group, arch.head_dim, arch.hidden_size
     copies = arch.kv_replicas
+    order = rope_order(arch)
+
+    def reorder(t: np.ndarray) -> np.ndarray:  # q or k rows `[heads * D, ...]`
+        return t if order is None else t.reshape(-1, d, *t.shape[1:])[:, order].reshape(t.shape)
 
     def fuse_qkv(ts: list[np.ndarray]) -> np.ndarray:
         # q rows are head-major (head = kv * G + g), so grouping by kv head is a reshape;
         # copy c of checkpoint kv head j is kv head j * copies + c, and reads the c-th
         # run of j's query heads.
         q, k, v = ts
+        q, k = reorder(q), reorder(k)
         tail = q.shape[1:]  # (hidden,) for weights, () for biases
 
         def kv_heads(t: np.ndarray) -> np.ndarray:
@@ -55,7 +74,7 @@ def hf_weight_map(arch: DecoderArch) -> list[WeightSource]:
     if arch.qk_norm:
         out.append(WeightSource(("qk_norms",), tuple(
             f"model.layers.{i}.self_attn.{n}_norm.weight" for i in layers for n in "qk"),
-            by_layer))
+            lambda ts: by_layer([reorder(t) for t in ts])))
     if not arch.tie_word_embeddings:
         out.append(WeightSource(("lm_head",), ("lm_head.weight",), _only))
     for i in range(arch.num_layers):
@@ -105,3 +124,34 @@ def sparse_mlp_weights(arch: DecoderArch, hf_prefix: str,
 # Per-layer MLP kind (`DecoderArch.mlp_kinds`) -> its parameters' sources (the MLP
 # modules themselves: models/decoder_mlps.py's MLP_FACTORIES).
 MLP_WEIGHTS = {"dense": gated_mlp_weights, "moe": sparse_mlp_weights}
+
+
+def read_fused(sources: list[WeightSource],
+               fused: dict[str, tuple[str, tuple[int, ...]]]) -> list[WeightSource]:
+    """`sources` for a checkpoint that fuses some projections itself (Phi-3's
+    `qkv_proj` and `gate_up_proj`, GLM's `gate_up_proj`): a source whose first tensor
+    is module `m` of `fused` (`{m: (fused module, its row blocks' sizes)}`) reads the
+    fused tensor instead and cuts it into those row blocks before its own combine."""
+    out = []
+    for src in sources:
+        prefix, _, first = src.tensors[0].rpartition(".")[0].rpartition(".")
+        if first not in fused:
+            out.append(src)
+            continue
+        name, sizes = fused[first]
+        out.append(WeightSource(src.path, (f"{prefix}.{name}.weight",),
+                                _split_rows(sizes, src.combine)))
+    return out
+
+
+def _split_rows(sizes: tuple[int, ...], combine: Any) -> Any:
+    cuts = np.cumsum(sizes)[:-1]
+
+    def split(ts: list[np.ndarray]) -> np.ndarray:
+        (tensor,) = ts
+        if tensor.shape[0] != sum(sizes):
+            raise ParameterError("model", f"fused tensor has {tensor.shape[0]} rows; "
+                                 f"config.json implies {sum(sizes)}")
+        return combine(np.split(tensor, cuts, axis=0))
+
+    return split

@@ -1,8 +1,9 @@
-"""The Llama family on the generic decoder: Llama 2/3/3.1, Mistral, Qwen2/3, SmolLM3, Seed-OSS.
+"""The Llama family on the generic decoder: Llama 2/3/3.1, Mistral, Qwen2/3, SmolLM3, Seed-OSS
+and ERNIE 4.5 (dense).
 
 The Hugging Face architectures differ only in q/k/v (and o) bias, per-head q/k
 RMSNorm (Qwen3), the output projection's bias (Seed-OSS's `attention_out_bias`), the
-rope parameters, layers without rope (SmolLM3's
+rope parameters and layout (ERNIE 4.5 rotates interleaved pairs), layers without rope (SmolLM3's
 `no_rope_layers`, models/decoder_arch.py) and the sliding window (Mistral; Qwen2/3
 per `layer_types`); all run SwiGLU MLPs and two norms per layer. The weights'
 layouts and shardings are models/decoder.py's.
@@ -15,13 +16,17 @@ from typing import Any
 from jaxllm.models.decoder import DecoderForCausalLM
 from jaxllm.models.decoder_arch import DecoderArch, common_fields, swiglu_model_type
 
-MODEL_TYPES = ("llama", "mistral", "qwen2", "qwen3", "smollm3", "seed_oss")
+MODEL_TYPES = ("llama", "mistral", "qwen2", "qwen3", "smollm3", "seed_oss", "ernie4_5")
 
 
 def llama_arch(cfg: Any, tensor_parallel_size: int = 1) -> DecoderArch:
     """A Llama-family config as a `DecoderArch`."""
     model_type = swiglu_model_type(cfg, MODEL_TYPES, "Llama-family", default="llama")
     attention_bias = bool(getattr(cfg, "attention_bias", False))
+    if model_type == "ernie4_5":  # one `use_bias` for every projection; interleaved rope
+        bias = bool(getattr(cfg, "use_bias", False))
+        return DecoderArch(**common_fields(cfg, tensor_parallel_size), qkv_bias=bias,
+                           o_bias=bias, mlp_bias=bias, qk_norm=False, rope_interleaved=True)
     return DecoderArch(
         **common_fields(cfg, tensor_parallel_size),
         qkv_bias=model_type == "qwen2" or attention_bias,
@@ -34,7 +39,7 @@ def llama_arch(cfg: Any, tensor_parallel_size: int = 1) -> DecoderArch:
 
 
 class LlamaForCausalLM(DecoderForCausalLM):
-    """Llama / Mistral / Qwen2 / Qwen3 / SmolLM3 / Seed-OSS causal LM over a ragged, paged
-    batch."""
+    """Llama / Mistral / Qwen2 / Qwen3 / SmolLM3 / Seed-OSS / ERNIE 4.5 causal LM over a
+    ragged, paged batch."""
 
     arch_from_hf_config = staticmethod(llama_arch)

@@ -20,6 +20,7 @@ from jaxllm.models.cross_encoder import (
     num_labels,
 )
 from jaxllm.models.gemma import GemmaForCausalLM
+from jaxllm.models.glm import GlmForCausalLM
 from jaxllm.models.granite import GraniteForCausalLM
 from jaxllm.models.llama import LlamaForCausalLM
 from jaxllm.models.moe import MoEForCausalLM
@@ -33,6 +34,9 @@ _MODELS: dict[str, type] = {
     "Qwen3ForCausalLM": LlamaForCausalLM,
     "SmolLM3ForCausalLM": LlamaForCausalLM,
     "SeedOssForCausalLM": LlamaForCausalLM,
+    "Ernie4_5ForCausalLM": LlamaForCausalLM,
+    "GlmForCausalLM": GlmForCausalLM,
+    "Glm4ForCausalLM": GlmForCausalLM,
     "Phi3ForCausalLM": Phi3ForCausalLM,
     "GraniteForCausalLM": GraniteForCausalLM,
     "MixtralForCausalLM": MoEForCausalLM,

@@ -23,15 +23,19 @@ from jaxllm.lora.config import LoRAConfig
 from jaxllm.lora.layers import LORA_PARTS, attach_lora, lora_linears
 from jaxllm.lora.peft import PeftAdapter, load_peft_adapter
 from jaxllm.lora.request import LoRARequest
+from jaxllm.models.decoder_weights import rope_order
 
 
 def adapter_tables(linears: list[tuple[int, str, nnx.Module]], adapter: PeftAdapter,
-                   name: str, residual_scale: float = 1.0) -> list[np.ndarray]:
+                   name: str, residual_scale: float = 1.0,
+                   rope_order: np.ndarray | None = None) -> list[np.ndarray]:
     """The adapter's value for one slot of every table (in `table_leaves` order): per
     projection its A `[P, r, *in]` then its B (`LoRA.b_slot`: each part's rows over
     its own output columns only); zeros where the adapter leaves a module out. Ranks
     below the tables' are zero-padded. `residual_scale`: what the model's o_proj and
-    down_proj weights carry (`DecoderArch.residual_scale`), which their B takes too."""
+    down_proj weights carry (`DecoderArch.residual_scale`), which their B takes too;
+    `rope_order`: the head dimensions' order the q and k weights were loaded in
+    (models/decoder_weights.py `rope_order`), which their B rows take too."""
     out = []
     served = {(layer, m) for layer, proj, _ in linears for m in (proj, *LORA_PARTS[proj])}
     extra = sorted(set(adapter.weights) - served)
@@ -64,6 +68,8 @@ def adapter_tables(linears: list[tuple[int, str, nnx.Module]], adapter: PeftAdap
                                  f"{B.shape}; the model wants out={math.prod(out_p)}")
             if proj in ("o_proj", "down_proj"):
                 B = B * np.float32(residual_scale)
+            if rope_order is not None and module in ("q_proj", "k_proj"):
+                B = B.reshape(-1, rope_order.size, r)[:, rope_order].reshape(B.shape)
             src = B.shape[0] // per_head
             # kv heads replicated over tensor-parallel shards (models/decoder.py)
             b_parts.append(np.repeat(B.T.reshape(r, src, *out_p[1:]), out_p[0] // src, axis=1))
@@ -129,6 +135,7 @@ class LoRASlots:
         self.last_args: tuple = ()  # the last step's program argument (prompt logprobs)
         self.linears = lora_linears(model)
         self.residual_scale = model.arch.residual_scale
+        self.rope_order = rope_order(model.arch)
         self.max_loras, self.max_lora_rank = max_loras, max_lora_rank
         self.state = state
         position = {id(leaf): i for i, leaf in enumerate(state)}
@@ -198,7 +205,7 @@ class LoRASlots:
         if key not in self.host:
             adapter = load_peft_adapter(lr.lora_path, self.max_lora_rank)
             self.host[key] = adapter_tables(self.linears, adapter, lr.lora_name,
-                                            self.residual_scale)
+                                            self.residual_scale, self.rope_order)
         self._store(self.host[key], slot)
         self.slot_of[key] = slot
         self.loads += 1

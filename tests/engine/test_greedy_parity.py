@@ -21,6 +21,8 @@ CASES = {
     "qwen2-bias-tied": dict(arch="qwen2", num_key_value_heads=2, tie_word_embeddings=True),
     "qwen3-qknorm": dict(arch="qwen3", num_key_value_heads=2, tie_word_embeddings=False),
     "smollm3-nope-layer": dict(arch="smollm3", num_key_value_heads=2, no_rope_layer_interval=2),
+    "glm4-interleaved-partial-rope": dict(arch="glm4", num_key_value_heads=2,
+                                          attention_bias=True, partial_rotary_factor=0.5),
     "granite-multipliers": dict(arch="granite", num_key_value_heads=2, tie_word_embeddings=True,
                                 embedding_multiplier=6.0, residual_multiplier=0.3,
                                 attention_multiplier=0.2, logits_scaling=4.0),

@@ -191,3 +191,20 @@ def test_a_granite_adapter_takes_the_residual_multiplier_folded_into_its_base(tm
     outs = llm.generate([{"prompt_token_ids": p} for p in prompts], GREEDY, use_tqdm=False,
                         lora_request=LoRARequest("granite", 1, adapter))
     assert [o.outputs[0].token_ids for o in outs] == want
+
+
+@pytest.mark.slow
+def test_an_adapter_of_q_and_k_follows_the_interleaved_rope_order_they_load_in(tmp_path):
+    """GLM's q and k rows load permuted (interleaved rope pairs read as rotate-half), so
+    their adapters' B rows are permuted alike: the merged model's tokens."""
+    base = make_tiny_checkpoint(tmp_path, arch="glm4", num_attention_heads=4,
+                                num_key_value_heads=2, partial_rotary_factor=0.5)
+    prompts = random_prompts(checkpoint_vocab_size(base), [11, 7], seed=4)
+    adapter, merged = make_peft_adapter(base, tmp_path, seed=7, r=8, lora_alpha=16,
+                                        target_modules=["q_proj", "k_proj"])
+    want = merged_greedy(merged, prompts, NEW_TOKENS)
+    assert want != hf_greedy(base, prompts, NEW_TOKENS)[0]
+    llm = LLM(base, max_loras=1, **ENGINE)
+    outs = llm.generate([{"prompt_token_ids": p} for p in prompts], GREEDY, use_tqdm=False,
+                        lora_request=LoRARequest("glm", 1, adapter))
+    assert [o.outputs[0].token_ids for o in outs] == want

@@ -46,6 +46,13 @@ CASES = {
     "mistral-sliding-window": dict(arch="mistral", sliding_window=4),
     "qwen2-bias-tied": dict(arch="qwen2", tie_word_embeddings=True),
     "qwen3-qk-norm": dict(arch="qwen3", head_dim=32),
+    # Interleaved rope pairs over the whole head, every projection biased.
+    "ernie4_5-interleaved-rope-biases": dict(arch="ernie4_5", use_bias=True),
+    # Interleaved pairs over half of each head, q/k/v biases, fused gate/up; GLM-4-0414
+    # with norms after attention and MLP too.
+    "glm-partial-interleaved-rope": dict(arch="glm", attention_bias=True,
+                                         partial_rotary_factor=0.5),
+    "glm4-sandwich-norms": dict(arch="glm4", attention_bias=True, partial_rotary_factor=0.5),
     # q/k/v biases and, named apart, the output projection's (and the MLP's).
     "seed-oss-biases": dict(arch="seed_oss", attention_bias=True, attention_out_bias=True,
                             mlp_bias=True),

@@ -35,6 +35,9 @@ CASES = {
                                       num_key_value_heads=2)),
     "tp8-mqa-replicated-kv": (8, dict(arch="qwen2", num_attention_heads=8,
                                       num_key_value_heads=1, head_dim=16)),
+    # GLM-4's q/k rows permuted for its interleaved rope, then kv heads replicated.
+    "tp4-glm4-replicated-kv": (4, dict(arch="glm4", num_attention_heads=4,
+                                       num_key_value_heads=2, partial_rotary_factor=0.5)),
     # Phi-3's fused checkpoint tensors cut at the checkpoint's kv rows, then replicated.
     "tp4-phi3-replicated-kv": (4, dict(arch="phi3", num_attention_heads=4,
                                        num_key_value_heads=2)),

@@ -16,12 +16,18 @@ import tempfile
 import torch
 from tokenizers import Regex, Tokenizer, decoders, models, pre_tokenizers, processors
 from transformers import (
+    Ernie4_5Config,
+    Ernie4_5ForCausalLM,
     Gemma2Config,
     Gemma2ForCausalLM,
     Gemma3ForCausalLM,
     Gemma3TextConfig,
+    Glm4Config,
+    Glm4ForCausalLM,
     Glm4MoeConfig,
     Glm4MoeForCausalLM,
+    GlmConfig,
+    GlmForCausalLM,
     GraniteConfig,
     GraniteForCausalLM,
     LlamaConfig,
@@ -58,6 +64,9 @@ ARCHS = {
     "glm4_moe": (Glm4MoeConfig, Glm4MoeForCausalLM),
     "phi3": (Phi3Config, Phi3ForCausalLM),
     "granite": (GraniteConfig, GraniteForCausalLM),
+    "ernie4_5": (Ernie4_5Config, Ernie4_5ForCausalLM),
+    "glm": (GlmConfig, GlmForCausalLM),
+    "glm4": (Glm4Config, Glm4ForCausalLM),
     "smollm3": (SmolLM3Config, SmolLM3ForCausalLM),
     "seed_oss": (SeedOssConfig, SeedOssForCausalLM),
     "gemma2": (Gemma2Config, Gemma2ForCausalLM),
