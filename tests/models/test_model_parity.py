@@ -366,9 +366,10 @@ def test_dummy_weights_are_deterministic_from_the_seed(tmp_path):
 
 def test_unsupported_architecture_lists_the_supported_ones():
     with pytest.raises(ParameterError, match="supported: BertForSequenceClassification, "
-                                             "BertModel, Gemma2ForCausalLM, Gemma3ForCausalLM, "
+                                             "BertModel, Ernie4_5ForCausalLM, "
+                                             "Gemma2ForCausalLM, Gemma3ForCausalLM, "
                                              "Gemma3ForConditionalGeneration, "
-                                             "Glm4MoeForCausalLM, LlamaForCausalLM"):
+                                             "Glm4ForCausalLM, Glm4MoeForCausalLM"):
         get_model_class("GPT2LMHeadModel")
 
 
