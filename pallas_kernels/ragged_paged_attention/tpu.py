@@ -17,7 +17,8 @@ two VMEM slots while the previous block is being computed (double buffering,
 across request boundaries too). Metadata (kv_lens, page_indices, cu_q_lens,
 num_seqs and the per-block request ranges) arrives by scalar prefetch in SMEM.
 Online softmax in float32; rows of other requests are masked out (p = 0), so
-they pass through untouched.
+they pass through untouched. Attention sinks, where given, join each row's
+softmax once, after its last KV block (one more operand, absent without them).
 
 Lane padding. The engine's cache (`padded_kv_cache_shape`) pads head_dim up to a
 multiple of 128, the TPU's lane width. With a smaller minor dim (head_dim 32 or
@@ -112,12 +113,16 @@ def _compiler_params():
 
 
 def _kernel(kvlen_ref, pidx_ref, cu_ref, nseq_ref, lo_ref, hi_ref,  # scalar prefetch
-            q_ref, kv_hbm, o_ref,  # q/out: [Hkv, bq * G, D] VMEM blocks; kv_hbm: HBM
-            kv_buf, sems, m_ref, l_ref, acc_ref,  # scratch
-            *, block_q: int, group: int, page_size: int, pages_per_block: int,
+            q_ref, kv_hbm,  # q: [Hkv, bq * G, D] VMEM block; kv_hbm: HBM
+            *refs,  # [sink_ref] (with sinks), o_ref, then the scratch
+            block_q: int, group: int, page_size: int, pages_per_block: int,
             pages_per_seq: int, num_req: int, sm_scale: float,
-            sliding_window: int | None, soft_cap: float | None, page_offset: int):
+            sliding_window: int | None, soft_cap: float | None, page_offset: int,
+            has_sinks: bool):
     del nseq_ref  # folded into lo/hi by the wrapper
+    # sink_ref: [Hkv, bq * G, 1] float32, each row's head's sink logit (one block, every step).
+    sink_ref, refs = (refs[0], refs[1:]) if has_sinks else (None, refs)
+    o_ref, kv_buf, sems, m_ref, l_ref, acc_ref = refs
     num_kv_heads, rows, head_dim = q_ref.shape
     block_kv = pages_per_block * page_size
     i = pl.program_id(0)
@@ -227,7 +232,16 @@ def _kernel(kvlen_ref, pidx_ref, cu_ref, nseq_ref, lo_ref, hi_ref,  # scalar pre
                    (lo, seq_info(lo)["kb_lo"], jnp.int32(0)))
 
     denom = l_ref[...]
-    inv = jnp.where(denom > 0.0, 1.0 / jnp.where(denom > 0.0, denom, 1.0), 0.0)
+    num = 1.0
+    if sink_ref is not None:
+        # The sink joins the softmax as one more logit without a value: rescaled to
+        # the larger of the two maxima, it adds to the denominator only. A row that
+        # saw no key (acc 0) stays exactly 0.
+        m, sink = m_ref[...], sink_ref[...]
+        m_all = jnp.maximum(m, sink)
+        num = jnp.exp(m - m_all)
+        denom = denom * num + jnp.exp(sink - m_all)
+    inv = jnp.where(denom > 0.0, num / jnp.where(denom > 0.0, denom, 1.0), 0.0)
     o_ref[...] = (acc_ref[...] * inv).astype(o_ref.dtype)
 
 
@@ -261,9 +275,11 @@ def ragged_paged_attention(
     block_sizes: BlockSizes | None = None,
     interpret=False,
     page_offset: int = 0,
+    sinks: jax.Array | None = None,
 ) -> jax.Array:
     """Ragged paged attention; `kv_cache` is `[P, 2 * Hkv, page_size, D]`, D q's head_dim
-    or lane-padded past it (see module doc; `page_offset` as in xla.py).
+    or lane-padded past it (see module doc; `page_offset` and `sinks` `[num_q_heads]` as
+    in xla.py; without sinks the kernel has no operand for them).
 
     `interpret=True` runs in TPU interpret mode (any host); a
     `pltpu.InterpretParams` is passed through as is.
@@ -296,13 +312,22 @@ def ragged_paged_attention(
         _kernel, block_q=block_q, group=group, page_size=page_size,
         pages_per_block=bs.pages_per_block, pages_per_seq=pages_per_seq, num_req=num_req,
         sm_scale=float(sm_scale), sliding_window=sliding_window, soft_cap=soft_cap,
-        page_offset=page_offset)
+        page_offset=page_offset, has_sinks=sinks is not None)
     qo_spec = pl.BlockSpec((num_kv_heads, rows, head_dim), lambda i, *_: (0, i, 0))
     block_kv = bs.pages_per_block * page_size
+    in_specs = [qo_spec, pl.BlockSpec(memory_space=_ANY)]
+    extra = ()
+    if sinks is not None:
+        # Laid out as the query tile's rows (token-major, then the group's heads), so
+        # the kernel reads it as m and l; the block index never moves: fetched once.
+        per_head = sinks.astype(jnp.float32).reshape(num_kv_heads, 1, group)
+        sink_rows = jnp.broadcast_to(per_head, (num_kv_heads, block_q, group))
+        extra = (sink_rows.reshape(num_kv_heads, rows, 1),)
+        in_specs.append(pl.BlockSpec((num_kv_heads, rows, 1), lambda i, *_: (0, 0, 0)))
     grid_spec = pltpu.PrefetchScalarGridSpec(
         num_scalar_prefetch=6,
         grid=(num_blocks,),
-        in_specs=[qo_spec, pl.BlockSpec(memory_space=_ANY)],
+        in_specs=in_specs,
         out_specs=qo_spec,
         scratch_shapes=[
             pltpu.VMEM((2, two_h, block_kv, head_dim), kv_cache.dtype),
@@ -321,7 +346,7 @@ def ragged_paged_attention(
         name="ragged_paged_attention_tpu",
     )(kv_lens.astype(jnp.int32), page_indices.astype(jnp.int32).reshape(-1),
       cu_q_lens.astype(jnp.int32), jnp.reshape(num_seqs, (-1,)).astype(jnp.int32), lo, hi,
-      qh, kv_cache)
+      qh, kv_cache, *extra)
     out = out.reshape(num_kv_heads, t_pad, group, head_dim)[:, :num_tokens]
     out = out.transpose(1, 0, 2, 3).reshape(num_tokens, num_q_heads, head_dim)
     return out[..., :q_head_dim]
