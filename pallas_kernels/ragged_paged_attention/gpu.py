@@ -32,6 +32,10 @@ log-sum-exp, float32); a small kernel (`combine_splits`) merges them. The wrappe
 turns it on for decode-shaped calls (few tokens) where (items x kv heads) alone
 would not fill the GPU.
 
+Attention sinks (optional; no operand without them) join each row's softmax
+exactly once: at the end of its program's walk with one split, in
+`combine_splits` (as one more split holding only the sink) with several.
+
 Padding. Rows past `cu_q_lens[num_seqs]` are written as zeros by padding items;
 requests at index >= num_seqs own no item and are never read.
 """
@@ -171,7 +175,11 @@ def _kernel(item_req_ref, item_tok_ref, cu_ref, kvlen_ref, pidx_ref, off_ref, q_
             num_q_heads: int, kv_heads: int,
             page_size: int, pages_per_seq: int, num_tokens: int, num_splits: int,
             kv_evict_first: bool, sm_scale: float, sliding_window: int | None,
-            soft_cap: float | None):
+            soft_cap: float | None, has_sinks: bool):
+    # With sinks (one split only; split partials leave them to the combine): `[Hq]` float32.
+    sink_ref = out_refs[0] if has_sinks else None
+    if has_sinks:
+        out_refs = out_refs[1:]
     if aliased:  # the decode call's output, as an input: the same buffer as out_refs[1]
         out_refs = out_refs[1:]
     o_ref = out_refs[0]
@@ -296,8 +304,16 @@ def _kernel(item_req_ref, item_tok_ref, cu_ref, kvlen_ref, pidx_ref, off_ref, q_
         carry = lax.fori_loop(jnp.maximum(b, s_lo), jnp.minimum(blk_hi, s_hi), masked_body,
                               carry)
         acc, m_i, l_i = carry
+        num = 1.0
+        if sink_ref is not None:
+            # The sink, in the base-2 units of m, joins the softmax as one more logit
+            # without a value: it adds to the denominator only.
+            sink = _load(sink_ref, (h * group + row % group,)) * LOG2E
+            m_all = jnp.maximum(m_i, sink)
+            num = jnp.exp2(m_i - m_all)
+            l_i = l_i * num + jnp.exp2(sink - m_all)
         has = l_i > 0.0
-        inv = jnp.where(has, 1.0 / jnp.where(has, l_i, 1.0), 0.0)
+        inv = jnp.where(has, num / jnp.where(has, l_i, 1.0), 0.0)
         lse = jnp.where(has, m_i + jnp.log2(jnp.where(has, l_i, 1.0)), -jnp.inf)
         write(acc * inv[:, None], lse, row_valid)
 
@@ -317,9 +333,11 @@ def ragged_paged_attention(
     items: tuple[jax.Array, jax.Array] | None = None,
     interpret: bool = False,
     page_offset: int = 0,
+    sinks: jax.Array | None = None,
 ) -> jax.Array:
     """Ragged paged attention; `kv_cache` is `[P, 2 * Hkv, page_size, D]` (see module doc;
-    `page_offset` as in xla.py, but an input of the kernel: it may be traced).
+    `page_offset` as in xla.py, but an input of the kernel: it may be traced; `sinks`
+    `[num_q_heads]` as in xla.py, an operand only where given).
     `items`, if given, must be
     `work_items(cu_q_lens, num_seqs, T, bs.block_q, skip_decode=bs.decode is not None)`."""
     num_tokens, num_q_heads, head_dim = q.shape
@@ -345,19 +363,25 @@ def ragged_paged_attention(
                            skip_decode=bs.decode is not None)
     static = dict(sm_scale=sm_scale, sliding_window=sliding_window, soft_cap=soft_cap,
                   interpret=interpret, page_offset=page_offset)
+    if sinks is not None:
+        sinks = sinks.astype(jnp.float32)
 
     into = None
     if bs.decode is not None:  # the one-token requests' rows; the main call fills the rest
         into = _call(bs.decode, decode_items(cu_q_lens, num_seqs), q, kv_cache, kv_lens,
-                     page_indices, cu_q_lens, None, **static)[0]
-    outs = _call(bs, items, q, kv_cache, kv_lens, page_indices, cu_q_lens, into, **static)
+                     page_indices, cu_q_lens, None, sinks=sinks, **static)[0]
     if bs.num_kv_splits == 1:
+        outs = _call(bs, items, q, kv_cache, kv_lens, page_indices, cu_q_lens, into,
+                     sinks=sinks, **static)
         return outs[0].reshape(num_tokens, num_q_heads, head_dim)
+    # Split partials carry no sink: counted once per row, in the combine.
+    outs = _call(bs, items, q, kv_cache, kv_lens, page_indices, cu_q_lens, into, sinks=None,
+                 **static)
     rows = num_tokens * num_q_heads
     splits = bs.num_kv_splits
     return combine_splits(outs[0].reshape(splits, rows * head_dim),
-                          outs[1].reshape(splits, rows), q.dtype, interpret=interpret
-                          ).reshape(num_tokens, num_q_heads, head_dim)
+                          outs[1].reshape(splits, rows), q.dtype, interpret=interpret,
+                          sinks=sinks).reshape(num_tokens, num_q_heads, head_dim)
 
 
 def attend_decodes_into(
@@ -389,9 +413,10 @@ def attend_decodes_into(
 
 def _call(b: BlockSizes, items: tuple[jax.Array, jax.Array], q, kv_cache, kv_lens,
           page_indices, cu_q_lens, into: jax.Array | None, *, sm_scale, sliding_window,
-          soft_cap, interpret, page_offset):
+          soft_cap, interpret, page_offset, sinks=None):
     """One pallas_call of the kernel over `items`; with `into` (`[T * Hq, D]`) its
-    rows are updated in place (aliased) and rows of no item keep their values."""
+    rows are updated in place (aliased) and rows of no item keep their values.
+    `sinks` (float32 `[Hq]`) only with one KV split: they complete each row's softmax."""
     num_tokens, num_q_heads, head_dim = q.shape
     num_pages, two_h, page_size, _ = kv_cache.shape
     num_kv_heads = two_h // 2
@@ -404,12 +429,15 @@ def _call(b: BlockSizes, items: tuple[jax.Array, jax.Array], q, kv_cache, kv_len
             jnp.asarray(page_offset, jnp.int32).reshape(1), q.reshape(rows, head_dim),
             kv_cache.reshape(num_pages * two_h * page_size, head_dim))
     splits = b.num_kv_splits
+    if sinks is not None:
+        assert splits == 1, "split partials leave the sinks to the combine"
+        args = (*args, sinks)
     kernel = functools.partial(
         _kernel, aliased=into is not None, kv_heads=num_kv_heads, block_q=b.block_q,
         block_kv=b.block_kv, group=num_q_heads // num_kv_heads, num_q_heads=num_q_heads,
         page_size=page_size, pages_per_seq=pages_per_seq, num_tokens=num_tokens,
         num_splits=splits, kv_evict_first=b.kv_evict_first, sm_scale=float(sm_scale),
-        sliding_window=sliding_window, soft_cap=soft_cap)
+        sliding_window=sliding_window, soft_cap=soft_cap, has_sinks=sinks is not None)
     if splits == 1:
         out_shape = [jax.ShapeDtypeStruct((rows, head_dim), q.dtype)]
     else:
@@ -427,8 +455,10 @@ def _call(b: BlockSizes, items: tuple[jax.Array, jax.Array], q, kv_cache, kv_len
     )(*items, *args, *extra)
 
 
-def _combine_kernel(o_ref, lse_ref, out_ref, *, head_dim: int):
-    """One query row: its `[S, D]` partials and `[S]` log-sum-exps merged as `_combine`."""
+def _combine_kernel(o_ref, lse_ref, *refs, head_dim: int, num_q_heads: int | None):
+    """One query row: its `[S, D]` partials and `[S]` log-sum-exps merged as `_combine`;
+    with `num_q_heads`, refs are (sinks `[Hq]`, out) and the row's head's sink joins."""
+    sink_ref, out_ref = refs if num_q_heads is not None else (None, *refs)
     r = pl.program_id(0)
     splits = lse_ref.shape[0]
     span = pl.next_power_of_2(splits)  # Triton tiles: splits past S read as empty
@@ -439,9 +469,14 @@ def _combine_kernel(o_ref, lse_ref, out_ref, *, head_dim: int):
     d_2d = lax.broadcasted_iota(jnp.int32, (span, head_dim), 1)
     o = _load(o_ref, (s_2d, r * head_dim + d_2d), mask=s_2d < splits, other=0.0)
     mx = jnp.max(lse)
+    if sink_ref is not None:  # one more split, with no value, whose log-sum-exp is the sink
+        sink = sink_ref[lax.rem(r, num_q_heads)] * LOG2E
+        mx = jnp.maximum(mx, sink)
     mx = jnp.where(jnp.abs(mx) < jnp.inf, mx, 0.0)  # no split saw a key: all weights 0
     w = jnp.exp2(lse - mx)
     tot = jnp.sum(w)
+    if sink_ref is not None:
+        tot = tot + jnp.exp2(sink - mx)
     out = jnp.sum(w[:, None] * o, axis=0)
     out = jnp.where(tot > 0, out / jnp.where(tot > 0, tot, 1.0), 0.0)
     d = lax.broadcasted_iota(jnp.int32, (head_dim,), 0)
@@ -449,30 +484,40 @@ def _combine_kernel(o_ref, lse_ref, out_ref, *, head_dim: int):
 
 
 def combine_splits(o: jax.Array, lse: jax.Array, dtype: jnp.dtype, *,
-                   interpret: bool = False) -> jax.Array:
+                   interpret: bool = False, sinks: jax.Array | None = None) -> jax.Array:
     """Split-KV partials merged, `[rows, D]` in `dtype`: `o` `[S, rows * D]` (normalised
     per split) and `lse` `[S, rows]` (base 2), float32. One kernel, a program per query
     row, where `_combine` and the cast took XLA two fusions (each a launch and a tail
-    that cost more than the few bytes moved at a decode step)."""
+    that cost more than the few bytes moved at a decode step). `sinks` (float32 `[Hq]`,
+    rows ordered (token, query head)): each row's head's sink joins its softmax here,
+    once, as a split that saw only the sink; no operand without them."""
     splits, rows = lse.shape
     head_dim = o.shape[1] // rows
+    extra = () if sinks is None else (sinks,)
     out = pl.pallas_call(
-        functools.partial(_combine_kernel, head_dim=head_dim),
+        functools.partial(_combine_kernel, head_dim=head_dim,
+                          num_q_heads=None if sinks is None else sinks.shape[0]),
         out_shape=jax.ShapeDtypeStruct((rows * head_dim,), dtype),
         grid=(rows,),
         compiler_params=_compiler_params(1, 1),
         interpret=interpret, name="ragged_paged_attention_combine",
-    )(o, lse)
+    )(o, lse, *extra)
     return out.reshape(rows, head_dim)
 
 
-def _combine(o: jax.Array, lse: jax.Array) -> jax.Array:
-    """Merges split-KV partials (normalised outputs + base-2 log-sum-exp): the oracle of
-    `combine_splits`."""
+def _combine(o: jax.Array, lse: jax.Array, sinks: jax.Array | None = None) -> jax.Array:
+    """Merges split-KV partials (normalised outputs + base-2 log-sum-exp), with the
+    sinks of `combine_splits`: its oracle."""
     mx = jnp.max(lse, axis=0)
+    sink = None
+    if sinks is not None:  # natural-log sinks per head -> base 2 per row
+        sink = jnp.tile(sinks.astype(jnp.float32) * LOG2E, lse.shape[1] // sinks.shape[0])
+        mx = jnp.maximum(mx, sink)
     mx = jnp.where(jnp.isfinite(mx), mx, 0.0)
     w = jnp.exp2(lse - mx[None])
     tot = jnp.sum(w, axis=0)
+    if sink is not None:
+        tot = tot + jnp.exp2(sink - mx)
     out = jnp.sum(w[..., None] * o, axis=0)
     return jnp.where(tot[:, None] > 0, out / jnp.where(tot > 0, tot, 1.0)[:, None], 0.0)
 
