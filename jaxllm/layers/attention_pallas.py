@@ -23,7 +23,6 @@ import jax.numpy as jnp
 import numpy as np
 from jax.sharding import PartitionSpec as P
 
-from jaxllm.errors import ParameterError
 from jaxllm.layers.attention_backend import (
     QKV_SPLIT_ROWS,
     AttentionBackend,
@@ -82,11 +81,10 @@ class PallasTPUBackend(_PallasBackend):
                sinks: jax.Array | None = None) -> jax.Array:
         from pallas_kernels.ragged_paged_attention import tpu
 
-        _no_sinks(sinks, self.name)
         return tpu.ragged_paged_attention(
             q, kv_cache, md.kv_lens, md.page_indices, md.cu_q_lens, md.num_seqs,
             sm_scale=sm_scale, sliding_window=sliding_window, soft_cap=soft_cap,
-            interpret=self.interpret, page_offset=page_offset)
+            interpret=self.interpret, page_offset=page_offset, sinks=sinks)
 
 
 class PallasGPUBackend(_PallasBackend):
@@ -113,11 +111,12 @@ class PallasGPUBackend(_PallasBackend):
 
         return gpu.ragged_paged_attention
 
-    def _attend(self, q, kv_cache, md, page_offset, *, sm_scale, sliding_window, soft_cap):
+    def _attend(self, q, kv_cache, md, page_offset, sinks, *, sm_scale, sliding_window,
+                soft_cap):
         return self._kernel()(
             q, kv_cache, md.kv_lens, md.page_indices, md.cu_q_lens, md.num_seqs,
             sm_scale=sm_scale, sliding_window=sliding_window, soft_cap=soft_cap,
-            interpret=self.interpret, page_offset=page_offset)
+            interpret=self.interpret, page_offset=page_offset, sinks=sinks)
 
     def _project(self, qkv, positions, inv_freq, kv_cache, slot_mapping, page_offset,
                  qk_norms, layer, *, eps, offset, dtype, rope_scale):
@@ -164,14 +163,15 @@ class PallasGPUBackend(_PallasBackend):
                sm_scale: float, sliding_window: int | None = None,
                soft_cap: float | None = None, page_offset: int = 0,
                sinks: jax.Array | None = None) -> jax.Array:
-        _no_sinks(sinks, self.name)
-        return self._attend_jit(q, kv_cache, md, jnp.int32(page_offset), sm_scale=sm_scale,
-                                sliding_window=sliding_window, soft_cap=soft_cap)
+        # sinks: a traced operand, or None (an empty pytree: the program without them).
+        return self._attend_jit(q, kv_cache, md, jnp.int32(page_offset), sinks,
+                                sm_scale=sm_scale, sliding_window=sliding_window,
+                                soft_cap=soft_cap)
 
 
 class PallasGPUMosaicBackend(PallasGPUBackend):
     """The GPU default on Hopper ("auto"): prefill-shaped steps (bf16/f16, head_dim
-    64/128, no window or soft-cap) run the Mosaic GPU kernel (`gpu_mgpu.py`: TMA page
+    64/128, no window, soft-cap or sinks) run the Mosaic GPU kernel (`gpu_mgpu.py`: TMA page
     copies, wgmma, persistent CTAs; its one-token requests go to the Triton decode
     tiles), everything else the Triton body, because its prefill calls are faster
     than the Triton body's at the shapes it covers (BENCHMARKS.md, kernels).
@@ -230,8 +230,3 @@ def _interpret_callbacks_on_the_host() -> None:
     io_callback_impl._jaxllm_interpret_patch = True
     jax_callback.io_callback_impl = io_callback_impl
 
-
-def _no_sinks(sinks: jax.Array | None, backend: str) -> None:
-    if sinks is not None:
-        raise ParameterError("attention_backend", f"{backend!r} has no attention sinks "
-                             "(GPT-OSS); use 'xla'")

@@ -15,7 +15,7 @@ Fast path (all must hold; decided statically from shapes and options, see
 * head_dim 64 or 128;
 * page_size a multiple of 8 dividing block_kv (64 or 128): 8, 16, 32, 64, 128;
 * G = num_q_heads / num_kv_heads a power of two <= 16;
-* no sliding window, no soft-cap;
+* no sliding window, no soft-cap, no attention sinks;
 * num_tokens a multiple of 8 (the tiled TMA view of q / out);
 * prefill-shaped: num_tokens > max(num_req, 16) (below that `gpu.py` uses its
   decode tiles and split-KV, and so do we).
@@ -114,7 +114,7 @@ def default_block_sizes(head_dim: int, page_size: int) -> BlockSizes:
 
 
 def supported(q: jax.Array, kv_cache: jax.Array, page_indices: jax.Array, *,
-              sliding_window=None, soft_cap=None, interpret: bool = False,
+              sliding_window=None, soft_cap=None, sinks=None, interpret: bool = False,
               block_sizes: BlockSizes | None = None) -> bool:
     """Whether the Mosaic GPU body covers this call (see the module docstring)."""
     if plgpu is None:
@@ -123,7 +123,8 @@ def supported(q: jax.Array, kv_cache: jax.Array, page_indices: jax.Array, *,
     _, two_h, page_size, _ = kv_cache.shape
     num_kv_heads = two_h // 2
     num_req = page_indices.shape[0]
-    if sliding_window is not None or soft_cap is not None:
+    # Sinks (GPT-OSS) go to gpu.py too: this body's softmax epilogue has no sink term.
+    if sliding_window is not None or soft_cap is not None or sinks is not None:
         return False
     if q.dtype != kv_cache.dtype or jnp.dtype(q.dtype) not in (jnp.dtype(jnp.bfloat16),
                                                                jnp.dtype(jnp.float16)):
@@ -459,20 +460,24 @@ def ragged_paged_attention(
     interpret: bool = False,
     fallback_block_sizes: gpu.BlockSizes | None = None,
     page_offset: int = 0,
+    sinks: jax.Array | None = None,
 ) -> jax.Array:
     """Ragged paged attention; Mosaic GPU body where `supported()`, else `gpu.py`'s.
 
     `items` (optional) must come from this module's
     `work_items(..., 128 // G, skip_decode=True)` (used on the fast path only);
     `fallback_block_sizes` goes to `gpu.ragged_paged_attention` on the fallback;
-    `page_offset` as in xla.py, but an input of the kernels: it may be traced.
+    `page_offset` as in xla.py, but an input of the kernels: it may be traced; `sinks`
+    as in xla.py (always the fallback).
     """
     if not supported(q, kv_cache, page_indices, sliding_window=sliding_window,
-                     soft_cap=soft_cap, interpret=interpret, block_sizes=block_sizes):
+                     soft_cap=soft_cap, sinks=sinks, interpret=interpret,
+                     block_sizes=block_sizes):
         return gpu.ragged_paged_attention(
             q, kv_cache, kv_lens, page_indices, cu_q_lens, num_seqs, sm_scale=sm_scale,
             sliding_window=sliding_window, soft_cap=soft_cap,
-            block_sizes=fallback_block_sizes, interpret=interpret, page_offset=page_offset)
+            block_sizes=fallback_block_sizes, interpret=interpret, page_offset=page_offset,
+            sinks=sinks)
     out = _mgpu_call(q, kv_cache, kv_lens, page_indices, cu_q_lens, num_seqs,
                      sm_scale=sm_scale, block_sizes=block_sizes, items=items,
                      interpret=interpret, page_offset=page_offset)
