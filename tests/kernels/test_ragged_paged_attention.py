@@ -6,7 +6,8 @@ batches. Error bounds, against the reference on the same (upcast) inputs:
 float32: max |err| <= 1e-4 and relative L2 error <= 1e-5 (the kernels run
 float32 dots at full precision); bfloat16: max |err| <= 6e-2 and relative L2
 <= 1e-2 (P is rounded to bf16 before the PV product, as on the real units).
-Padding rows must come back as exact zeros.
+Padding rows must come back as exact zeros. Attention sinks (GPT-OSS) are held to
+the same bounds, on cases whose sinks move the reference well past them.
 """
 
 from __future__ import annotations
@@ -67,6 +68,24 @@ CASES = {
     "window_gqa8": Case(((1, 60), (20, 45)), group=8, num_kv_heads=1, sliding_window=13,
                         small_blocks=True),
 }
+
+
+# Attention sinks: a prompt chunk beside decodes (prefill-shaped on the GPU: the decodes
+# in their own call, one KV split each), decodes only over long contexts (the GPU
+# default splits the KV walk; the short request leaves most splits without a key), and
+# bf16 GQA 4 under a sliding window with small blocks (three splits on the GPU).
+SINK_CASES = {
+    "sinks_prefill_decode": Case(((1, 40), (20, 20), (1, 90), (9, 30), (5, 70))),
+    "sinks_decode_split": Case(((1, 300), (1, 129), (1, 1), (1, 200)), group=4),
+    "sinks_bf16_gqa4_window": Case(((1, 60), (20, 45), (30, 30)), group=4,
+                                   dtype=jnp.bfloat16, sliding_window=13, small_blocks=True),
+}
+
+
+def make_sinks(num_q_heads: int, seed: int) -> jax.Array:
+    """Per-head sink logits from well below to well above the rows' typical logits."""
+    return jnp.asarray(np.random.default_rng(seed).uniform(-2.0, 4.0, num_q_heads),
+                       jnp.float32)
 
 
 def make_batch(case: Case, seed: int):
@@ -132,6 +151,51 @@ def test_kernel_matches_reference(backend: str, name: str):
     assert np.isfinite(out).all()
     np.testing.assert_array_equal(out[num_real:], 0.0)
     max_abs, rel_l2 = TOL[case.dtype]
+    err = out[:num_real] - ref[:num_real]
+    assert np.abs(err).max() <= max_abs, np.abs(err).max()
+    assert np.linalg.norm(err) <= rel_l2 * np.linalg.norm(ref[:num_real]), (
+        np.linalg.norm(err) / np.linalg.norm(ref[:num_real]))
+
+
+def gpu_default_block_sizes(case: Case, q: jax.Array, page_indices: jax.Array
+                            ) -> gpu.BlockSizes:
+    """What `gpu.default_block_sizes` gives this batch's shapes."""
+    return gpu.default_block_sizes(q.shape[0], page_indices.shape[0], case.group,
+                                   case.head_dim, case.page_size, page_indices.shape[1],
+                                   case.num_kv_heads, jnp.dtype(case.dtype).itemsize)
+
+
+@pytest.mark.parametrize("backend", ["tpu", "gpu"])
+@pytest.mark.parametrize("name", list(SINK_CASES))
+@pytest.mark.slow
+def test_kernel_with_sinks_matches_reference(backend: str, name: str):
+    case = SINK_CASES[name]
+    (q, kv_lens, page_indices, cu, num_seqs), cache, num_real = make_batch(
+        case, seed=100 + list(SINK_CASES).index(name))
+    if backend == "gpu" and not case.small_blocks:  # the paths the names promise
+        bs = gpu_default_block_sizes(case, q, page_indices)
+        if name == "sinks_decode_split":
+            assert bs.num_kv_splits >= 4  # the split walk and the combine
+        else:
+            assert bs.decode is not None and bs.num_kv_splits == 1  # two one-split calls
+    sinks = make_sinks(q.shape[1], seed=list(SINK_CASES).index(name))
+    kw = dict(sm_scale=case.head_dim**-0.5, sliding_window=case.sliding_window,
+              soft_cap=case.soft_cap)
+    ref_args = (q.astype(jnp.float32), cache.astype(jnp.float32), kv_lens, page_indices, cu,
+                num_seqs)
+    with jax.default_matmul_precision("highest"):
+        ref = np.asarray(xla.ragged_paged_attention(*ref_args, sinks=sinks, **kw))
+        no_sinks = np.asarray(xla.ragged_paged_attention(*ref_args, **kw))
+    max_abs, rel_l2 = TOL[case.dtype]
+    # The sinks move the answer by far more than the bounds: ignoring them (or counting
+    # one twice) fails.
+    assert np.abs(ref - no_sinks).max() > 10 * max_abs
+    out = run_kernel(backend, case, q, cache, kv_lens, page_indices, cu, num_seqs,
+                     sinks=sinks, **kw)
+    assert out.shape == q.shape and out.dtype == q.dtype
+    out = np.asarray(out.astype(jnp.float32))
+    assert np.isfinite(out).all()
+    np.testing.assert_array_equal(out[num_real:], 0.0)
     err = out[:num_real] - ref[:num_real]
     assert np.abs(err).max() <= max_abs, np.abs(err).max()
     assert np.linalg.norm(err) <= rel_l2 * np.linalg.norm(ref[:num_real]), (
@@ -263,11 +327,15 @@ def test_tpu_kernel_on_a_lane_padded_cache_matches_reference(head_dim: int):
     np.testing.assert_array_equal(np.asarray(out[num_real:]), 0.0)
 
 
-@pytest.mark.parametrize("splits,dtype", [(16, jnp.bfloat16), (3, jnp.float32)])
-def test_split_kv_combine_kernel_equals_the_jnp_combine(splits, dtype):
+@pytest.mark.parametrize("splits,dtype,with_sinks", [(16, jnp.bfloat16, False),
+                                                     (3, jnp.float32, False),
+                                                     (3, jnp.float32, True)])
+def test_split_kv_combine_kernel_equals_the_jnp_combine(splits, dtype, with_sinks):
     """`combine_splits` (one program a query row) merges split-KV partials as `_combine`
     and the cast did: splits that saw no key (log-sum-exp -inf) weigh nothing, a row no
-    split saw comes back zero, and a split count off the powers of two is padded."""
+    split saw comes back zero, and a split count off the powers of two is padded. With
+    sinks (rows are (token, head), 2 tokens of 3 heads), each row's head's sink joins
+    once: a row one split saw is that split's output scaled by 1 / (1 + e^(sink - lse))."""
     rows, head_dim = 6, 32
     rng = np.random.default_rng(splits)
     o = rng.normal(size=(splits, rows, head_dim)).astype(np.float32)
@@ -275,28 +343,93 @@ def test_split_kv_combine_kernel_equals_the_jnp_combine(splits, dtype):
     lse[1:, 2] = -np.inf  # one split saw keys
     lse[:, 4] = -np.inf  # none did (a padding row)
     o[:, 4] = 0.0
+    sinks = jnp.asarray([-1.0, 0.5, 3.0], jnp.float32) if with_sinks else None
     got = np.asarray(gpu.combine_splits(jnp.asarray(o.reshape(splits, -1)), jnp.asarray(lse),
-                                        dtype, interpret=True))
-    want = np.asarray(gpu._combine(jnp.asarray(o), jnp.asarray(lse)).astype(dtype))
+                                        dtype, interpret=True, sinks=sinks))
+    want = np.asarray(gpu._combine(jnp.asarray(o), jnp.asarray(lse), sinks).astype(dtype))
     assert got.dtype == want.dtype and got.shape == (rows, head_dim)
     np.testing.assert_allclose(got.astype(np.float32), want.astype(np.float32),
                                rtol=1e-6 if dtype == jnp.float32 else 1e-2, atol=1e-6)
-    np.testing.assert_allclose(got[2].astype(np.float32), o[0, 2], rtol=1e-2, atol=1e-6)
+    # Row 2 (head 2): the one split's output, scaled by the sink's share when given.
+    share = 1.0 if sinks is None else 1.0 / (1.0 + 2.0 ** (3.0 * np.log2(np.e) - lse[0, 2]))
+    np.testing.assert_allclose(got[2].astype(np.float32), share * o[0, 2], rtol=1e-2,
+                               atol=1e-6)
     assert not got[4].any()
 
 
-def test_a_decode_call_with_kv_splits_lowers_to_two_triton_kernels_for_cuda():
+@pytest.mark.parametrize("with_sinks", [False, True])
+def test_a_decode_call_with_kv_splits_lowers_to_two_triton_kernels_for_cuda(with_sinks):
     """Batch-1 decode at the Qwen3-30B-A3B attention shape (32 query heads over 4 KV heads,
     head_dim 128): the split walk and the combine, both Triton, and no exponential left
-    to XLA (the jnp combine's)."""
+    to XLA (the jnp combine's); with sinks too (the Triton lowering takes the combine's
+    sink read)."""
     t, hq, hk, d, pages, page = 8, 32, 4, 128, 64, 16
     shapes = (jax.ShapeDtypeStruct((t, hq, d), jnp.bfloat16),
               jax.ShapeDtypeStruct((pages, 2 * hk, page, d), jnp.bfloat16),
               jax.ShapeDtypeStruct((t,), jnp.int32), jax.ShapeDtypeStruct((t, 8), jnp.int32),
               jax.ShapeDtypeStruct((t + 1,), jnp.int32), jax.ShapeDtypeStruct((1,), jnp.int32))
-    fn = functools.partial(gpu.ragged_paged_attention, sm_scale=d ** -0.5)
+    if with_sinks:
+        shapes += (jax.ShapeDtypeStruct((hq,), jnp.float32),)
+
+    def fn(*args):
+        sinks = args[6] if with_sinks else None
+        return gpu.ragged_paged_attention(*args[:6], sm_scale=d ** -0.5, sinks=sinks)
+
     assert gpu.default_block_sizes(t, t, hq // hk, d, page, 8, hk).num_kv_splits > 1
     text = jax.jit(fn).trace(*shapes).lower(lowering_platforms=("cuda",)).as_text()
     assert text.count("ragged_paged_attention_combine") >= 1
     assert len(re.findall(r"custom_call @__gpu\$xla\.gpu\.triton", text)) == 2
     assert "stablehlo.exponential" not in text
+
+
+@pytest.mark.parametrize("num_tokens", [8, 64])
+def test_the_gpu_body_with_sinks_lowers_to_two_triton_kernels_for_cuda(num_tokens):
+    """The GPU body's paths with sinks pass the Triton lowering (the CPU has no GPU to
+    compile for): decode-shaped, a split walk and its combine; prefill-shaped, the
+    one-token requests' call and the prefill call, both one split reading the sinks.
+    No exponential is left to XLA."""
+    reqs, hq, hk, d, pages, page = 8, 16, 2, 64, 64, 16
+    bs = gpu.default_block_sizes(num_tokens, reqs, hq // hk, d, page, 8, hk)
+    assert bs.num_kv_splits > 1 if num_tokens == 8 else bs.decode is not None
+    shapes = (jax.ShapeDtypeStruct((num_tokens, hq, d), jnp.bfloat16),
+              jax.ShapeDtypeStruct((pages, 2 * hk, page, d), jnp.bfloat16),
+              jax.ShapeDtypeStruct((reqs,), jnp.int32), jax.ShapeDtypeStruct((reqs, 8), jnp.int32),
+              jax.ShapeDtypeStruct((reqs + 1,), jnp.int32), jax.ShapeDtypeStruct((1,), jnp.int32),
+              jax.ShapeDtypeStruct((hq,), jnp.float32))
+    fn = functools.partial(gpu.ragged_paged_attention, sm_scale=d ** -0.5)
+    text = jax.jit(lambda *a: fn(*a[:6], sinks=a[6])).trace(*shapes).lower(
+        lowering_platforms=("cuda",)).as_text()
+    assert len(re.findall(r"custom_call @__gpu\$xla\.gpu\.triton", text)) == 2
+    assert "stablehlo.exponential" not in text
+
+
+def _pallas_operand_counts(fn, *args) -> list[int]:
+    """How many operands each pallas_call in `fn`'s jaxpr takes, in program order."""
+    jaxpr = jax.make_jaxpr(fn)(*args)
+    return [len(e.invars) for e in jaxpr.eqns if e.primitive.name == "pallas_call"]
+
+
+@pytest.mark.parametrize("body,num_tokens,want", [
+    ("tpu", 8, [(8, 9)]),
+    ("gpu", 8, [(8, 8), (2, 3)]),  # split walk (sinks left to the combine), the combine
+    ("gpu", 64, [(8, 9), (9, 10)]),  # decodes' call, then the prefill call aliased into it
+])
+def test_without_sinks_no_sink_operand_reaches_a_kernel(body, num_tokens, want):
+    """`sinks=None` is a static branch: each pallas_call gets the operands it had before
+    sinks existed, and a sink operand goes only to the one place that counts the sinks."""
+    reqs, hq, hk, d, page = 8, 8, 2, 64, 16
+    rng = np.random.default_rng(0)
+    args = (jnp.asarray(rng.normal(size=(num_tokens, hq, d)), jnp.float32),
+            jnp.zeros((32, 2 * hk, page, d), jnp.float32),
+            jnp.full((reqs,), 40, jnp.int32), jnp.ones((reqs, 4), jnp.int32),
+            jnp.minimum(jnp.arange(reqs + 1, dtype=jnp.int32) * (num_tokens // reqs),
+                        num_tokens), jnp.asarray([reqs], jnp.int32))
+    kernel = tpu.ragged_paged_attention if body == "tpu" else gpu.ragged_paged_attention
+
+    def fn(*a, sinks=None):
+        return kernel(*a, sm_scale=d**-0.5, interpret=True, sinks=sinks)
+
+    without = _pallas_operand_counts(fn, *args)
+    with_sinks = _pallas_operand_counts(
+        functools.partial(fn, sinks=jnp.zeros(hq, jnp.float32)), *args)
+    assert list(zip(without, with_sinks, strict=True)) == want
