@@ -189,6 +189,7 @@ def test_fallback_cases():
     assert not ok(d=256)
     assert not ok(sliding_window=64)
     assert not ok(soft_cap=30.0)
+    assert not ok(sinks=jax.ShapeDtypeStruct((8,), jnp.float32))  # gpu.py counts them
     assert not ok(hq=6, hkv=2)  # G = 3
     assert not ok(ps=256)
     assert not ok(t=64, reqs=64)  # decode-shaped

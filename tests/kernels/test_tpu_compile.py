@@ -6,7 +6,8 @@ unsupported op or a VMEM overflow on a chip. Here every configuration checked
 in interpret mode, with the same shapes and block sizes, is lowered and
 compiled by libtpu's TPU compiler against a compile-only v5e chip (and the
 head_dim / dtype corners against v6e too), plus the engine's own default block
-sizes at serving-sized buckets, where VMEM is tightest.
+sizes at serving-sized buckets, where VMEM is tightest; with attention sinks (one
+more VMEM block) too.
 """
 
 from __future__ import annotations
@@ -19,7 +20,7 @@ from jax.sharding import PartitionSpec as P
 
 from jaxllm.distributed.tpu_topology import libtpu_available, topology_devices
 from pallas_kernels.ragged_paged_attention import tpu
-from tests.kernels.test_ragged_paged_attention import CASES, Case, make_batch
+from tests.kernels.test_ragged_paged_attention import CASES, SINK_CASES, Case, make_batch
 
 pytestmark = pytest.mark.skipif(not libtpu_available(),
                                 reason="libtpu (the TPU compiler) is not installed; "
@@ -27,8 +28,9 @@ pytestmark = pytest.mark.skipif(not libtpu_available(),
 
 
 def compile_for_tpu(topology: str, case: Case, num_tokens: int, num_reqs: int, width: int,
-                    num_pages: int, block_sizes: tpu.BlockSizes | None):
-    """The kernel lowered and compiled for one chip of `topology` at these shapes."""
+                    num_pages: int, block_sizes: tpu.BlockSizes | None, sinks: bool = False):
+    """The kernel lowered and compiled for one chip of `topology` at these shapes (with
+    a float32 `[num_q_heads]` sinks operand where `sinks`)."""
     device = topology_devices(topology)[0]
     replicated = NamedSharding(Mesh([device], ("x",)), P())
 
@@ -40,9 +42,11 @@ def compile_for_tpu(topology: str, case: Case, num_tokens: int, num_reqs: int, w
             spec(tpu.kv_cache_shape(num_pages, case.page_size, hkv, d), case.dtype),
             spec((num_reqs,), jnp.int32), spec((num_reqs, width), jnp.int32),
             spec((num_reqs + 1,), jnp.int32), spec((1,), jnp.int32))
+    if sinks:
+        args += (spec((hkv * case.group,), jnp.float32),)
     fn = jax.jit(lambda *a: tpu.ragged_paged_attention(
-        *a, sm_scale=d**-0.5, sliding_window=case.sliding_window, soft_cap=case.soft_cap,
-        block_sizes=block_sizes))
+        *a[:6], sm_scale=d**-0.5, sliding_window=case.sliding_window, soft_cap=case.soft_cap,
+        block_sizes=block_sizes, sinks=a[6] if sinks else None))
     return fn.lower(*args).compile()
 
 
@@ -101,6 +105,30 @@ def test_head_dim_and_dtype_corners_compile_for_v6e(name: str):
                                page_indices.shape[1], cache.shape[0],
                                interpret_test_block_sizes(case))
     assert (compiled.out_info.shape, compiled.out_info.dtype) == (q.shape, q.dtype)
+
+
+@pytest.mark.parametrize("name", list(SINK_CASES))
+def test_interpret_mode_sink_cases_compile_for_v5e(name: str):
+    case = SINK_CASES[name]
+    (q, _, page_indices, _, _), cache, _ = make_batch(case, seed=0)
+    compiled = compile_for_tpu("v5e:1x1", case, q.shape[0], page_indices.shape[0],
+                               page_indices.shape[1], cache.shape[0],
+                               interpret_test_block_sizes(case), sinks=True)
+    assert (compiled.out_info.shape, compiled.out_info.dtype) == (q.shape, q.dtype)
+
+
+# GPT-OSS's attention on one chip: 64 query heads over 8 kv heads, head_dim 64, its
+# window, sinks; the engine's default block sizes, decode- and prefill-shaped.
+GPT_OSS = Case(((1, 1),), group=8, num_kv_heads=8, head_dim=64, dtype=jnp.bfloat16,
+               sliding_window=128)
+
+
+@pytest.mark.parametrize("topology", ["v5e:1x1", "v6e:1x1"])
+@pytest.mark.parametrize("num_tokens", [256, 2048])
+def test_sinks_at_engine_block_sizes_compile(topology: str, num_tokens: int):
+    compiled = compile_for_tpu(topology, GPT_OSS, num_tokens, 256, 2048 // GPT_OSS.page_size,
+                               num_pages=4096, block_sizes=None, sinks=True)
+    assert compiled.out_info.shape == (num_tokens, 64, 64)
 
 
 @pytest.mark.parametrize("head_dim,dtype", [(32, jnp.float32), (64, jnp.bfloat16)])
