@@ -21,12 +21,12 @@ static bound). Both paths route padding tokens nowhere: the caller passes the
 step's real token count (`num_tokens`, the rows before it), and the padding rows
 come back zero.
 
-On the GPU a small step of unquantized experts runs `routed_expert_kernel`
-instead (`small_step_kernel`: `JAXLLM_MOE_SMALL_KERNEL=loop|pallas`, pallas on GPU,
-loop elsewhere): the loop's iterations each pay a launch and a copy of the
-dynamically indexed expert, while pallas_kernels/moe_small's two kernels (gate/up
-per (routed slot, column block), down per column block over the slots) read every
-routed expert's weights in place, once, with no host-side loop. `routed_slots`
+On the GPU a small step of unquantized experts runs `routed_expert_kernel` instead
+(`small_step_kernel`: `JAXLLM_MOE_SMALL_KERNEL=loop|pallas`, pallas on GPU, loop
+elsewhere): the loop's iterations each pay a launch and a copy of the dynamically
+indexed expert, while pallas_kernels/moe_small's two kernels (gate/up per (routed
+slot, column block), down per column block over the slots) read every routed expert's
+weights in place, once, with no host-side loop. `routed_slots` (layers/moe_routing.py)
 turns the routing into their inputs. Quantized experts, and sizes off its 16-wide
 tiles, keep the loop; the loop stays the oracle on the CPU, where "pallas" runs the
 kernels in Pallas interpret mode (tests). The layer hands them the router logits
@@ -70,7 +70,14 @@ from jax.sharding import PartitionSpec as P
 from jaxllm.errors import ParameterError
 from jaxllm.layers.grouped_matmul import GroupedMatmul, default_grouped_matmul
 from jaxllm.layers.linear import make_param
-from jaxllm.layers.moe_routing import GroupedRouting, grouped_route, route
+from jaxllm.layers.moe_routing import (
+    GroupedRouting,
+    distinct_experts,
+    grouped_route,
+    local_keys,
+    route,
+    routed_slots,
+)
 from jaxllm.layers.norm import rms_norm
 from jaxllm.layers.quant import quantize_traced
 from jaxllm.layers.row_reduce import NormWeight
@@ -113,31 +120,6 @@ def _platform(mesh: Mesh | None) -> str:
     return (mesh.devices.flat[0] if mesh is not None else jax.devices()[0]).platform
 
 
-def _local_keys(ids: jax.Array, first_expert: jax.Array | int, local: int,
-                num_tokens: jax.Array | int | None) -> jax.Array:
-    """Each (token, choice) pair's expert among this call's `local` ones, `local` for
-    pairs it skips: another device's expert, or a padding token's (rows from
-    `num_tokens` on)."""
-    expert = ids - first_expert
-    mine = (expert >= 0) & (expert < local)
-    if num_tokens is not None:
-        mine &= jnp.arange(ids.shape[0])[:, None] < num_tokens
-    return jnp.where(mine, expert, local)
-
-
-def routed_experts(ids: jax.Array, first_expert: jax.Array | int, local: int,
-                   num_tokens: jax.Array | int | None = None) -> tuple[jax.Array, jax.Array]:
-    """(the distinct local experts the real tokens routed to, ascending, then `local`
-    fill, `[min(T*k, local)]`; how many there are) for expert ids `[T, k]`."""
-    return _distinct_experts(_local_keys(ids, first_expert, local, num_tokens), local)
-
-
-def _distinct_experts(key: jax.Array, local: int) -> tuple[jax.Array, jax.Array]:
-    """`routed_experts` from `_local_keys`' `key [T, k]`."""
-    experts = jnp.unique(key, size=min(key.size, local), fill_value=local)
-    return experts, jnp.sum(experts < local, dtype=jnp.int32)
-
-
 def routed_expert_ffn(x: jax.Array, weights: jax.Array, ids: jax.Array, gate_up: jax.Array,
                       down: jax.Array, first_expert: jax.Array | int = 0, method: Any = None,
                       gate_up_scale: jax.Array | None = None,
@@ -150,8 +132,8 @@ def routed_expert_ffn(x: jax.Array, weights: jax.Array, ids: jax.Array, gate_up:
     that routed there with their weights. Arguments as `expert_ffn`'s."""
     t = ids.shape[0]
     local, inter, hidden = gate_up.shape[0], gate_up.shape[2], gate_up.shape[3]
-    key = _local_keys(ids, first_expert, local, num_tokens)
-    experts, count = _distinct_experts(key, local)
+    key = local_keys(ids, first_expert, local, num_tokens)
+    experts, count = distinct_experts(key, local)
     statics = input_scales or (None, None)
 
     def product(lhs: jax.Array, w: jax.Array, scale: jax.Array | None, i: int) -> jax.Array:
@@ -178,19 +160,6 @@ def routed_expert_ffn(x: jax.Array, weights: jax.Array, ids: jax.Array, gate_up:
                                y.astype(jnp.float32) * w[:, None], 0.0)
 
     return jax.lax.fori_loop(0, count, body, jnp.zeros((t, hidden), jnp.float32))
-
-
-def routed_slots(weights: jax.Array, ids: jax.Array, first_expert: jax.Array | int,
-                 local: int, num_tokens: jax.Array | int | None = None
-                 ) -> tuple[jax.Array, jax.Array, jax.Array, jax.Array]:
-    """`routed_experts`' (experts `[U]`, count), and per slot u each row's routing weight
-    for expert u, `[U, T]` float32, and whether the row routed there, `[U, T]` bool
-    (padding rows, other devices' pairs and fill slots: nowhere)."""
-    key = _local_keys(ids, first_expert, local, num_tokens)
-    experts, count = _distinct_experts(key, local)
-    hit = (key[None] == experts[:, None, None]) & (experts < local)[:, None, None]
-    return (experts, count, jnp.sum(jnp.where(hit, weights[None], 0.0), axis=2),
-            jnp.any(hit, axis=2))
 
 
 def routed_expert_kernel(x: jax.Array, weights: jax.Array, ids: jax.Array,
@@ -241,7 +210,7 @@ def expert_ffn(x: jax.Array, weights: jax.Array, ids: jax.Array, gate_up: jax.Ar
     """
     t, k = ids.shape
     local, inter, hidden = gate_up.shape[0], gate_up.shape[2], gate_up.shape[3]
-    key = _local_keys(ids, first_expert, local, num_tokens).reshape(-1)
+    key = local_keys(ids, first_expert, local, num_tokens).reshape(-1)
     mine = key < local
     order = jnp.argsort(key, stable=True)
     sizes = jnp.zeros(local + 1, jnp.int32).at[key].add(1)[:local]

@@ -12,6 +12,11 @@ best groups stay, and the `top_k` best biased scores among their experts are the
 token's experts. Their weights are the unbiased scores, renormalized to sum to one
 where `renormalize`, then times `scale` (the routed scaling factor), so they need not
 sum to one.
+
+Under expert parallelism a device serves only some of the picks: `local_keys` names
+each (token, choice) pair's expert among the device's own (padding tokens' and other
+devices' pairs: none), and `routed_experts` / `routed_slots` list the distinct ones the
+step's real tokens reached, the form the small-step expert paths read.
 """
 
 from __future__ import annotations
@@ -79,3 +84,41 @@ def grouped_route(logits: jax.Array, bias: jax.Array | None, routing: GroupedRou
     if routing.renormalize:
         weights = weights / (jnp.sum(weights, axis=-1, keepdims=True) + 1e-20)
     return weights * routing.scale, ids.astype(jnp.int32)
+
+
+def local_keys(ids: jax.Array, first_expert: jax.Array | int, local: int,
+                num_tokens: jax.Array | int | None) -> jax.Array:
+    """Each (token, choice) pair's expert among this call's `local` ones, `local` for
+    pairs it skips: another device's expert, or a padding token's (rows from
+    `num_tokens` on)."""
+    expert = ids - first_expert
+    mine = (expert >= 0) & (expert < local)
+    if num_tokens is not None:
+        mine &= jnp.arange(ids.shape[0])[:, None] < num_tokens
+    return jnp.where(mine, expert, local)
+
+
+def routed_experts(ids: jax.Array, first_expert: jax.Array | int, local: int,
+                   num_tokens: jax.Array | int | None = None) -> tuple[jax.Array, jax.Array]:
+    """(the distinct local experts the real tokens routed to, ascending, then `local`
+    fill, `[min(T*k, local)]`; how many there are) for expert ids `[T, k]`."""
+    return distinct_experts(local_keys(ids, first_expert, local, num_tokens), local)
+
+
+def distinct_experts(key: jax.Array, local: int) -> tuple[jax.Array, jax.Array]:
+    """`routed_experts` from `local_keys`' `key [T, k]`."""
+    experts = jnp.unique(key, size=min(key.size, local), fill_value=local)
+    return experts, jnp.sum(experts < local, dtype=jnp.int32)
+
+
+def routed_slots(weights: jax.Array, ids: jax.Array, first_expert: jax.Array | int,
+                 local: int, num_tokens: jax.Array | int | None = None
+                 ) -> tuple[jax.Array, jax.Array, jax.Array, jax.Array]:
+    """`routed_experts`' (experts `[U]`, count), and per slot u each row's routing weight
+    for expert u, `[U, T]` float32, and whether the row routed there, `[U, T]` bool
+    (padding rows, other devices' pairs and fill slots: nowhere)."""
+    key = local_keys(ids, first_expert, local, num_tokens)
+    experts, count = distinct_experts(key, local)
+    hit = (key[None] == experts[:, None, None]) & (experts < local)[:, None, None]
+    return (experts, count, jnp.sum(jnp.where(hit, weights[None], 0.0), axis=2),
+            jnp.any(hit, axis=2))

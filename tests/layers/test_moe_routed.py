@@ -20,10 +20,10 @@ from jaxllm.layers.moe import (
     SparseMoE,
     expert_ffn,
     routed_expert_ffn,
-    routed_experts,
     small_step_kernel,
     small_token_limit,
 )
+from jaxllm.layers.moe_routing import routed_experts
 from jaxllm.layers.quant import Fp8Linear, linear_method, quantize_per_channel
 from tests.jaxprs import equations
 from tests.layers.test_moe import (
