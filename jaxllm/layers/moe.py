@@ -6,8 +6,9 @@ scores with a correction bias (`grouped_route`, GLM-4.5).
 
 The experts run as two grouped matmuls over the T*k (token, expert) pairs
 sorted by expert (`expert_ffn`): gather each pair's token row, gate/up for each
-expert's run of rows, SiLU·mul, down, scale by the routing weight, then scatter-add
-back to the token. Shapes are fixed (T*k rows whatever the routing), so the step
+expert's run of rows, the activation (SiLU·mul; GPT-OSS's clamped form and biases,
+layers/moe_glu.py), down, scale by the routing weight, then scatter-add back to the
+token. Shapes are fixed (T*k rows whatever the routing), so the step
 stays one compiled program. The grouped matmul is layers/grouped_matmul.py's.
 
 Small steps (decode) take `routed_expert_ffn` instead, chosen at trace time when
@@ -43,6 +44,9 @@ Weights keep Hugging Face's `[out, in]` orientation, stacked per expert:
   gate_up_proj_scale [E, 2, I]         ('model', None, None)         quantized experts only
   down_proj_scale    [E, hidden]       ('model', None)               quantized experts only
   *_input_scale      []                replicated                    static fp8 only
+  router_bias        [E]               replicated                    GPT-OSS only
+  gate_up_proj_bias  [E, 2, I]         ('model', None, None)         GPT-OSS only
+  down_proj_bias     [E, hidden]       ('model', None)               GPT-OSS only
 
 Quantized (`method`, layers/quant.py: `--quantization int8|fp8`), the experts'
 weights are int8 / float8_e4m3fn with one float32 scale per expert and output
@@ -70,6 +74,7 @@ from jax.sharding import PartitionSpec as P
 from jaxllm.errors import ParameterError
 from jaxllm.layers.grouped_matmul import GroupedMatmul, default_grouped_matmul
 from jaxllm.layers.linear import make_param
+from jaxllm.layers.moe_glu import SWIGLU, ExpertGLU
 from jaxllm.layers.moe_routing import (
     GroupedRouting,
     distinct_experts,
@@ -125,7 +130,8 @@ def routed_expert_ffn(x: jax.Array, weights: jax.Array, ids: jax.Array, gate_up:
                       gate_up_scale: jax.Array | None = None,
                       down_scale: jax.Array | None = None,
                       input_scales: tuple[jax.Array, jax.Array] | None = None,
-                      num_tokens: jax.Array | int | None = None) -> jax.Array:
+                      num_tokens: jax.Array | int | None = None, glu: ExpertGLU = SWIGLU,
+                      biases: tuple[jax.Array, jax.Array] | None = None) -> jax.Array:
     """`expert_ffn`'s result for a small step, reading each expert the real tokens
     routed to once and no other: a loop over `routed_experts`, each iteration one
     expert's gate/up and down products for every row (a tiny GEMM), added to the rows
@@ -152,8 +158,11 @@ def routed_expert_ffn(x: jax.Array, weights: jax.Array, ids: jax.Array, gate_up:
                 a, e, keepdims=False).reshape(shape or a.shape[1:])
 
         h = product(x, take(gate_up, 2 * inter, hidden), take(gate_up_scale, 2 * inter), 0)
-        h = jax.nn.silu(h[:, :inter]) * h[:, inter:]
-        y = product(h, take(down), take(down_scale), 1)
+        if biases is not None:
+            h = h + take(biases[0], 2 * inter)
+        y = product(glu(h), take(down), take(down_scale), 1)
+        if biases is not None:
+            y = y + take(biases[1])
         w = jnp.sum(jnp.where(hit, weights, 0.0), axis=1)
         # where, not a product: the rows not routed here (padding ones too) may hold anything.
         return out + jnp.where(jnp.any(hit, axis=1)[:, None],
@@ -196,7 +205,8 @@ def expert_ffn(x: jax.Array, weights: jax.Array, ids: jax.Array, gate_up: jax.Ar
                method: Any = None, gate_up_scale: jax.Array | None = None,
                down_scale: jax.Array | None = None,
                input_scales: tuple[jax.Array, jax.Array] | None = None,
-               num_tokens: jax.Array | int | None = None) -> jax.Array:
+               num_tokens: jax.Array | int | None = None, glu: ExpertGLU = SWIGLU,
+               biases: tuple[jax.Array, jax.Array] | None = None) -> jax.Array:
     """`sum_j weights[t, j] * expert_{ids[t, j]}(x[t])` over the experts this call holds,
     `[T, hidden]` in float32 (partial sums over devices add up before the cast); rows
     from `num_tokens` on (padding tokens; None: none) route nowhere and come back zero.
@@ -206,7 +216,9 @@ def expert_ffn(x: jax.Array, weights: jax.Array, ids: jax.Array, gate_up: jax.Ar
     device holds it). One argsort of the T*k pairs by local expert puts the pairs this
     call skips last, outside every group. `method` (quantized weights): layers/quant.py's,
     with the per-expert channel scales `gate_up_scale [E_l, 2, I]`, `down_scale [E_l, H]`
-    (and, static fp8, the two products' activation scales `input_scales`).
+    (and, static fp8, the two products' activation scales `input_scales`). `glu`: the
+    activation between the products (layers/moe_glu.py); `biases`: the gate/up and down
+    products' per-expert biases `([E_l, 2, I], [E_l, H])` (GPT-OSS), or None.
     """
     t, k = ids.shape
     local, inter, hidden = gate_up.shape[0], gate_up.shape[2], gate_up.shape[3]
@@ -227,8 +239,11 @@ def expert_ffn(x: jax.Array, weights: jax.Array, ids: jax.Array, gate_up: jax.Ar
 
     h = product(x[token], gate_up.reshape(local, 2 * inter, hidden),
                 None if gate_up_scale is None else gate_up_scale.reshape(local, 2 * inter), 0)
-    h = jax.nn.silu(h[:, :inter]) * h[:, inter:]
-    y = product(h, down, down_scale, 1)
+    if biases is not None:
+        h = h + biases[0].reshape(local, 2 * inter)[row_expert]
+    y = product(glu(h), down, down_scale, 1)
+    if biases is not None:
+        y = y + biases[1][row_expert]
     scale = jnp.where(mine[order], weights.reshape(-1)[order], 0.0)
     # where, not a product: the kernel leaves the skipped pairs' rows unwritten (maybe NaN).
     y = jnp.where(mine[order][:, None], y.astype(jnp.float32) * scale[:, None], 0.0)
@@ -242,9 +257,12 @@ class SparseMoE(nnx.Module):
     def __init__(self, *, num_experts: int, top_k: int, intermediate_size: int,
                  hidden_size: int, renormalize: bool, dtype: jnp.dtype, rngs: nnx.Rngs,
                  gmm: GroupedMatmul | None = None, mesh: Mesh | None = None,
-                 method: Any = None, grouped: GroupedRouting | None = None):
+                 method: Any = None, grouped: GroupedRouting | None = None,
+                 biases: bool = False, glu: ExpertGLU = SWIGLU):
         """`grouped`: route by grouped sigmoid scores with a float32 router and correction
-        bias (layers/moe_routing.py) instead of the softmax top-k."""
+        bias (layers/moe_routing.py) instead of the softmax top-k. `biases`: the router's
+        logits and each expert's two products add learned biases; `glu`: the experts'
+        activation (both GPT-OSS's; they keep a step off the fused small-step kernels)."""
         e, i, h = num_experts, intermediate_size, hidden_size
         if not 1 <= top_k <= e:
             raise ParameterError("config.json:num_experts_per_tok",
@@ -265,9 +283,15 @@ class SparseMoE(nnx.Module):
         self.router = make_param(rngs, (e, h), jnp.float32 if grouped else dtype, P(None, None))
         self.e_score_correction_bias = (make_param(rngs, (e,), jnp.float32, P(None), "zeros")
                                         if grouped else None)
-        self.method = method
+        self.router_bias = (make_param(rngs, (e,), self.router.get_value().dtype, P(None),
+                                       "zeros") if biases else None)
+        self.method, self.glu = method, glu
         self.gate_up_proj, self.gate_up_proj_scale = _experts(rngs, (e, 2, i, h), dtype, method)
         self.down_proj, self.down_proj_scale = _experts(rngs, (e, h, i), dtype, method)
+        self.gate_up_proj_bias, self.down_proj_bias = (
+            (make_param(rngs, (e, 2, i), dtype, P("model", None, None), "zeros"),
+             make_param(rngs, (e, h), dtype, P("model", None), "zeros")) if biases
+            else (None, None))
         # Static fp8: one activation scale per product, the largest of every expert's
         # (vLLM's choice), replicated.
         static = getattr(method, "static", False)
@@ -283,9 +307,13 @@ class SparseMoE(nnx.Module):
         router = self.router[...]
         logits = jnp.einsum("th,eh->te", x.astype(router.dtype), router,
                             preferred_element_type=jnp.float32)
+        if self.router_bias is not None:
+            logits = logits + self.router_bias[...].astype(jnp.float32)
         experts = (self.gate_up_proj[...], self.down_proj[...])
         if self.method is not None:
             experts += (self.gate_up_proj_scale[...], self.down_proj_scale[...])
+        biases = (() if self.gate_up_proj_bias is None else
+                  (self.gate_up_proj_bias[...], self.down_proj_bias[...]))
         statics = (() if self.gate_up_proj_input_scale is None else
                    (self.gate_up_proj_input_scale[...], self.down_proj_input_scale[...]))
 
@@ -303,7 +331,7 @@ class SparseMoE(nnx.Module):
         else:
             routing = grouped_route(logits, self.e_score_correction_bias[...], self.grouped)
 
-        def ffn(x, routing, statics, num_tokens, *experts, first=0):
+        def ffn(x, routing, statics, biases, num_tokens, *experts, first=0):
             if fused:
                 return routed_logits_kernel(x, routing, *experts[:2], self.top_k,
                                             self.renormalize, first, num_tokens,
@@ -311,22 +339,24 @@ class SparseMoE(nnx.Module):
             if kernels:
                 return routed_expert_kernel(x, *routing, *experts[:2], first, num_tokens,
                                             self.kernel_interpret)
-            kw = dict(input_scales=statics or None, num_tokens=num_tokens)
+            kw = dict(input_scales=statics or None, num_tokens=num_tokens, glu=self.glu,
+                      biases=biases or None)
             if small:
                 return routed_expert_ffn(x, *routing, *experts[:2], first, self.method,
                                          *experts[2:], **kw)
             return expert_ffn(x, *routing, *experts[:2], self.gmm, first, self.method,
                               *experts[2:], **kw)
 
-        args = (x, routing, statics, num_tokens, *experts)
+        args = (x, routing, statics, biases, num_tokens, *experts)
         if self.mesh is None:
             out = ffn(*args)
         else:
-            def partial(x, routing, statics, num_tokens, *experts):
+            def partial(x, routing, statics, biases, num_tokens, *experts):
                 first = jax.lax.axis_index("model") * experts[0].shape[0]
-                return ffn(x, routing, statics, num_tokens, *experts, first=first)
+                return ffn(x, routing, statics, biases, num_tokens, *experts, first=first)
 
-            in_specs = (P(),) * 4 + (P("model"),) * len(experts)
+            # Each device adds its own experts' biases, so every pair's count once.
+            in_specs = (P(),) * 3 + (P("model"), P()) + (P("model"),) * len(experts)
             # The partial outputs' sum: the row reduce where it takes the step (sized
             # for float32 partials), else psum.
             if self.reduce is not None and self.reduce.takes(*x.shape, jnp.float32):
@@ -346,9 +376,11 @@ class SparseMoE(nnx.Module):
         return y, rms_norm(y, norm.weight, eps, offset)
 
     def _fused(self, x: jax.Array, local: int, inter: int, hidden: int) -> bool:
-        """Whether a small step takes the fused kernels: chosen, unquantized experts, and
-        sizes their tiles take (`local` experts per device)."""
-        if self.small_kernel != "pallas" or self.method is not None:
+        """Whether a small step takes the fused kernels: chosen, unquantized SwiGLU experts
+        without biases (all the kernels compute), and sizes their tiles take (`local`
+        experts per device)."""
+        if (self.small_kernel != "pallas" or self.method is not None or self.glu != SWIGLU
+                or self.gate_up_proj_bias is not None or self.router_bias is not None):
             return False
         from pallas_kernels.moe_small import gpu
 

@@ -248,3 +248,48 @@ def test_quantized_expert_parallel_layer_equals_one_device(kind, monkeypatch):
     got = jax.jit(lambda s, x, r: nnx.merge(graphdef, s)(x, r))(state, x, residual)
     assert np.abs(want - 1).max() > 1e-3
     np.testing.assert_allclose(np.asarray(got), want, rtol=0, atol=1e-5)
+
+
+@pytest.mark.parametrize("rows,small_kernel", [(8, "loop"), (8, "pallas"), (40, "loop")])
+def test_gpt_oss_biases_and_clamped_glu_match_transformers_experts(rows, small_kernel,
+                                                                 monkeypatch):
+    """GPT-OSS's router bias, per-expert biases and clamped activation against
+    transformers' GptOssMLP: a small step by the loop, the same with the fused small-step
+    kernels chosen (they compute neither, so the layer keeps the loop: no pallas_call),
+    and a large step by the grouped matmul."""
+    from transformers import GptOssConfig
+    from transformers.models.gpt_oss.modeling_gpt_oss import GptOssMLP
+
+    from tests.jaxprs import equations
+
+    monkeypatch.setenv("JAXLLM_MOE_SMALL_KERNEL", small_kernel)
+    e, i, h = 8, 48, 32
+    cfg = GptOssConfig(hidden_size=h, intermediate_size=i, num_local_experts=e,
+                       num_experts_per_tok=2, swiglu_limit=0.8, swiglu_alpha=1.5)
+    cfg._experts_implementation = "eager"
+    torch.manual_seed(0)
+    hf = GptOssMLP(cfg).eval()
+    with torch.no_grad():
+        for p in hf.parameters():
+            p.normal_(0.0, 0.3)
+        x = torch.randn(1, rows, h)
+        want = hf(x)[0][0].numpy()
+    moe = SparseMoE(num_experts=e, top_k=2, intermediate_size=i, hidden_size=h,
+                    renormalize=True, dtype=jnp.float32, rngs=nnx.Rngs(0), biases=True,
+                    glu=MoEArch.from_hf_config(cfg).glu)
+    experts = {k: v.detach().numpy() for k, v in hf.experts.named_parameters()}
+    moe.router[...] = hf.router.weight.detach().numpy()
+    moe.router_bias[...] = hf.router.bias.detach().numpy()
+    # gate/up columns interleave gate and up; the layer stacks them `[E, 2, I, H]`.
+    moe.gate_up_proj[...] = experts["gate_up_proj"].reshape(e, h, i, 2).transpose(0, 3, 2, 1)
+    moe.gate_up_proj_bias[...] = experts["gate_up_proj_bias"].reshape(e, i, 2).transpose(0, 2, 1)
+    moe.down_proj[...] = experts["down_proj"].transpose(0, 2, 1)
+    moe.down_proj_bias[...] = experts["down_proj_bias"]
+    graphdef, state = nnx.split(moe)
+    step = jax.jit(lambda s, x: nnx.merge(graphdef, s)(x, None))
+    got = np.asarray(step(state, x[0].numpy()))
+    clamped = np.abs(np.einsum("th,ehn->ten", x[0].numpy(), experts["gate_up_proj"])) > 0.8
+    assert clamped.mean() > 0.2 and np.abs(want).max() > 0.5  # many gate/up values clamp
+    np.testing.assert_allclose(got, want, rtol=0, atol=1e-5)
+    jaxpr = jax.make_jaxpr(step)(state, x[0].numpy())
+    assert "pallas_call" not in {eqn.primitive.name for eqn in equations(jaxpr.jaxpr)}
