@@ -22,8 +22,9 @@ Every weight declares its sharding over the mesh axis 'model':
   gate_up_proj    [2, inter, hidden]         (None, 'model', None)    column-parallel
   down_proj       [hidden, inter]            (None, 'model')          row-parallel
   norms, biases of row-parallel outputs      replicated
+  attn_sinks      [layers, heads]            replicated
 
-A "moe" layer's router and experts (Mixtral, Qwen3-MoE): layers/moe.py's table,
+A "moe" layer's router and experts (Mixtral, Qwen3-MoE, GPT-OSS): layers/moe.py's table,
 each device holding whole experts.
 
 G = heads // kv_heads. The fused qkv weight groups, per kv head, its G query
@@ -33,7 +34,9 @@ With fewer kv heads than 'model' shards (tensor_parallel_size), each kv head is
 replicated tp / kv_heads times and its query heads dealt among the copies, so
 `kv_heads` above is then tp and every shard holds one kv head (as vLLM does).
 Tied embeddings reuse `embed_tokens` for the logits. Every layer's norm weights sit
-in one stacked array (`layer_norms`, `qk_norms`): a step pays the host per array.
+in one stacked array (`layer_norms`, `qk_norms`), GPT-OSS's attention sink logits in
+another (`attn_sinks [layers, heads]` float32, replicated; the sharded attention hands
+each device its query heads' entries): a step pays the host per array.
 """
 
 from __future__ import annotations
@@ -88,12 +91,12 @@ class DecoderAttention(nnx.Module):
     def __call__(self, x: jax.Array, positions: jax.Array, kv_cache: jax.Array,
                  md: AttentionMetadata, qk_norms: jax.Array | None, residual: jax.Array,
                  post_norm: jax.Array | None = None, rows: jax.Array | None = None,
-                 write: bool = True, kv_scale: jax.Array | None = None
-                 ) -> tuple[jax.Array, jax.Array]:
+                 write: bool = True, kv_scale: jax.Array | None = None,
+                 sinks: jax.Array | None = None) -> tuple[jax.Array, jax.Array]:
         """`residual` plus the attention block's output (for the normed input `x`;
         normed by `post_norm` first where given), and the updated cache. The rest as in `heads`."""
         o, residual, kv_cache = self.heads(x, positions, kv_cache, md, qk_norms, residual,
-                                           rows, write, kv_scale)
+                                           rows, write, kv_scale, sinks)
         if post_norm is None:
             return self.o_proj.add(o, residual), kv_cache
         return residual + rms_norm(self.o_proj(o), post_norm, self.eps, self.offset), kv_cache
@@ -101,7 +104,8 @@ class DecoderAttention(nnx.Module):
     def heads(self, x: jax.Array, positions: jax.Array, kv_cache: jax.Array,
               md: AttentionMetadata, qk_norms: jax.Array | None, residual: jax.Array,
               rows: jax.Array | None = None, write: bool = True,
-              kv_scale: jax.Array | None = None) -> tuple[jax.Array, jax.Array, jax.Array]:
+              kv_scale: jax.Array | None = None, sinks: jax.Array | None = None
+              ) -> tuple[jax.Array, jax.Array, jax.Array]:
         """The attention heads' output before the output projection, `residual` at the
         same rows, and the updated cache.
 
@@ -109,7 +113,9 @@ class DecoderAttention(nnx.Module):
         cache, but only those rows' outputs are computed and returned. `write=False`:
         this step's K/V are in the cache already (`DecoderForCausalLM.finish_states`).
         `kv_scale` `[2]`: an fp8 cache's K and V scales, q's as `project_qkv` applies it
-        and V's to the output (P (v_scale V) = v_scale (P V)), so bodies only upcast."""
+        and V's to the output (P (v_scale V) = v_scale (P V)), so bodies only upcast.
+        `sinks` `[num_heads]` float32: this layer's sink logits (GPT-OSS), in query-head
+        order, which the fused qkv layout keeps (checkpoint order, kv copies too)."""
         if md.grouped:  # KV cache groups (jaxllm/kv_groups.py): this layer's group and slot
             md = md.for_group(self.kv_group)
             page_offset = self.kv_slot * (kv_cache.shape[0] // self.pages_per_block)
@@ -124,7 +130,8 @@ class DecoderAttention(nnx.Module):
             q, residual, md = q[rows], residual[rows], md.last_queries()
         o = self.attn_backend.attend(q, kv_cache, md, sm_scale=self.sm_scale,
                                      sliding_window=self.sliding_window,
-                                     soft_cap=self.soft_cap, page_offset=page_offset)
+                                     soft_cap=self.soft_cap, page_offset=page_offset,
+                                     sinks=sinks)
         if kv_scale is not None:
             o = o * kv_scale[1].astype(o.dtype)
         return o, residual, kv_cache
@@ -146,17 +153,19 @@ class DecoderLayer(nnx.Module):
                  md: AttentionMetadata, norms: jax.Array, qk_norms: jax.Array | None,
                  rows: jax.Array | None = None, write: bool = True,
                  kv_scale: jax.Array | None = None, normed: jax.Array | None = None,
-                 next_norm: row_reduce.NormWeight | None = None
+                 next_norm: row_reduce.NormWeight | None = None,
+                 sinks: jax.Array | None = None
                  ) -> tuple[jax.Array, jax.Array | None, jax.Array]:
         """The layer's output, that output under the norm `next_norm` (the next layer's
         input norm or the final one; None where not given), and the updated cache.
 
-        `norms`: every layer's RMSNorm weights `[L * (2 or 4), hidden]` (`norm_names`
-        order); `qk_norms`: every layer's q/k norm weights `[L, 2, D]`; `rows`, `write`:
-        as in `DecoderAttention` (the output has `rows`' rows); `normed`: `x` under this
-        layer's input norm, where the layer before gave it. A norm after a row-parallel
-        sum runs with it (`Linear.add_norm`: one kernel under tensor parallelism), so a
-        layer norms the next one's input."""
+        `norms`: every layer's RMSNorm weights `[L * (2 or 4), hidden]`
+        (`norm_names` order); `qk_norms`: every layer's q/k norm weights
+        `[L, 2, D]`; `rows`, `write`, `sinks` (this layer's): as in `DecoderAttention`
+        (the output has `rows`' rows); `normed`: `x` under this layer's input norm,
+        where the layer before gave it. A norm after a row-parallel sum runs with it
+        (`Linear.add_norm`: one kernel under tensor parallelism), so a layer norms
+        the next one's input."""
         first = self.self_attn.layer * self.num_norms
 
         def norm(y: jax.Array, i: int) -> jax.Array:
@@ -173,11 +182,11 @@ class DecoderLayer(nnx.Module):
         if self.sandwich:
             x, kv_cache = attn(h, positions, kv_cache, md, qk_norms, residual=x,
                                post_norm=norms[first + 1], rows=rows, write=write,
-                               kv_scale=kv_scale)
+                               kv_scale=kv_scale, sinks=sinks)
             x = x + norm(self.mlp(norm(x, 2), None, num_tokens), 3)
             return x, after(x), kv_cache
         o, residual, kv_cache = attn.heads(h, positions, kv_cache, md, qk_norms, x, rows=rows,
-                                           write=write, kv_scale=kv_scale)
+                                           write=write, kv_scale=kv_scale, sinks=sinks)
         x, h = attn.o_proj.add_norm(o, residual, row_reduce.NormWeight(norms, first + 1), self.eps,
                                     self.offset)
         if next_norm is None:
@@ -226,6 +235,9 @@ class DecoderForCausalLM(nnx.Module):
         self.head_logits = LogitsHead(arch.final_soft_cap, arch.logits_scale)
         # The vocab-parallel lookup's sum for small steps (attach_row_reduce); None: XLA's.
         self.embed_reduce: nnx.Module | None = nnx.data(None)
+        # GPT-OSS's sink logits, every layer's in one array (a step pays the host per array).
+        self.attn_sinks = (make_param(rngs, (arch.num_layers, arch.num_heads), jnp.float32,
+                                      P(None, None), "zeros") if arch.attn_sinks else None)
         # An fp8 KV cache's per-layer K and V scales (the checkpoint's, else 1.0 as vLLM).
         self.kv_scales = (make_param(rngs, (arch.num_layers, 2), jnp.float32, P(None, None),
                                      "ones") if kv_cache_dtype != "auto" else None)
@@ -333,6 +345,8 @@ class DecoderForCausalLM(nnx.Module):
         qk_norms = None if self.qk_norms is None else self.qk_norms[...]  # the stack, read by layer
         if self.kv_scales is not None:
             kw["kv_scale"] = self.kv_scales[i]
+        if self.attn_sinks is not None:
+            kw["sinks"] = self.attn_sinks[i]
         return self.layers[i](x, positions, kv_cache, md, self._norms(), qk_norms, **kw)
 
     def attach_row_reduce(self, reduce: nnx.Module) -> None:

@@ -56,6 +56,7 @@ class DecoderArch:
     # multiplier); a LoRA adapter's terms on them take it too (worker/lora_slots.py).
     residual_scale: float = 1.0
     moe: MoEArch | None = None  # the routed experts of the "moe" layers (models/moe.py)
+    attn_sinks: bool = False  # GPT-OSS: a learned sink logit per query head in each softmax
     # "int8" / "fp8" / "fp8_static": the attention, dense MLP and MoE experts' method
     # (layers/quant.py);
     # embeddings, the logits head and MoE routers stay in the model dtype.

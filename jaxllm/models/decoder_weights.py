@@ -3,7 +3,8 @@
 The fused layouts are models/decoder.py's: qkv grouped by kv head (its G query
 heads, then its k and v heads), kv heads replicated when there are fewer than
 tensor-parallel shards; gate/up stacked; o_proj split by head; every layer's
-norms stacked into one array (`DecoderArch.norm_names` says which, in order).
+norms stacked into one array (`DecoderArch.norm_names` says which, in order), and
+GPT-OSS's attention sinks into another, `[layers, heads]` in checkpoint head order.
 """
 
 from __future__ import annotations
@@ -21,6 +22,10 @@ from jaxllm.models.moe_weights import moe_weights
 
 def _only(ts: list[np.ndarray]) -> np.ndarray:
     return ts[0]
+
+
+def _stack(ts: list[np.ndarray]) -> np.ndarray:
+    return np.stack(ts, axis=0)
 
 
 def rope_order(arch: DecoderArch) -> np.ndarray | None:
@@ -75,6 +80,9 @@ def hf_weight_map(arch: DecoderArch) -> list[WeightSource]:
         out.append(WeightSource(("qk_norms",), tuple(
             f"model.layers.{i}.self_attn.{n}_norm.weight" for i in layers for n in "qk"),
             lambda ts: by_layer([reorder(t) for t in ts])))
+    if arch.attn_sinks:
+        out.append(WeightSource(("attn_sinks",), tuple(
+            f"model.layers.{i}.self_attn.sinks" for i in layers), _stack))
     if not arch.tie_word_embeddings:
         out.append(WeightSource(("lm_head",), ("lm_head.weight",), _only))
     for i in range(arch.num_layers):
