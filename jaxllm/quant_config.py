@@ -5,7 +5,10 @@ checkpoint's `quantization_config` (or a jaxllm orbax checkpoint's metadata)
 says: "fp8", or "fp8_static" for FP8 weights with static activation scales
 (`activation_scheme: "static"`, compressed-tensors' non-dynamic per-tensor
 input activations), which `--quantization fp8` accepts too; `kv_cache_dtype`:
-vLLM's "auto" (the model dtype), "fp8" / "fp8_e4m3".
+vLLM's "auto" (the model dtype), "fp8" / "fp8_e4m3". GPT-OSS's MXFP4 experts
+(`quant_method: "mxfp4"`) are dequantized on load (models/mxfp4.py), so the model is a
+float one: it serves in `--dtype`, and `--quantization fp8|int8` may quantize it as it
+would any float checkpoint.
 """
 
 from __future__ import annotations
@@ -33,6 +36,12 @@ def _checkpoint_quantization(raw: dict) -> str | None:
     if not qc:
         return None
     method = qc.get("quant_method")
+    if method == "mxfp4":  # float weights once dequantized on load
+        if raw.get("model_type") != "gpt_oss":
+            raise ParameterError("config.json:quantization_config",
+                                 "quant_method 'mxfp4' is read for GPT-OSS's experts only, "
+                                 f"not model_type {raw.get('model_type')!r}")
+        return None
     if method == "fp8":
         scheme = qc.get("activation_scheme", "dynamic")
         if scheme not in ("dynamic", "static"):
@@ -57,7 +66,8 @@ def _checkpoint_quantization(raw: dict) -> str | None:
         return "fp8_static" if static else "fp8"
     raise ParameterError("config.json:quantization_config",
                          f"quant_method {method!r} is not supported (supported: 'fp8', "
-                         "'compressed-tensors' with 8-bit float weights)")
+                         "'compressed-tensors' with 8-bit float weights, GPT-OSS's "
+                         "'mxfp4')")
 
 
 def resolve_quantization(requested: str | None, kv_cache_dtype: str, raw: dict,

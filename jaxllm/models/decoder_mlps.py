@@ -31,7 +31,8 @@ def sparse_moe(arch: DecoderArch, layer: int, *, dtype: jnp.dtype, rngs: nnx.Rng
     routed = dict(num_experts=moe.num_experts, top_k=moe.top_k,
                   intermediate_size=moe.intermediate_size, hidden_size=arch.hidden_size,
                   renormalize=moe.renormalize, dtype=dtype, rngs=rngs, mesh=mesh,
-                  method=linear_method(arch.quantization), grouped=moe.grouped)
+                  method=linear_method(arch.quantization), grouped=moe.grouped,
+                  biases=moe.biases, glu=moe.glu)
     if moe.shared_intermediate_size:
         return SharedExpertMoE(shared_intermediate_size=moe.shared_intermediate_size,
                                shared_gate=moe.shared_gate, swiglu=swiglu, **routed)

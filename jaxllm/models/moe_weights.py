@@ -14,18 +14,28 @@ rule, plus in each sparse layer a shared expert (`mlp.shared_expert.*`, of
 sigmoid scores with `mlp.gate.e_score_correction_bias` (layers/moe_routing.py), and an
 ungated shared expert `mlp.shared_experts` of `n_shared_experts` experts' width. All are the
 hub's per-expert layout, the one real checkpoints use and the one transformers'
-`save_pretrained` writes.
+`save_pretrained` writes. GPT-OSS (`GptOssForCausalLM`): every layer sparse, the router
+`mlp.router` with a bias, its top-k logits softmaxed (the renormalized softmax top-k),
+and every expert in one stacked tensor per projection, biases beside them:
+`mlp.experts.gate_up_proj [E, H, 2I]` (`[in, out]`, gate and up columns interleaved:
+gate `[..., ::2]`, up `[..., 1::2]`) with `gate_up_proj_bias [E, 2I]`, and `down_proj
+[E, I, H]` with `down_proj_bias [E, H]`, as `save_pretrained` writes them; the released
+checkpoints store the two weights as MXFP4 `*_blocks` / `*_scales` in the `[out, in]`
+orientation (models/mxfp4.py), dequantized on load.
 """
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
 
 from jaxllm.errors import ParameterError
+from jaxllm.layers.moe_glu import SWIGLU, ExpertGLU
 from jaxllm.layers.moe_routing import GroupedRouting
+from jaxllm.models import mxfp4
 from jaxllm.models.contract import WeightSource
 
 MOE_MODEL_TYPES = ("mixtral", "qwen3_moe", "qwen2_moe", "glm4_moe")
@@ -46,17 +56,27 @@ class MoEArch:
     shared_gate: bool = False  # the shared expert's output scaled by a sigmoid gate
     shared_name: str = "shared_expert"  # its module under `block`
     grouped: GroupedRouting | None = None  # grouped sigmoid routing (else softmax top-k)
+    biases: bool = False  # the router and both expert products add biases (GPT-OSS)
+    glu: ExpertGLU = SWIGLU  # the experts' activation (layers/moe_glu.py)
+    stacked: bool = False  # one tensor per projection for every expert (GPT-OSS's layout)
+    mxfp4: bool = False  # those stacked weights as MXFP4 blocks and scales
 
     @classmethod
     def from_hf_config(cls, cfg: Any) -> MoEArch | None:
         """None for a dense model type."""
         model_type = getattr(cfg, "model_type", None)
-        if model_type not in MOE_MODEL_TYPES:
+        if model_type not in (*MOE_MODEL_TYPES, "gpt_oss"):
             return None
         layers = int(cfg.num_hidden_layers)
         experts = int(getattr(cfg, "num_experts", None) or cfg.num_local_experts)
         if experts < 1:
             raise ParameterError("config.json:num_experts", f"must be at least 1, got {experts}")
+        if model_type == "gpt_oss":
+            return cls(num_experts=experts, top_k=int(cfg.num_experts_per_tok),
+                       intermediate_size=int(cfg.intermediate_size), renormalize=True,
+                       sparse_layers=(True,) * layers, block="mlp",
+                       names=("gate_up_proj", "gate_up_proj", "down_proj"), biases=True,
+                       glu=_gpt_oss_glu(cfg), stacked=True, mxfp4=mxfp4.is_mxfp4(cfg))
         if model_type == "mixtral":
             return cls(num_experts=experts, top_k=int(cfg.num_experts_per_tok),
                        intermediate_size=int(cfg.intermediate_size), renormalize=True,
@@ -90,17 +110,76 @@ class MoEArch:
                    shared_gate=model_type == "qwen2_moe" and shared > 0)
 
 
+def _gpt_oss_glu(cfg: Any) -> ExpertGLU:
+    """GPT-OSS's clamped activation, `swiglu_alpha` and `swiglu_limit` from the config
+    (transformers' defaults where absent)."""
+    fields = {"swiglu_alpha": getattr(cfg, "swiglu_alpha", 1.702),
+              "swiglu_limit": getattr(cfg, "swiglu_limit", 7.0)}
+    for field, value in fields.items():
+        if (isinstance(value, bool) or not isinstance(value, int | float)
+                or not math.isfinite(value) or value <= 0):
+            raise ParameterError(f"config.json:{field}", f"must be a positive number, "
+                                 f"got {value!r}")
+    return ExpertGLU(alpha=float(fields["swiglu_alpha"]), limit=float(fields["swiglu_limit"]),
+                     up_offset=1.0)
+
+
 def _only(ts: list[np.ndarray]) -> np.ndarray:
     return ts[0]
 
 
+def _shaped(t: np.ndarray, shape: tuple[int, ...], name: str) -> np.ndarray:
+    if tuple(t.shape) != shape:
+        raise ParameterError("model", f"tensor {name!r} has shape {tuple(t.shape)}, but "
+                             f"config.json implies {shape}")
+    return t
+
+
+def _stacked_weights(moe: MoEArch, pre: str, path: tuple[str | int, ...], hidden: int
+                     ) -> list[WeightSource]:
+    """GPT-OSS's router and experts (see above) in the layer's layouts: gate/up's
+    interleaved rows `[E, 2I, H]` become `[E, 2, I, H]`, its bias `[E, 2, I]`; float
+    weights are turned to `[out, in]`, MXFP4 ones already are."""
+    e, i, x = moe.num_experts, moe.intermediate_size, pre + "experts."
+
+    def gate_up(w: np.ndarray) -> np.ndarray:  # [E, 2I, H], row 2j gate j, 2j + 1 up j
+        return w.reshape(e, i, 2, hidden).transpose(0, 2, 1, 3)
+
+    def gate_up_bias(ts: list[np.ndarray]) -> np.ndarray:
+        return _shaped(ts[0], (e, 2 * i), x + "gate_up_proj_bias").reshape(
+            e, i, 2).transpose(0, 2, 1)
+
+    def weight(name: str, out_in: tuple[int, int], layout: Any = None) -> WeightSource:
+        def combine(ts: list[np.ndarray]) -> np.ndarray:
+            if moe.mxfp4:
+                w = _shaped(mxfp4.dequantize(*ts, name=f"{x}{name}_blocks"), (e, *out_in),
+                            f"{x}{name}_blocks (dequantized, [E, out, in])")
+            else:
+                w = np.swapaxes(_shaped(ts[0], (e, *out_in[::-1]), x + name), 1, 2)
+            return w if layout is None else layout(w)
+
+        stored = (f"{x}{name}_blocks", f"{x}{name}_scales") if moe.mxfp4 else (x + name,)
+        return WeightSource(path + (name,), stored, combine)
+
+    return [WeightSource(path + ("router",), (pre + "router.weight",), _only),
+            WeightSource(path + ("router_bias",), (pre + "router.bias",), _only),
+            weight("gate_up_proj", (2 * i, hidden), gate_up),
+            weight("down_proj", (hidden, i)),
+            WeightSource(path + ("gate_up_proj_bias",), (x + "gate_up_proj_bias",),
+                         gate_up_bias),
+            WeightSource(path + ("down_proj_bias",), (x + "down_proj_bias",), _only)]
+
+
 def moe_weights(arch: Any, hf_prefix: str, path: tuple[str | int, ...]) -> list[WeightSource]:
     """Router, stacked gate/up `[E, 2, I, H]` and stacked down `[E, H, I]` of the sparse
-    layer at `path` (`("layers", i, "mlp")`), each from the per-expert tensors.
+    layer at `path` (`("layers", i, "mlp")`), each from the per-expert tensors (GPT-OSS:
+    the stacked ones, with the router's and experts' biases).
     `arch` is the `DecoderArch` (its `moe`); `hf_prefix` names the dense MLP's module,
     which Mixtral's experts do not live under."""
     moe: MoEArch = arch.moe
     pre = f"model.layers.{path[1]}.{moe.block}."
+    if moe.stacked:
+        return _stacked_weights(moe, pre, path, arch.hidden_size)
     gate, up, down = moe.names
     experts = range(moe.num_experts)
 

@@ -21,6 +21,7 @@ from jaxllm.models.cross_encoder import (
 )
 from jaxllm.models.gemma import GemmaForCausalLM
 from jaxllm.models.glm import GlmForCausalLM
+from jaxllm.models.gpt_oss import GptOssForCausalLM
 from jaxllm.models.granite import GraniteForCausalLM
 from jaxllm.models.llama import LlamaForCausalLM
 from jaxllm.models.moe import MoEForCausalLM
@@ -43,6 +44,7 @@ _MODELS: dict[str, type] = {
     "Qwen2MoeForCausalLM": MoEForCausalLM,
     "Glm4MoeForCausalLM": MoEForCausalLM,
     "Qwen3MoeForCausalLM": MoEForCausalLM,
+    "GptOssForCausalLM": GptOssForCausalLM,
     "Gemma2ForCausalLM": GemmaForCausalLM,
     "Gemma3ForCausalLM": GemmaForCausalLM,
     "BertModel": BertModel,

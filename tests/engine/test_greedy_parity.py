@@ -47,6 +47,8 @@ CASES = {
                                     mlp_only_layers=[1]),
     "qwen2-moe-shared-expert": dict(arch="qwen2_moe", num_key_value_heads=2, num_experts=8),
     "glm4-moe-grouped-routing": dict(arch="glm4_moe", num_key_value_heads=2),
+    # Attention sinks, a window of 8 shorter than the prompts, yarn, biased experts.
+    "gpt-oss-sinks-window": dict(arch="gpt_oss", num_key_value_heads=2, sliding_window=8),
 }
 
 

@@ -90,6 +90,9 @@ CASES = {
     # GLM-4.5 (tiny_checkpoints' defaults: grouped sigmoid routing with a correction bias,
     # a shared expert, layer 0 dense, partial rotary, q/k norms, q/k/v biases).
     "glm4-moe-grouped-routing": dict(arch="glm4_moe", num_hidden_layers=3),
+    # GPT-OSS (tiny_checkpoints' defaults: attention sinks, a window shorter than the
+    # prompts then a full layer, yarn, the router's and experts' biases, the clamp biting).
+    "gpt-oss-sinks-window-biases": dict(arch="gpt_oss"),
     # Gemma 2: a sliding layer then a global one, both logit soft-caps low enough to
     # bite, an attention scale that is not head_dim's, tied embeddings.
     "gemma2-softcaps-tied": dict(arch="gemma2", sliding_window=4, attn_logit_softcapping=2.0,
@@ -184,8 +187,9 @@ def run_prefill_and_decode(model: nnx.Module, prompts: list[np.ndarray],
     return prefill, np.asarray(logits)[:len(prompts)]
 
 
-def hf_logits(model_dir: str, prompts: list[np.ndarray], next_tokens: list[int]):
-    hf = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
+def hf_logits(model_dir: str, prompts: list[np.ndarray], next_tokens: list[int], **kw):
+    """`kw`: more of `from_pretrained`'s arguments."""
+    hf = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32, **kw).eval()
     prefill, decode = [], []
     with torch.no_grad():
         for p, nxt in zip(prompts, next_tokens, strict=True):
@@ -215,7 +219,8 @@ def test_ragged_prefill_and_decode_logits_match_transformers(case, tmp_path):
 
 @pytest.mark.slow
 @pytest.mark.parametrize("case", ["mixtral-4-experts-top2", "qwen3-moe-dense-and-sparse-layers",
-                                  "qwen2-moe-shared-expert", "glm4-moe-grouped-routing"])
+                                  "qwen2-moe-shared-expert", "glm4-moe-grouped-routing",
+                                  "gpt-oss-sinks-window-biases"])
 def test_moe_logits_by_the_megablox_kernel_match_transformers(case, tmp_path):
     """The routed experts by the Pallas TPU grouped matmul (interpret mode) at every step
     size, as on TPU."""
@@ -369,7 +374,8 @@ def test_unsupported_architecture_lists_the_supported_ones():
                                              "BertModel, Ernie4_5ForCausalLM, "
                                              "Gemma2ForCausalLM, Gemma3ForCausalLM, "
                                              "Gemma3ForConditionalGeneration, "
-                                             "Glm4ForCausalLM, Glm4MoeForCausalLM"):
+                                             "Glm4ForCausalLM, Glm4MoeForCausalLM, "
+                                             "GlmForCausalLM, GptOssForCausalLM"):
         get_model_class("GPT2LMHeadModel")
 
 

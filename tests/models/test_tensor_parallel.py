@@ -49,13 +49,17 @@ CASES = {
                                      num_key_value_heads=2)),
     "tp2-glm4-moe-grouped": (2, dict(arch="glm4_moe", num_attention_heads=4,
                                      num_key_value_heads=2)),
+    # Expert parallel, q/k/v/o biases, and the sinks split with their query heads (8 heads:
+    # 4 a device, each with one of the 2 kv heads).
+    "tp2-gpt-oss-sinks": (2, dict(arch="gpt_oss", num_attention_heads=8, num_key_value_heads=2,
+                                  head_dim=16)),
     "tp2-qwen3-moe": (2, dict(arch="qwen3_moe", num_attention_heads=4, num_key_value_heads=2,
                               num_experts=8, mlp_only_layers=[1])),
 }
 
 
 @pytest.mark.parametrize("case", [pytest.param(c, marks=pytest.mark.slow) if "moe" in c
-                                  or "mixtral" in c else c for c in CASES])
+                                  or "mixtral" in c or "gpt-oss" in c else c for c in CASES])
 def test_tensor_parallel_logits_equal_single_device(case, tmp_path):
     tp, overrides = CASES[case]
     model_dir = make_tiny_checkpoint(tmp_path, **overrides)

@@ -28,6 +28,8 @@ from transformers import (
     Glm4MoeForCausalLM,
     GlmConfig,
     GlmForCausalLM,
+    GptOssConfig,
+    GptOssForCausalLM,
     GraniteConfig,
     GraniteForCausalLM,
     LlamaConfig,
@@ -62,6 +64,7 @@ ARCHS = {
     "qwen3_moe": (Qwen3MoeConfig, Qwen3MoeForCausalLM),
     "qwen2_moe": (Qwen2MoeConfig, Qwen2MoeForCausalLM),
     "glm4_moe": (Glm4MoeConfig, Glm4MoeForCausalLM),
+    "gpt_oss": (GptOssConfig, GptOssForCausalLM),
     "phi3": (Phi3Config, Phi3ForCausalLM),
     "granite": (GraniteConfig, GraniteForCausalLM),
     "ernie4_5": (Ernie4_5Config, Ernie4_5ForCausalLM),
@@ -86,6 +89,14 @@ ARCH_DEFAULTS = {
                      moe_intermediate_size=32, n_shared_experts=1, first_k_dense_replace=1,
                      routed_scaling_factor=2.5, partial_rotary_factor=0.5, use_qk_norm=True,
                      attention_bias=True),
+    # GPT-OSS: 8 experts, top 2 (of intermediate_size 128); a clamp low enough that
+    # the tiny weights' gate and up values pass it, a gain that is not the default; yarn
+    # (not truncated) past a 64-token original context; sliding then full layers.
+    "gpt_oss": dict(num_local_experts=8, num_experts_per_tok=2,
+                    swiglu_limit=1.0, swiglu_alpha=1.5, sliding_window=4,
+                    rope_parameters=dict(rope_type="yarn", rope_theta=150000.0, factor=4.0,
+                                         beta_fast=32.0, beta_slow=1.0, truncate=False,
+                                         original_max_position_embeddings=64)),
 }
 # Gemma's norms scale by 1 + weight: its random norm weights sit around 0.
 _OFFSET_NORMS = ("gemma2", "gemma3")
@@ -123,6 +134,8 @@ def make_tiny_checkpoint(tmp_path, arch: str = "llama", *, dtype: str = "float32
         for name, p in model.named_parameters():
             if "norm" in name:
                 p.copy_((0.0 if arch in _OFFSET_NORMS else 1.0) + 0.1 * torch.randn_like(p))
+            elif name.endswith("self_attn.sinks"):  # as large as the tiny attention logits
+                p.normal_(0.0, 1.0)
             else:
                 p.normal_(0.0, init_std)
         for name, b in model.named_buffers():
