@@ -40,6 +40,10 @@ CASES = {
     # Grouped sigmoid routing in jnp before the same kernels; partial rotary (no qkv_rope).
     "glm4_moe": dict(SHAPE, arch="glm4_moe", n_routed_experts=16, num_experts_per_tok=4,
                      n_group=4, topk_group=2, moe_intermediate_size=128),
+    # Attention sinks in the Triton body (and its split-KV combine), windows, yarn, and
+    # biased experts with the clamped SwiGLU on the loop.
+    "gpt_oss": dict(SHAPE, arch="gpt_oss", num_local_experts=8, num_experts_per_tok=2,
+                    intermediate_size=128, sliding_window=16),
     # qkv_rope's q/k norms and yarn's factor on cos and sin, compiled.
     "qwen3-yarn": dict(SHAPE, arch="qwen3", intermediate_size=512, rope_parameters=dict(
         rope_type="yarn", rope_theta=10000.0, factor=4.0, original_max_position_embeddings=32)),
