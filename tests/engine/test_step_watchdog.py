@@ -107,7 +107,9 @@ def test_a_hung_step_ends_the_core_and_the_frontend_says_why(tmp_path, monkeypat
             while True:
                 engine.step()
         assert time.monotonic() - t0 < 30
-        engine.engine_core.proc.join(timeout=10)
+        # The client's monitor thread reaps the core; a second reaper racing it would
+        # read no exit code (waitpid's ECHILD), so the test waits for the monitor.
+        engine.engine_core._monitor.join(timeout=10)
         assert engine.engine_core.proc.exitcode == 1
         with pytest.raises(EngineDeadError):
             engine.add_request("late", {"prompt_token_ids": [10]}, SamplingParams())
