@@ -22,6 +22,7 @@ Every weight declares its sharding over the mesh axis 'model':
   gate_up_proj    [2, inter, hidden]         (None, 'model', None)    column-parallel
   down_proj       [hidden, inter]            (None, 'model')          row-parallel
   norms, biases of row-parallel outputs      replicated
+  qk_norms (OLMo 2) [layers, kv_heads, G+1, D] (None, 'model', ...)    with qkv's heads
   attn_sinks      [layers, heads]            replicated
 
 A "moe" layer's router and experts (Mixtral, Qwen3-MoE, GPT-OSS): layers/moe.py's table,
@@ -78,6 +79,7 @@ class DecoderAttention(nnx.Module):
                              matmul_add=swiglu.matmul_add,
                              method=linear_method(arch.quantization))
         self.qk_norm, self.eps, self.offset = arch.qk_norm, arch.rms_norm_eps, arch.norm_offset
+        self.qk_norm_whole = arch.qk_norm_whole
         self.rope = arch.ropes[layer]
         self.sm_scale = arch.sm_scale
         self.soft_cap = arch.attn_soft_cap
@@ -121,9 +123,13 @@ class DecoderAttention(nnx.Module):
             page_offset = self.kv_slot * (kv_cache.shape[0] // self.pages_per_block)
         else:  # every layer's pages; this layer's come after the previous ones'
             page_offset = self.layer * (kv_cache.shape[0] // self.num_layers)
-        parts = self.attn_backend.qkv_parts(x.shape[0], self.rope, write, kv_scale)
+        if self.qk_norm_whole:  # the norms span every shard's heads: no split-K partials
+            qkv = whole_qk_norm(self.qkv_proj(x), qk_norms[self.layer], self.eps)
+        else:
+            qkv = self.qkv_proj.split(
+                x, self.attn_backend.qkv_parts(x.shape[0], self.rope, write, kv_scale))
         q, kv_cache = self.attn_backend.project_qkv(
-            self.qkv_proj.split(x, parts), positions, kv_cache, md, page_offset, rope=self.rope,
+            qkv, positions, kv_cache, md, page_offset, rope=self.rope,
             qk_norms=qk_norms if self.qk_norm else None, layer=self.layer, eps=self.eps,
             offset=self.offset, kv_scale=kv_scale, write=write, dtype=x.dtype)
         if rows is not None:
@@ -137,6 +143,22 @@ class DecoderAttention(nnx.Module):
         return o, residual, kv_cache
 
 
+def whole_qk_norm(qkv: jax.Array, weight: jax.Array, eps: float) -> jax.Array:
+    """OLMo 2's q and k norms on the fused projection `[T, KV, G + 2, D]`: each token's
+    query heads normed together, and its key heads, then scaled by `weight [KV, G + 1, D]`
+    (q's then k's, in the fused layout); V passes. Under tensor parallelism the mean
+    spans the shards (a sum across them); replicated kv heads leave K's mean unchanged,
+    every checkpoint head being counted equally often."""
+    g = qkv.shape[2] - 2
+    x32 = qkv[:, :, :g + 1].astype(jnp.float32)
+
+    def normed(y: jax.Array) -> jax.Array:
+        return y * jax.lax.rsqrt(jnp.mean(y * y, axis=(1, 2, 3), keepdims=True) + eps)
+
+    qk = jnp.concatenate([normed(x32[:, :, :g]), normed(x32[:, :, g:])], axis=2)
+    return jnp.concatenate([weight * qk.astype(qkv.dtype), qkv[:, :, g + 1:]], axis=2)
+
+
 class DecoderLayer(nnx.Module):
     def __init__(self, arch: DecoderArch, layer: int, *, dtype: jnp.dtype, rngs: nnx.Rngs,
                  attn_backend: AttentionBackend, swiglu: SwiGLU):
@@ -147,6 +169,7 @@ class DecoderLayer(nnx.Module):
             mesh=getattr(attn_backend, "mesh", None))
         self.eps, self.offset, self.sandwich = (arch.rms_norm_eps, arch.norm_offset,
                                                 arch.sandwich_norms)
+        self.post_norms = arch.post_norms
         self.num_norms = len(arch.norm_names)
 
     def __call__(self, x: jax.Array, positions: jax.Array, kv_cache: jax.Array,
@@ -161,11 +184,11 @@ class DecoderLayer(nnx.Module):
 
         `norms`: every layer's RMSNorm weights `[L * (2 or 4), hidden]`
         (`norm_names` order); `qk_norms`: every layer's q/k norm weights
-        `[L, 2, D]`; `rows`, `write`, `sinks` (this layer's): as in `DecoderAttention`
-        (the output has `rows`' rows); `normed`: `x` under this layer's input norm,
-        where the layer before gave it. A norm after a row-parallel sum runs with it
-        (`Linear.add_norm`: one kernel under tensor parallelism), so a layer norms
-        the next one's input."""
+        `[L, 2, D]` (per head) or `[L, KV, G + 1, D]` (`whole_qk_norm`); `rows`, `write`,
+        `sinks` (this layer's): as in `DecoderAttention` (the output has `rows`' rows);
+        `normed`: `x` under this layer's input norm, where the layer before gave it. A
+        norm after a row-parallel sum runs with it (`Linear.add_norm`: one kernel under
+        tensor parallelism), so a layer norms the next one's input."""
         first = self.self_attn.layer * self.num_norms
 
         def norm(y: jax.Array, i: int) -> jax.Array:
@@ -175,10 +198,16 @@ class DecoderLayer(nnx.Module):
             return (None if next_norm is None
                     else rms_norm(y, next_norm.weight, self.eps, self.offset))
 
-        h = norm(x, 0) if normed is None else normed
         # The real rows lead: the step's tokens, or with `rows` one per real request.
         num_tokens = md.cu_q_lens[-1] if rows is None else md.num_seqs[0]
         attn = self.self_attn
+        if self.post_norms:  # OLMo 2: the attention and the MLP read the residual stream
+            x, kv_cache = attn(x, positions, kv_cache, md, qk_norms, residual=x,
+                               post_norm=norms[first], rows=rows, write=write,
+                               kv_scale=kv_scale, sinks=sinks)
+            x = x + norm(self.mlp(x, None, num_tokens), 1)
+            return x, after(x), kv_cache
+        h = norm(x, 0) if normed is None else normed
         if self.sandwich:
             x, kv_cache = attn(h, positions, kv_cache, md, qk_norms, residual=x,
                                post_norm=norms[first + 1], rows=rows, write=write,
@@ -227,8 +256,13 @@ class DecoderForCausalLM(nnx.Module):
         self.layer_norms = make_param(
             rngs, (arch.num_layers, len(arch.norm_names), arch.hidden_size), dtype,
             P(None, None, None), norm_init)
-        self.qk_norms = (make_param(rngs, (arch.num_layers, 2, arch.head_dim), dtype,
-                                    P(None, None, None), norm_init) if arch.qk_norm else None)
+        if arch.qk_norm_whole:  # `[L, KV, G + 1, D]`: the fused layout's q heads and k head
+            self.qk_norms = make_param(
+                rngs, (arch.num_layers, arch.num_kv_heads, arch.group + 1, arch.head_dim), dtype,
+                P(None, "model", None, None), norm_init)
+        else:
+            self.qk_norms = (make_param(rngs, (arch.num_layers, 2, arch.head_dim), dtype,
+                                        P(None, None, None), norm_init) if arch.qk_norm else None)
         self.lm_head = (None if arch.tie_word_embeddings else
                         make_param(rngs, (arch.vocab_size, arch.hidden_size), dtype,
                                    P("model", None)))
@@ -323,9 +357,11 @@ class DecoderForCausalLM(nnx.Module):
         for i in range(len(self.layers) - 1):
             if i in capture:
                 aux.append(x)
+            # With norms after attention and MLP only, no layer norms its input.
+            next_norm = (None if self.arch.post_norms
+                         else row_reduce.NormWeight(norms, (i + 1) * per_layer))
             x, normed, kv_cache = self._layer(i, x, positions, kv_cache, md, normed=normed,
-                                              next_norm=row_reduce.NormWeight(
-                                                  norms, (i + 1) * per_layer))
+                                              next_norm=next_norm)
         return x, normed, kv_cache
 
     def _last(self, x: jax.Array, normed: jax.Array | None, positions: jax.Array,

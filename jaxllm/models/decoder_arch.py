@@ -19,6 +19,8 @@ from jaxllm.models.moe_weights import MoEArch
 PRE_NORMS = ("input_layernorm", "post_attention_layernorm")
 SANDWICH_NORMS = ("input_layernorm", "post_attention_layernorm", "pre_feedforward_layernorm",
                   "post_feedforward_layernorm")
+# OLMo 2's two, on the attention's and MLP's outputs only (`post_norms`).
+POST_NORMS = ("post_attention_layernorm", "post_feedforward_layernorm")
 
 
 @dataclass(frozen=True)
@@ -45,6 +47,11 @@ class DecoderArch:
     mlp_kinds: tuple[str, ...] = ()  # per layer, a decoder_mlps.MLP_FACTORIES key; () = dense
     activation: str = "silu"  # the gated MLP's gate ("silu" or "gelu_tanh")
     norm_names: tuple[str, ...] = PRE_NORMS  # per layer; four: norms after attn/MLP too
+    # OLMo 2: norms only on the attention's and the MLP's outputs (POST_NORMS), none on a
+    # layer's input.
+    post_norms: bool = False
+    # OLMo 2: q and k each normed over all their heads at once (not per head as `qk_norm`).
+    qk_norm_whole: bool = False
     norm_offset: bool = False  # Gemma: RMSNorm scales by 1 + weight
     embed_scale: bool = False  # Gemma: embeddings times sqrt(hidden), in the model dtype
     attn_soft_cap: float | None = None

@@ -52,16 +52,17 @@ def hf_weight_map(arch: DecoderArch) -> list[WeightSource]:
     def fuse_qkv(ts: list[np.ndarray]) -> np.ndarray:
         # q rows are head-major (head = kv * G + g), so grouping by kv head is a reshape;
         # copy c of checkpoint kv head j is kv head j * copies + c, and reads the c-th
-        # run of j's query heads.
-        q, k, v = ts
-        q, k = reorder(q), reorder(k)
-        tail = q.shape[1:]  # (hidden,) for weights, () for biases
+        # run of j's query heads. `ts`: q and k, then v where the tensor has it (OLMo 2's
+        # whole q/k norm weights are q's and k's only).
+        q, k, *v = ts
+        tail = q.shape[1:]  # (hidden,) for weights, () for biases and norm weights
 
         def kv_heads(t: np.ndarray) -> np.ndarray:
             t = t.reshape(kv // copies, 1, d, *tail)
             return t if copies == 1 else np.repeat(t, copies, axis=0)
 
-        return np.concatenate([q.reshape(kv, g, d, *tail), kv_heads(k), kv_heads(v)], axis=1)
+        return np.concatenate([reorder(q).reshape(kv, g, d, *tail), kv_heads(reorder(k)),
+                               *map(kv_heads, v)], axis=1)
 
     def o_heads(ts: list[np.ndarray]) -> np.ndarray:
         return ts[0].reshape(h, arch.num_heads, d)
@@ -76,10 +77,14 @@ def hf_weight_map(arch: DecoderArch) -> list[WeightSource]:
            WeightSource(("layer_norms",), tuple(
                f"model.layers.{i}.{n}.weight" for i in layers
                for n in arch.norm_names), by_layer)]
+    qk_norm_names = tuple(f"model.layers.{i}.self_attn.{n}_norm.weight"
+                          for i in layers for n in "qk")
     if arch.qk_norm:
-        out.append(WeightSource(("qk_norms",), tuple(
-            f"model.layers.{i}.self_attn.{n}_norm.weight" for i in layers for n in "qk"),
-            lambda ts: by_layer([reorder(t) for t in ts])))
+        out.append(WeightSource(("qk_norms",), qk_norm_names,
+                                lambda ts: by_layer([reorder(t) for t in ts])))
+    if arch.qk_norm_whole:  # `[L, KV, G + 1, D]`: laid out as the fused projection's heads
+        out.append(WeightSource(("qk_norms",), qk_norm_names, lambda ts: np.stack(
+            [fuse_qkv(ts[i:i + 2]) for i in range(0, len(ts), 2)])))
     if arch.attn_sinks:
         out.append(WeightSource(("attn_sinks",), tuple(
             f"model.layers.{i}.self_attn.sinks" for i in layers), _stack))

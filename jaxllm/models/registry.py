@@ -26,6 +26,7 @@ from jaxllm.models.granite import GraniteForCausalLM
 from jaxllm.models.llama import LlamaForCausalLM
 from jaxllm.models.moe import MoEForCausalLM
 from jaxllm.models.multimodal import TEXT_ARCHITECTURES
+from jaxllm.models.olmo import OlmoForCausalLM
 from jaxllm.models.phi3 import Phi3ForCausalLM
 
 _MODELS: dict[str, type] = {
@@ -39,6 +40,8 @@ _MODELS: dict[str, type] = {
     "GlmForCausalLM": GlmForCausalLM,
     "Glm4ForCausalLM": GlmForCausalLM,
     "Phi3ForCausalLM": Phi3ForCausalLM,
+    "Olmo2ForCausalLM": OlmoForCausalLM,
+    "Olmo3ForCausalLM": OlmoForCausalLM,
     "GraniteForCausalLM": GraniteForCausalLM,
     "MixtralForCausalLM": MoEForCausalLM,
     "Qwen2MoeForCausalLM": MoEForCausalLM,

@@ -47,6 +47,9 @@ CASES = {
     # qkv_rope's q/k norms and yarn's factor on cos and sin, compiled.
     "qwen3-yarn": dict(SHAPE, arch="qwen3", intermediate_size=512, rope_parameters=dict(
         rope_type="yarn", rope_theta=10000.0, factor=4.0, original_max_position_embeddings=32)),
+    # q/k norms over every head before the fused rope kernel, norms after attention and
+    # MLP only, three sliding layers of four.
+    "olmo3": dict(SHAPE, arch="olmo3", intermediate_size=512, sliding_window=16),
 }
 NEW_TOKENS = 24
 

@@ -54,6 +54,10 @@ FAMILIES = {
                                                               rope_theta=10.0),
                                     "full_attention": dict(rope_type="linear",
                                                            rope_theta=10000.0, factor=4.0)}),
+    # q/k norms over every head (a sum across the shards), norms after attention and
+    # MLP only, a sliding layer then a full one.
+    "olmo3": dict(arch="olmo3", sliding_window=8,
+                  layer_types=["sliding_attention", "full_attention"]),
     # Expert parallel: each device holds 2 of Mixtral's 4 experts, 4 of Qwen3-MoE's 8
     # (its layer 1 a dense MLP, column/row parallel).
     "mixtral": dict(arch="mixtral"),

@@ -65,6 +65,15 @@ CASES = {
     "granite-multipliers-biases": dict(arch="granite", attention_bias=True, mlp_bias=True,
                                        embedding_multiplier=3.0, residual_multiplier=0.5,
                                        attention_multiplier=0.1, logits_scaling=0.5),
+    # OLMo 2: norms on the attention's and MLP's outputs only, q and k each normed over
+    # all heads at once; GQA, q/k/v/o biases.
+    "olmo2-post-norms-whole-qk-norm": dict(arch="olmo2", attention_bias=True),
+    # OLMo 3: a sliding layer then a full one, yarn on the full layers only.
+    "olmo3-window-yarn-full-layers": dict(
+        arch="olmo3", sliding_window=4, layer_types=["sliding_attention", "full_attention"],
+        rope_parameters={"sliding_attention": dict(rope_type="default", rope_theta=10000.0),
+                         "full_attention": dict(rope_type="yarn", rope_theta=10000.0, factor=4.0,
+                                                original_max_position_embeddings=64)}),
     # YaRN: frequencies ramped between interpolated and kept, cos and sin scaled.
     "qwen3-yarn-rope": dict(arch="qwen3", rope_parameters=dict(
         rope_type="yarn", rope_theta=10000.0, factor=4.0, original_max_position_embeddings=64)),

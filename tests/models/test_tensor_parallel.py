@@ -38,6 +38,12 @@ CASES = {
     # GLM-4's q/k rows permuted for its interleaved rope, then kv heads replicated.
     "tp4-glm4-replicated-kv": (4, dict(arch="glm4", num_attention_heads=4,
                                        num_key_value_heads=2, partial_rotary_factor=0.5)),
+    # OLMo 2's q/k norms over every head, the mean summed across the shards, over
+    # replicated kv heads; OLMo 3's windows and per-type ropes at tp 2.
+    "tp4-olmo2-replicated-kv": (4, dict(arch="olmo2", num_attention_heads=4,
+                                        num_key_value_heads=2, attention_bias=True)),
+    "tp2-olmo3": (2, dict(arch="olmo3", num_attention_heads=4, num_key_value_heads=2,
+                          sliding_window=4)),
     # Phi-3's fused checkpoint tensors cut at the checkpoint's kv rows, then replicated.
     "tp4-phi3-replicated-kv": (4, dict(arch="phi3", num_attention_heads=4,
                                        num_key_value_heads=2)),
