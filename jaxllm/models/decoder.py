@@ -79,7 +79,7 @@ class DecoderAttention(nnx.Module):
                              matmul_add=swiglu.matmul_add,
                              method=linear_method(arch.quantization))
         self.qk_norm, self.eps, self.offset = arch.qk_norm, arch.rms_norm_eps, arch.norm_offset
-        self.qk_norm_whole = arch.qk_norm_whole
+        self.qk_norm_whole, self.clip_qkv = arch.qk_norm_whole, arch.clip_qkv
         self.rope = arch.ropes[layer]
         self.sm_scale = arch.sm_scale
         self.soft_cap = arch.attn_soft_cap
@@ -125,6 +125,8 @@ class DecoderAttention(nnx.Module):
             page_offset = self.layer * (kv_cache.shape[0] // self.num_layers)
         if self.qk_norm_whole:  # the norms span every shard's heads: no split-K partials
             qkv = whole_qk_norm(self.qkv_proj(x), qk_norms[self.layer], self.eps)
+            if self.clip_qkv is not None:
+                qkv = jnp.clip(qkv, -self.clip_qkv, self.clip_qkv)
         else:
             qkv = self.qkv_proj.split(
                 x, self.attn_backend.qkv_parts(x.shape[0], self.rope, write, kv_scale))

@@ -52,6 +52,7 @@ class DecoderArch:
     post_norms: bool = False
     # OLMo 2: q and k each normed over all their heads at once (not per head as `qk_norm`).
     qk_norm_whole: bool = False
+    clip_qkv: float | None = None  # OLMoE: q, k (after their norms) and v clamped to +-this
     norm_offset: bool = False  # Gemma: RMSNorm scales by 1 + weight
     embed_scale: bool = False  # Gemma: embeddings times sqrt(hidden), in the model dtype
     attn_soft_cap: float | None = None

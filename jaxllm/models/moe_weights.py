@@ -12,9 +12,11 @@ rule, plus in each sparse layer a shared expert (`mlp.shared_expert.*`, of
 `shared_expert_intermediate_size`) gated by `mlp.shared_expert_gate`. GLM-4.5
 (`Glm4MoeForCausalLM`): sparse from layer `first_k_dense_replace` on, routed by grouped
 sigmoid scores with `mlp.gate.e_score_correction_bias` (layers/moe_routing.py), and an
-ungated shared expert `mlp.shared_experts` of `n_shared_experts` experts' width. All are the
-hub's per-expert layout, the one real checkpoints use and the one transformers'
-`save_pretrained` writes. GPT-OSS (`GptOssForCausalLM`): every layer sparse, the router
+ungated shared expert `mlp.shared_experts` of `n_shared_experts` experts' width. OLMoE
+(`OlmoeForCausalLM`): Qwen3-MoE's names, every layer sparse, the experts of
+`intermediate_size`, renormalized iff `norm_topk_prob`. All are the hub's per-expert
+layout, the one real checkpoints use and the one transformers' `save_pretrained` writes.
+GPT-OSS (`GptOssForCausalLM`): every layer sparse, the router
 `mlp.router` with a bias, its top-k logits softmaxed (the renormalized softmax top-k),
 and every expert in one stacked tensor per projection, biases beside them:
 `mlp.experts.gate_up_proj [E, H, 2I]` (`[in, out]`, gate and up columns interleaved:
@@ -38,7 +40,7 @@ from jaxllm.layers.moe_routing import GroupedRouting
 from jaxllm.models import mxfp4
 from jaxllm.models.contract import WeightSource
 
-MOE_MODEL_TYPES = ("mixtral", "qwen3_moe", "qwen2_moe", "glm4_moe")
+MOE_MODEL_TYPES = ("mixtral", "qwen3_moe", "qwen2_moe", "glm4_moe", "olmoe")
 
 
 @dataclass(frozen=True)
@@ -77,6 +79,12 @@ class MoEArch:
                        sparse_layers=(True,) * layers, block="mlp",
                        names=("gate_up_proj", "gate_up_proj", "down_proj"), biases=True,
                        glu=_gpt_oss_glu(cfg), stacked=True, mxfp4=mxfp4.is_mxfp4(cfg))
+        if model_type == "olmoe":  # every layer sparse, the experts `intermediate_size` wide
+            return cls(num_experts=experts, top_k=int(cfg.num_experts_per_tok),
+                       intermediate_size=int(cfg.intermediate_size),
+                       renormalize=bool(getattr(cfg, "norm_topk_prob", False)),
+                       sparse_layers=(True,) * layers, block="mlp",
+                       names=("gate_proj", "up_proj", "down_proj"))
         if model_type == "mixtral":
             return cls(num_experts=experts, top_k=int(cfg.num_experts_per_tok),
                        intermediate_size=int(cfg.intermediate_size), renormalize=True,

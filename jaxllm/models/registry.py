@@ -47,6 +47,7 @@ _MODELS: dict[str, type] = {
     "Qwen2MoeForCausalLM": MoEForCausalLM,
     "Glm4MoeForCausalLM": MoEForCausalLM,
     "Qwen3MoeForCausalLM": MoEForCausalLM,
+    "OlmoeForCausalLM": MoEForCausalLM,
     "GptOssForCausalLM": GptOssForCausalLM,
     "Gemma2ForCausalLM": GemmaForCausalLM,
     "Gemma3ForCausalLM": GemmaForCausalLM,

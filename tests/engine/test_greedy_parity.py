@@ -51,6 +51,7 @@ CASES = {
                                     mlp_only_layers=[1]),
     "qwen2-moe-shared-expert": dict(arch="qwen2_moe", num_key_value_heads=2, num_experts=8),
     "glm4-moe-grouped-routing": dict(arch="glm4_moe", num_key_value_heads=2),
+    "olmoe-clip-qkv": dict(arch="olmoe", num_key_value_heads=2, num_experts=8, clip_qkv=0.5),
     # Attention sinks, a window of 8 shorter than the prompts, yarn, biased experts.
     "gpt-oss-sinks-window": dict(arch="gpt_oss", num_key_value_heads=2, sliding_window=8),
 }
@@ -89,7 +90,7 @@ def test_greedy_tokens_top5_logprobs_and_prompt_logprobs_match_transformers(case
 
 
 @pytest.mark.parametrize("case", ["mixtral", "qwen3-moe-dense-layer-1", "qwen2-moe-shared-expert",
-                                  "glm4-moe-grouped-routing"])
+                                  "glm4-moe-grouped-routing", "olmoe-clip-qkv"])
 def test_moe_decode_steps_through_the_fused_expert_kernel_match_transformers(
         case, tmp_path, monkeypatch):
     """The same parity with every small step's experts in pallas_kernels/moe_small (its

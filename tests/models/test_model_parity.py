@@ -74,6 +74,9 @@ CASES = {
         rope_parameters={"sliding_attention": dict(rope_type="default", rope_theta=10000.0),
                          "full_attention": dict(rope_type="yarn", rope_theta=10000.0, factor=4.0,
                                                 original_max_position_embeddings=64)}),
+    # OLMoE: q/k norms over every head, q/k/v clamped tight enough to bite, 8 experts
+    # top 3 as they come out of the softmax.
+    "olmoe-clip-qkv": dict(arch="olmoe", num_experts=8, num_experts_per_tok=3, clip_qkv=0.5),
     # YaRN: frequencies ramped between interpolated and kept, cos and sin scaled.
     "qwen3-yarn-rope": dict(arch="qwen3", rope_parameters=dict(
         rope_type="yarn", rope_theta=10000.0, factor=4.0, original_max_position_embeddings=64)),
@@ -228,6 +231,7 @@ def test_ragged_prefill_and_decode_logits_match_transformers(case, tmp_path):
 @pytest.mark.slow
 @pytest.mark.parametrize("case", ["mixtral-4-experts-top2", "qwen3-moe-dense-and-sparse-layers",
                                   "qwen2-moe-shared-expert", "glm4-moe-grouped-routing",
+                                  "olmoe-clip-qkv",
                                   "gpt-oss-sinks-window-biases"])
 def test_moe_logits_by_the_megablox_kernel_match_transformers(case, tmp_path):
     """The routed experts by the Pallas TPU grouped matmul (interpret mode) at every step

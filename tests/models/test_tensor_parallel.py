@@ -59,6 +59,9 @@ CASES = {
     # 4 a device, each with one of the 2 kv heads).
     "tp2-gpt-oss-sinks": (2, dict(arch="gpt_oss", num_attention_heads=8, num_key_value_heads=2,
                                   head_dim=16)),
+    # OLMoE: the whole q/k norms and the clamp beside expert parallelism.
+    "tp2-olmoe": (2, dict(arch="olmoe", num_attention_heads=4, num_key_value_heads=2,
+                          clip_qkv=0.5)),
     "tp2-qwen3-moe": (2, dict(arch="qwen3_moe", num_attention_heads=4, num_key_value_heads=2,
                               num_experts=8, mlp_only_layers=[1])),
 }

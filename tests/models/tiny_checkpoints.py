@@ -42,6 +42,8 @@ from transformers import (
     Olmo2ForCausalLM,
     Olmo3Config,
     Olmo3ForCausalLM,
+    OlmoeConfig,
+    OlmoeForCausalLM,
     Phi3Config,
     Phi3ForCausalLM,
     PreTrainedTokenizerFast,
@@ -78,6 +80,7 @@ ARCHS = {
     "seed_oss": (SeedOssConfig, SeedOssForCausalLM),
     "olmo2": (Olmo2Config, Olmo2ForCausalLM),
     "olmo3": (Olmo3Config, Olmo3ForCausalLM),
+    "olmoe": (OlmoeConfig, OlmoeForCausalLM),
     "gemma2": (Gemma2Config, Gemma2ForCausalLM),
     "gemma3": (Gemma3TextConfig, Gemma3ForCausalLM),
 }
@@ -85,6 +88,7 @@ ARCHS = {
 # width, top-k weights renormalized; Qwen2-MoE: a shared expert beside them).
 ARCH_DEFAULTS = {
     "mixtral": dict(num_local_experts=4, num_experts_per_tok=2),
+    "olmoe": dict(num_experts=4, num_experts_per_tok=2),
     "qwen3_moe": dict(num_experts=4, num_experts_per_tok=2, moe_intermediate_size=64,
                       norm_topk_prob=True),
     "qwen2_moe": dict(num_experts=4, num_experts_per_tok=2, moe_intermediate_size=64,
