@@ -208,3 +208,20 @@ def test_an_adapter_of_q_and_k_follows_the_interleaved_rope_order_they_load_in(t
     outs = llm.generate([{"prompt_token_ids": p} for p in prompts], GREEDY, use_tqdm=False,
                         lora_request=LoRARequest("glm", 1, adapter))
     assert [o.outputs[0].token_ids for o in outs] == want
+
+
+@pytest.mark.slow
+def test_an_olmo2_adapter_of_q_and_k_comes_before_their_norms_over_every_head(tmp_path):
+    """OLMo 2 norms q and k over all their heads after the projections, adapters
+    included: the merged model's tokens."""
+    base = make_tiny_checkpoint(tmp_path, arch="olmo2", num_attention_heads=4,
+                                num_key_value_heads=2)
+    prompts = random_prompts(checkpoint_vocab_size(base), [11, 7], seed=5)
+    adapter, merged = make_peft_adapter(base, tmp_path, seed=8, r=8, lora_alpha=16,
+                                        target_modules=["q_proj", "k_proj", "v_proj"])
+    want = merged_greedy(merged, prompts, NEW_TOKENS)
+    assert want != hf_greedy(base, prompts, NEW_TOKENS)[0]
+    llm = LLM(base, max_loras=1, **ENGINE)
+    outs = llm.generate([{"prompt_token_ids": p} for p in prompts], GREEDY, use_tqdm=False,
+                        lora_request=LoRARequest("olmo", 1, adapter))
+    assert [o.outputs[0].token_ids for o in outs] == want
