@@ -1,10 +1,11 @@
-"""Gemma 2 and Gemma 3 (text) on the generic decoder.
+"""Gemma, Gemma 2 and Gemma 3 (text) on the generic decoder.
 
-Both: GeGLU MLPs (tanh-approximated GELU), RMSNorm scaling by `1 + weight`,
-four norms per layer (input, post-attention, pre- and post-feedforward),
-embeddings times sqrt(hidden) in the model dtype, tied embeddings, the
-attention scale `query_pre_attn_scalar ** -0.5`, and sliding-window layers
-alternating with global ones (`layer_types`). Gemma 2 soft-caps the attention
+All: GeGLU MLPs (tanh-approximated GELU), RMSNorm scaling by `1 + weight`,
+embeddings times sqrt(hidden) in the model dtype, tied embeddings. Gemma (1) has
+Llama's two norms per layer and nothing more. Gemma 2 and 3: four norms per layer
+(input, post-attention, pre- and post-feedforward), the attention scale
+`query_pre_attn_scalar ** -0.5`, and sliding-window layers alternating with global
+ones (`layer_types`). Gemma 2 soft-caps the attention
 logits and the final logits; Gemma 3 norms each head's q and k and gives its
 local layers their own rope base (`rope_parameters` per layer type, which
 transformers builds from `rope_local_base_freq` and `rope_scaling`).
@@ -17,16 +18,16 @@ from typing import Any
 from jaxllm.errors import ParameterError
 from jaxllm.layers.gated_mlp import activation_name
 from jaxllm.models.decoder import DecoderForCausalLM
-from jaxllm.models.decoder_arch import SANDWICH_NORMS, DecoderArch, common_fields
+from jaxllm.models.decoder_arch import PRE_NORMS, SANDWICH_NORMS, DecoderArch, common_fields
 
-MODEL_TYPES = ("gemma2", "gemma3_text")
+MODEL_TYPES = ("gemma", "gemma2", "gemma3_text")
 
 
 def gemma_arch(cfg: Any, tensor_parallel_size: int = 1) -> DecoderArch:
-    """A Gemma 2 / Gemma 3 text config as a `DecoderArch`."""
+    """A Gemma / Gemma 2 / Gemma 3 text config as a `DecoderArch`."""
     model_type = getattr(cfg, "model_type", None)
     if model_type not in MODEL_TYPES:
-        raise ParameterError("model", f"model_type {model_type!r} is not a Gemma 2/3 text "
+        raise ParameterError("model", f"model_type {model_type!r} is not a Gemma text "
                              f"model; supported: {', '.join(MODEL_TYPES)}")
     act = (getattr(cfg, "hidden_activation", None) or getattr(cfg, "hidden_act", None)
            or "gelu_pytorch_tanh")
@@ -51,7 +52,7 @@ def gemma_arch(cfg: Any, tensor_parallel_size: int = 1) -> DecoderArch:
         mlp_bias=False,
         qk_norm=model_type == "gemma3_text",
         activation=activation,
-        norm_names=SANDWICH_NORMS,
+        norm_names=PRE_NORMS if model_type == "gemma" else SANDWICH_NORMS,
         norm_offset=True,
         embed_scale=True,
         attn_soft_cap=cap("attn_logit_softcapping"),
@@ -61,6 +62,6 @@ def gemma_arch(cfg: Any, tensor_parallel_size: int = 1) -> DecoderArch:
 
 
 class GemmaForCausalLM(DecoderForCausalLM):
-    """Gemma 2 / Gemma 3 text causal LM over a ragged, paged batch."""
+    """Gemma / Gemma 2 / Gemma 3 text causal LM over a ragged, paged batch."""
 
     arch_from_hf_config = staticmethod(gemma_arch)

@@ -49,6 +49,7 @@ _MODELS: dict[str, type] = {
     "Qwen3MoeForCausalLM": MoEForCausalLM,
     "OlmoeForCausalLM": MoEForCausalLM,
     "GptOssForCausalLM": GptOssForCausalLM,
+    "GemmaForCausalLM": GemmaForCausalLM,
     "Gemma2ForCausalLM": GemmaForCausalLM,
     "Gemma3ForCausalLM": GemmaForCausalLM,
     "BertModel": BertModel,

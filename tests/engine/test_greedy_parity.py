@@ -30,6 +30,7 @@ CASES = {
     # Three sliding layers of four (OLMo 3's default layout), windows shorter than the prompts.
     "olmo3-windows": dict(arch="olmo3", num_key_value_heads=2, num_hidden_layers=4,
                           sliding_window=8),
+    "gemma-geglu-tied": dict(arch="gemma", num_key_value_heads=2, tie_word_embeddings=True),
     # Sliding windows shorter than the prompts; soft-caps low enough to change logits.
     "gemma2-softcaps": dict(arch="gemma2", num_key_value_heads=2, sliding_window=8,
                             attn_logit_softcapping=2.0, final_logit_softcapping=3.0,

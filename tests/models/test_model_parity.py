@@ -104,6 +104,8 @@ CASES = {
     # GPT-OSS (tiny_checkpoints' defaults: attention sinks, a window shorter than the
     # prompts then a full layer, yarn, the router's and experts' biases, the clamp biting).
     "gpt-oss-sinks-window-biases": dict(arch="gpt_oss"),
+    # Gemma (1): GeGLU, `1 + w` norms (two a layer), scaled embeddings, tied, MQA.
+    "gemma-geglu-mqa-tied": dict(arch="gemma", num_key_value_heads=1, tie_word_embeddings=True),
     # Gemma 2: a sliding layer then a global one, both logit soft-caps low enough to
     # bite, an attention scale that is not head_dim's, tied embeddings.
     "gemma2-softcaps-tied": dict(arch="gemma2", sliding_window=4, attn_logit_softcapping=2.0,
@@ -386,8 +388,9 @@ def test_unsupported_architecture_lists_the_supported_ones():
                                              "BertModel, Ernie4_5ForCausalLM, "
                                              "Gemma2ForCausalLM, Gemma3ForCausalLM, "
                                              "Gemma3ForConditionalGeneration, "
-                                             "Glm4ForCausalLM, Glm4MoeForCausalLM, "
-                                             "GlmForCausalLM, GptOssForCausalLM"):
+                                             "GemmaForCausalLM, Glm4ForCausalLM, "
+                                             "Glm4MoeForCausalLM, GlmForCausalLM, "
+                                             "GptOssForCausalLM"):
         get_model_class("GPT2LMHeadModel")
 
 

@@ -22,6 +22,8 @@ from transformers import (
     Gemma2ForCausalLM,
     Gemma3ForCausalLM,
     Gemma3TextConfig,
+    GemmaConfig,
+    GemmaForCausalLM,
     Glm4Config,
     Glm4ForCausalLM,
     Glm4MoeConfig,
@@ -81,6 +83,7 @@ ARCHS = {
     "olmo2": (Olmo2Config, Olmo2ForCausalLM),
     "olmo3": (Olmo3Config, Olmo3ForCausalLM),
     "olmoe": (OlmoeConfig, OlmoeForCausalLM),
+    "gemma": (GemmaConfig, GemmaForCausalLM),
     "gemma2": (Gemma2Config, Gemma2ForCausalLM),
     "gemma3": (Gemma3TextConfig, Gemma3ForCausalLM),
 }
@@ -109,7 +112,7 @@ ARCH_DEFAULTS = {
                                          original_max_position_embeddings=64)),
 }
 # Gemma's norms scale by 1 + weight: its random norm weights sit around 0.
-_OFFSET_NORMS = ("gemma2", "gemma3")
+_OFFSET_NORMS = ("gemma", "gemma2", "gemma3")
 SPECIAL_TOKENS = ["<pad>", "<s>", "</s>", "<unk>"]  # ids 0..3
 PAD_ID, BOS_ID, EOS_ID = 0, 1, 2
 CHAT_TEMPLATE = (
