@@ -134,11 +134,13 @@ def common_fields(cfg: Any, tensor_parallel_size: int) -> dict[str, Any]:
 
 def with_context(arch: DecoderArch, cfg: Any, max_model_len: int | None) -> DecoderArch:
     """`arch` with its ropes for an engine of `max_model_len` tokens (LongRoPE's factor
-    set follows it); unchanged for None."""
+    set follows it); unchanged for None. A layer its family left without rope
+    (EXAONE 4's global layers) stays so."""
     if max_model_len is None:
         return arch
-    return replace(arch, ropes=layer_ropes(cfg, arch.head_dim, layer_types_of(cfg),
-                                           max_model_len))
+    ropes = layer_ropes(cfg, arch.head_dim, layer_types_of(cfg), max_model_len)
+    return replace(arch, ropes=tuple(new if old.rotary_dim else old
+                                     for old, new in zip(arch.ropes, ropes, strict=True)))
 
 
 def layer_types_of(cfg: Any) -> tuple[str, ...] | None:

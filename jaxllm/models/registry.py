@@ -19,6 +19,7 @@ from jaxllm.models.cross_encoder import (
     RobertaForSequenceClassification,
     num_labels,
 )
+from jaxllm.models.exaone import Exaone4ForCausalLM
 from jaxllm.models.gemma import GemmaForCausalLM
 from jaxllm.models.glm import GlmForCausalLM
 from jaxllm.models.gpt_oss import GptOssForCausalLM
@@ -41,6 +42,7 @@ _MODELS: dict[str, type] = {
     "Glm4ForCausalLM": GlmForCausalLM,
     "Phi3ForCausalLM": Phi3ForCausalLM,
     "Olmo2ForCausalLM": OlmoForCausalLM,
+    "Exaone4ForCausalLM": Exaone4ForCausalLM,
     "Olmo3ForCausalLM": OlmoForCausalLM,
     "GraniteForCausalLM": GraniteForCausalLM,
     "MixtralForCausalLM": MoEForCausalLM,

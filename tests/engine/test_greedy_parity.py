@@ -26,6 +26,8 @@ CASES = {
     "granite-multipliers": dict(arch="granite", num_key_value_heads=2, tie_word_embeddings=True,
                                 embedding_multiplier=6.0, residual_multiplier=0.3,
                                 attention_multiplier=0.2, logits_scaling=4.0),
+    "exaone4-hybrid": dict(arch="exaone4", num_key_value_heads=2, num_hidden_layers=4,
+                           sliding_window=8),
     "olmo2-post-norms": dict(arch="olmo2", num_key_value_heads=2, attention_bias=True),
     # Three sliding layers of four (OLMo 3's default layout), windows shorter than the prompts.
     "olmo3-windows": dict(arch="olmo3", num_key_value_heads=2, num_hidden_layers=4,

@@ -74,6 +74,13 @@ CASES = {
         rope_parameters={"sliding_attention": dict(rope_type="default", rope_theta=10000.0),
                          "full_attention": dict(rope_type="yarn", rope_theta=10000.0, factor=4.0,
                                                 original_max_position_embeddings=64)}),
+    # EXAONE 4: OLMo 2's norm placement with per-head q/k norms; a sliding layer with rope
+    # then a global one without (NoPE), tied.
+    "exaone4-hybrid-nope-global": dict(arch="exaone4", sliding_window=4,
+                                       sliding_window_pattern=2, tie_word_embeddings=True),
+    # Without a window every layer global and rotated.
+    "exaone4-global-rope": dict(arch="exaone4", sliding_window=None,
+                                layer_types=["full_attention"] * 2),
     # OLMoE: q/k norms over every head, q/k/v clamped tight enough to bite, 8 experts
     # top 3 as they come out of the softmax.
     "olmoe-clip-qkv": dict(arch="olmoe", num_experts=8, num_experts_per_tok=3, clip_qkv=0.5),

@@ -44,6 +44,9 @@ CASES = {
                                         num_key_value_heads=2, attention_bias=True)),
     "tp2-olmo3": (2, dict(arch="olmo3", num_attention_heads=4, num_key_value_heads=2,
                           sliding_window=4)),
+    # EXAONE 4's post norms with per-head q/k norms, a window and NoPE global layers.
+    "tp2-exaone4": (2, dict(arch="exaone4", num_attention_heads=4, num_key_value_heads=2,
+                            sliding_window=4, sliding_window_pattern=2)),
     # Phi-3's fused checkpoint tensors cut at the checkpoint's kv rows, then replicated.
     "tp4-phi3-replicated-kv": (4, dict(arch="phi3", num_attention_heads=4,
                                        num_key_value_heads=2)),

@@ -18,6 +18,8 @@ from tokenizers import Regex, Tokenizer, decoders, models, pre_tokenizers, proce
 from transformers import (
     Ernie4_5Config,
     Ernie4_5ForCausalLM,
+    Exaone4Config,
+    Exaone4ForCausalLM,
     Gemma2Config,
     Gemma2ForCausalLM,
     Gemma3ForCausalLM,
@@ -83,6 +85,7 @@ ARCHS = {
     "olmo2": (Olmo2Config, Olmo2ForCausalLM),
     "olmo3": (Olmo3Config, Olmo3ForCausalLM),
     "olmoe": (OlmoeConfig, OlmoeForCausalLM),
+    "exaone4": (Exaone4Config, Exaone4ForCausalLM),
     "gemma": (GemmaConfig, GemmaForCausalLM),
     "gemma2": (Gemma2Config, Gemma2ForCausalLM),
     "gemma3": (Gemma3TextConfig, Gemma3ForCausalLM),
