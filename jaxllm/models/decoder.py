@@ -80,6 +80,7 @@ class DecoderAttention(nnx.Module):
                              method=linear_method(arch.quantization))
         self.qk_norm, self.eps, self.offset = arch.qk_norm, arch.rms_norm_eps, arch.norm_offset
         self.qk_norm_whole, self.clip_qkv = arch.qk_norm_whole, arch.clip_qkv
+        self.q_position_scale = arch.q_position_scale
         self.rope = arch.ropes[layer]
         self.sm_scale = arch.sm_scale
         self.soft_cap = arch.attn_soft_cap
@@ -134,6 +135,8 @@ class DecoderAttention(nnx.Module):
             qkv, positions, kv_cache, md, page_offset, rope=self.rope,
             qk_norms=qk_norms if self.qk_norm else None, layer=self.layer, eps=self.eps,
             offset=self.offset, kv_scale=kv_scale, write=write, dtype=x.dtype)
+        if self.q_position_scale is not None:
+            q = q * position_scale(positions, *self.q_position_scale).astype(q.dtype)
         if rows is not None:
             q, residual, md = q[rows], residual[rows], md.last_queries()
         o = self.attn_backend.attend(q, kv_cache, md, sm_scale=self.sm_scale,
@@ -143,6 +146,13 @@ class DecoderAttention(nnx.Module):
         if kv_scale is not None:
             o = o * kv_scale[1].astype(o.dtype)
         return o, residual, kv_cache
+
+
+def position_scale(positions: jax.Array, beta: float, length: int) -> jax.Array:
+    """Ministral 3's query scale per token `[T, 1, 1]`: 1 + beta * log(1 + floor(p / length))
+    (1 within the first `length` positions)."""
+    p = positions.astype(jnp.float32)
+    return (1.0 + beta * jnp.log1p(jnp.floor(p / length)))[:, None, None]
 
 
 def whole_qk_norm(qkv: jax.Array, weight: jax.Array, eps: float) -> jax.Array:

@@ -53,6 +53,9 @@ class DecoderArch:
     # OLMo 2: q and k each normed over all their heads at once (not per head as `qk_norm`).
     qk_norm_whole: bool = False
     clip_qkv: float | None = None  # OLMoE: q, k (after their norms) and v clamped to +-this
+    # Ministral 3: (beta, length), each query times 1 + beta * log(1 + floor(position /
+    # length)) after rope, so attention sharpens past the original context.
+    q_position_scale: tuple[float, int] | None = None
     norm_offset: bool = False  # Gemma: RMSNorm scales by 1 + weight
     embed_scale: bool = False  # Gemma: embeddings times sqrt(hidden), in the model dtype
     attn_soft_cap: float | None = None

@@ -1,5 +1,7 @@
 """Multimodal checkpoints served for text as their language model: Gemma 3
-(`Gemma3ForConditionalGeneration`) and Mistral 3 (`Mistral3ForConditionalGeneration`).
+(`Gemma3ForConditionalGeneration`) and Mistral 3 (`Mistral3ForConditionalGeneration`:
+Mistral Small 3.1/3.2 with a Mistral text model, the Ministral 3 releases with a
+Ministral 3 one).
 
 `text_model_config` turns such a checkpoint's config into its language model's
 config under that model's text architecture, once, so everything downstream
@@ -23,7 +25,8 @@ from jaxllm.models.safetensors_files import stored_tensor_names
 # Wrapper architecture -> {its text config's model_type: the text architecture}.
 TEXT_ARCHITECTURES: dict[str, dict[str, str]] = {
     "Gemma3ForConditionalGeneration": {"gemma3_text": "Gemma3ForCausalLM"},
-    "Mistral3ForConditionalGeneration": {"mistral": "MistralForCausalLM"},
+    "Mistral3ForConditionalGeneration": {"mistral": "MistralForCausalLM",
+                                         "ministral3": "Ministral3ForCausalLM"},
 }
 # (stored prefix, the text model's prefix), in both layouts.
 _RENAMES = (("language_model.model.", "model."), ("language_model.lm_head.", "lm_head."),

@@ -18,6 +18,10 @@ CASES = {
     "llama-gqa-untied": dict(arch="llama", num_key_value_heads=2, tie_word_embeddings=False),
     "llama-mha-tied": dict(arch="llama", num_key_value_heads=4, tie_word_embeddings=True),
     "mistral": dict(arch="mistral", num_key_value_heads=2),
+    # The query scale grows every 8 positions past an original context of 8.
+    "ministral3-query-scale": dict(arch="ministral3", num_key_value_heads=2, rope_parameters=dict(
+        rope_type="yarn", rope_theta=10000.0, factor=4.0, original_max_position_embeddings=8,
+        llama_4_scaling_beta=0.3)),
     "qwen2-bias-tied": dict(arch="qwen2", num_key_value_heads=2, tie_word_embeddings=True),
     "qwen3-qknorm": dict(arch="qwen3", num_key_value_heads=2, tie_word_embeddings=False),
     "smollm3-nope-layer": dict(arch="smollm3", num_key_value_heads=2, no_rope_layer_interval=2),

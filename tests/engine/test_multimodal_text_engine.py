@@ -29,6 +29,12 @@ CASES = {
                          "full_attention": dict(rope_type="linear", rope_theta=10000.0,
                                                 factor=4.0)}),
     "mistral3-untied-head": dict(family="mistral3"),
+    # Ministral 3 (the text model of the Ministral 3 releases): yarn past an original
+    # context of 8, and the query scale growing from there.
+    "mistral3-ministral3-query-scale": dict(family="mistral3", model_type="ministral3",
+                                            rope_parameters=dict(
+        rope_type="yarn", rope_theta=10000.0, factor=4.0, original_max_position_embeddings=8,
+        llama_4_scaling_beta=0.3)),
 }
 
 pytestmark = pytest.mark.slow  # an engine and transformers per family

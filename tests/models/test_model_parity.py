@@ -44,6 +44,15 @@ CASES = {
         rope_parameters=dict(rope_type="linear", rope_theta=10000.0, factor=2.0)),
     "mistral-sliding-window": dict(arch="mistral", sliding_window=4),
     "qwen2-bias-tied": dict(arch="qwen2", tie_word_embeddings=True),
+    # Ministral: a sliding layer then a full one.
+    "ministral-layer-types": dict(arch="ministral", sliding_window=4,
+                                  layer_types=["sliding_attention", "full_attention"]),
+    # Ministral 3: yarn over an original context of 4 tokens, so the query scale bites
+    # from position 4 (1 + 0.5 log(1 + floor(p / 4))).
+    "ministral3-yarn-query-scale": dict(arch="ministral3", rope_parameters=dict(
+        rope_type="yarn", rope_theta=10000.0, factor=4.0, original_max_position_embeddings=4,
+        beta_fast=32.0, beta_slow=1.0, mscale=1.0, mscale_all_dim=1.0,
+        llama_4_scaling_beta=0.5)),
     "qwen3-qk-norm": dict(arch="qwen3", head_dim=32),
     # Interleaved rope pairs over the whole head, every projection biased.
     "ernie4_5-interleaved-rope-biases": dict(arch="ernie4_5", use_bias=True),

@@ -40,7 +40,7 @@ def _config(family: str, text: dict, tie_word_embeddings: bool):
         return Gemma3Config(text_config=dict(text),
                             vision_config=SiglipVisionConfig(**TINY_VISION).to_dict(),
                             mm_tokens_per_image=4, tie_word_embeddings=tie_word_embeddings)
-    return Mistral3Config(text_config=dict(model_type="mistral", **text),
+    return Mistral3Config(text_config={"model_type": "mistral", **text},
                           vision_config=PixtralVisionConfig(head_dim=8, **TINY_VISION).to_dict(),
                           tie_word_embeddings=tie_word_embeddings)
 
