@@ -20,12 +20,15 @@ from jaxllm.models.decoder import DecoderForCausalLM
 from jaxllm.models.decoder_arch import DecoderArch, common_fields, swiglu_model_type
 
 MODEL_TYPES = ("llama", "mistral", "ministral", "ministral3", "qwen2", "qwen3", "smollm3",
-               "seed_oss", "ernie4_5")
+               "seed_oss", "ernie4_5", "qwen2_vl_text", "qwen2_5_vl_text", "qwen3_vl_text")
+# The Qwen-VL language models (models/multimodal.py) are their text families' layers.
+_AS_TEXT_FAMILY = {"qwen2_vl_text": "qwen2", "qwen2_5_vl_text": "qwen2", "qwen3_vl_text": "qwen3"}
 
 
 def llama_arch(cfg: Any, tensor_parallel_size: int = 1) -> DecoderArch:
     """A Llama-family config as a `DecoderArch`."""
     model_type = swiglu_model_type(cfg, MODEL_TYPES, "Llama-family", default="llama")
+    model_type = _AS_TEXT_FAMILY.get(model_type, model_type)
     attention_bias = bool(getattr(cfg, "attention_bias", False))
     if model_type == "ernie4_5":  # one `use_bias` for every projection; interleaved rope
         bias = bool(getattr(cfg, "use_bias", False))

@@ -1,7 +1,8 @@
 """Multimodal checkpoints served for text as their language model: Gemma 3
-(`Gemma3ForConditionalGeneration`) and Mistral 3 (`Mistral3ForConditionalGeneration`:
+(`Gemma3ForConditionalGeneration`), Mistral 3 (`Mistral3ForConditionalGeneration`:
 Mistral Small 3.1/3.2 with a Mistral text model, the Ministral 3 releases with a
-Ministral 3 one).
+Ministral 3 one), and Qwen2-VL, Qwen2.5-VL and Qwen3-VL (dense), whose multimodal rope
+is the text model's rope for text tokens.
 
 `text_model_config` turns such a checkpoint's config into its language model's
 config under that model's text architecture, once, so everything downstream
@@ -10,8 +11,9 @@ config; `text_tensor_name` reads the checkpoint's tensor names as that text
 model's. Two layouts are read: the hub's released checkpoints (and
 transformers' `save_pretrained`) name the language model `language_model.model.*`
 and `language_model.lm_head.*`; transformers' module tree, which other
-exporters write, names it `model.language_model.*` and `lm_head.*`. The vision
-tower and the projector are stored but never read: a text request runs neither.
+exporters write, names it `model.language_model.*` and `lm_head.*` (Qwen2/2.5-VL's
+releases: `model.*` and `lm_head.*` as a text model's). The vision tower and the
+projector (Qwen's `visual`) are stored but never read: a text request runs neither.
 """
 
 from __future__ import annotations
@@ -27,12 +29,17 @@ TEXT_ARCHITECTURES: dict[str, dict[str, str]] = {
     "Gemma3ForConditionalGeneration": {"gemma3_text": "Gemma3ForCausalLM"},
     "Mistral3ForConditionalGeneration": {"mistral": "MistralForCausalLM",
                                          "ministral3": "Ministral3ForCausalLM"},
+    # Their multimodal rope rotates a text token by its position on all three axes, which
+    # is the text model's own rope (models/llama.py reads the text model types).
+    "Qwen2VLForConditionalGeneration": {"qwen2_vl_text": "Qwen2ForCausalLM"},
+    "Qwen2_5_VLForConditionalGeneration": {"qwen2_5_vl_text": "Qwen2ForCausalLM"},
+    "Qwen3VLForConditionalGeneration": {"qwen3_vl_text": "Qwen3ForCausalLM"},
 }
 # (stored prefix, the text model's prefix), in both layouts.
 _RENAMES = (("language_model.model.", "model."), ("language_model.lm_head.", "lm_head."),
             ("model.language_model.", "model."))
 VISION_PREFIXES = ("vision_tower.", "multi_modal_projector.", "model.vision_tower.",
-                   "model.multi_modal_projector.")
+                   "model.multi_modal_projector.", "visual.", "model.visual.")
 
 
 def config_keys(raw: dict[str, Any]) -> tuple[str, ...]:

@@ -1,5 +1,6 @@
-"""Multimodal Gemma 3 and Mistral 3 checkpoints serve text as transformers'
-`Gemma3ForConditionalGeneration` / `Mistral3ForConditionalGeneration` run text-only
+"""Multimodal Gemma 3, Mistral 3 and Qwen-VL checkpoints serve text as transformers'
+`Gemma3ForConditionalGeneration` / `Mistral3ForConditionalGeneration` /
+`Qwen2_5_VLForConditionalGeneration` / `Qwen3VLForConditionalGeneration` run text-only
 input ids (float32): greedy tokens, top-5 logprobs and prompt logprobs; chat renders
 the checkpoint's template (Mistral 3's only in its processor's `chat_template.json`,
 as released) and refuses an image part."""
@@ -35,6 +36,11 @@ CASES = {
                                             rope_parameters=dict(
         rope_type="yarn", rope_theta=10000.0, factor=4.0, original_max_position_embeddings=8,
         llama_4_scaling_beta=0.3)),
+    # Qwen2.5-VL (q/k/v biases, the releases' tensor names) and Qwen3-VL (per-head q/k
+    # norms, the module tree's names, tied): text tokens take their text model's rope.
+    "qwen2_vl-text": dict(family="qwen2_vl"),
+    "qwen2_5_vl-text": dict(family="qwen2_5_vl"),
+    "qwen3_vl-text-tied": dict(family="qwen3_vl", tie_word_embeddings=True),
 }
 
 pytestmark = pytest.mark.slow  # an engine and transformers per family

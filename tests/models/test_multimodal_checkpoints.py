@@ -46,7 +46,9 @@ def weights(model_dir: str, load_format: str = "auto") -> dict:
 
 @pytest.mark.parametrize("family,tied,text_arch", [
     ("gemma3", True, "Gemma3ForCausalLM"), ("mistral3", False, "MistralForCausalLM"),
-    ("mistral3", True, "MistralForCausalLM")])
+    ("mistral3", True, "MistralForCausalLM"), ("qwen2_vl", False, "Qwen2ForCausalLM"),
+    ("qwen2_5_vl", False, "Qwen2ForCausalLM"),
+    ("qwen3_vl", True, "Qwen3ForCausalLM")])
 def test_multimodal_config_is_served_as_its_text_model_through_the_portable_copy(
         tmp_path, family, tied, text_arch):
     """The text config's context, the outer config's dtype and head tying (transformers'

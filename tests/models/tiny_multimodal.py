@@ -1,4 +1,5 @@
-"""Tiny random multimodal checkpoints (Gemma 3 and Mistral 3 with a vision tower) for tests.
+"""Tiny random multimodal checkpoints (Gemma 3, Mistral 3, Qwen2.5-VL and Qwen3-VL with a
+vision tower) for tests.
 
 `make_tiny_multimodal_checkpoint(tmp_path, family, **text_overrides)` writes what
 transformers' `save_pretrained` writes for `Gemma3ForConditionalGeneration` (a
@@ -23,6 +24,12 @@ from transformers import (
     Mistral3Config,
     Mistral3ForConditionalGeneration,
     PixtralVisionConfig,
+    Qwen2_5_VLConfig,
+    Qwen2_5_VLForConditionalGeneration,
+    Qwen2VLConfig,
+    Qwen2VLForConditionalGeneration,
+    Qwen3VLConfig,
+    Qwen3VLForConditionalGeneration,
     SiglipVisionConfig,
 )
 
@@ -31,7 +38,15 @@ from tests.models.tiny_checkpoints import BOS_ID, EOS_ID, PAD_ID, make_tiny_toke
 TINY_VISION = dict(hidden_size=16, intermediate_size=32, num_hidden_layers=1,
                    num_attention_heads=2, image_size=16, patch_size=8)
 MODEL_CLASSES = {"gemma3": Gemma3ForConditionalGeneration,
-                 "mistral3": Mistral3ForConditionalGeneration}
+                 "mistral3": Mistral3ForConditionalGeneration,
+                 "qwen2_vl": Qwen2VLForConditionalGeneration,
+                 "qwen2_5_vl": Qwen2_5_VLForConditionalGeneration,
+                 "qwen3_vl": Qwen3VLForConditionalGeneration}
+# Qwen's vision towers, as small as they build; the text rope's three sections (time,
+# height, width) over head_dim 16's 8 frequencies.
+QWEN_VISION = dict(depth=1, hidden_size=16, intermediate_size=32, num_heads=2,
+                   out_hidden_size=64, patch_size=4, spatial_merge_size=2, temporal_patch_size=2)
+MROPE = dict(rope_type="default", rope_theta=10000.0, mrope_section=[2, 3, 3])
 
 
 def _config(family: str, text: dict, tie_word_embeddings: bool):
@@ -40,6 +55,23 @@ def _config(family: str, text: dict, tie_word_embeddings: bool):
         return Gemma3Config(text_config=dict(text),
                             vision_config=SiglipVisionConfig(**TINY_VISION).to_dict(),
                             mm_tokens_per_image=4, tie_word_embeddings=tie_word_embeddings)
+    if family == "qwen2_vl":
+        return Qwen2VLConfig(
+            text_config={"rope_parameters": MROPE, **text},
+            vision_config=dict(depth=1, embed_dim=16, hidden_size=64, mlp_ratio=2, num_heads=2,
+                               patch_size=4, spatial_merge_size=2, temporal_patch_size=2),
+            tie_word_embeddings=tie_word_embeddings)
+    if family == "qwen2_5_vl":  # the releases' layout: `model.*`, `visual.*`
+        return Qwen2_5_VLConfig(
+            text_config={"rope_parameters": MROPE, **text},
+            vision_config=dict(QWEN_VISION, fullatt_block_indexes=[0], window_size=16),
+            tie_word_embeddings=tie_word_embeddings)
+    if family == "qwen3_vl":  # the module tree: `model.language_model.*`, `model.visual.*`
+        return Qwen3VLConfig(
+            text_config={"rope_parameters": dict(MROPE, mrope_interleaved=True), **text},
+            vision_config=dict(QWEN_VISION, deepstack_visual_indexes=[0],
+                               num_position_embeddings=16),
+            tie_word_embeddings=tie_word_embeddings)
     return Mistral3Config(text_config={"model_type": "mistral", **text},
                           vision_config=PixtralVisionConfig(head_dim=8, **TINY_VISION).to_dict(),
                           tie_word_embeddings=tie_word_embeddings)
@@ -48,8 +80,8 @@ def _config(family: str, text: dict, tie_word_embeddings: bool):
 def make_tiny_multimodal_checkpoint(tmp_path, family: str = "gemma3", *, seed: int = 0,
                                     tie_word_embeddings: bool | None = None,
                                     **text_overrides) -> str:
-    """Saves a random `family` ("gemma3" | "mistral3") wrapper model and returns its
-    directory. The head is tied for Gemma 3 and untied for Mistral 3 (as released) unless
+    """Saves a random `family` (a MODEL_CLASSES key) wrapper model and returns its
+    directory. The head is tied for Gemma 3 and untied for the others unless
     `tie_word_embeddings` says; `text_overrides` are text_config fields."""
     text = dict(vocab_size=256, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
                 num_attention_heads=4, num_key_value_heads=2, head_dim=16,
