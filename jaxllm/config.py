@@ -149,6 +149,7 @@ class EngineConfig:
     draft_model_config: ModelConfig | None = None
     eagle_head: Any = None  # models/eagle_config.EagleHeadSpec
     lora_config: LoRAConfig | None = None  # None: LoRA disabled
+    reasoning_parser: str | None = None  # jaxllm/reasoning.py: grammars wait out the thinking
 
 
 @dataclass
@@ -206,6 +207,9 @@ class EngineArgs:
     enable_lora: bool = False
     max_loras: int = 1
     max_lora_rank: int = 16
+    # vLLM's --reasoning-parser (jaxllm/reasoning.py): the chat server splits the thinking
+    # from the answer, and a grammar holds only the answer.
+    reasoning_parser: str | None = None
     # A multi-host engine (distributed/multihost.py; else the JAX_* environment).
     distributed_coordinator_address: str | None = None
     distributed_num_processes: int | None = None
@@ -258,9 +262,13 @@ class EngineArgs:
             raise ParameterError("data_parallel_size",
                                  f"must be at least 1, got {self.data_parallel_size}")
         lora = LoRAConfig.from_args(self, model_config.is_encoder)
+        if self.reasoning_parser is not None:
+            from jaxllm.reasoning import get_reasoning_format
+
+            get_reasoning_format(self.reasoning_parser)
         spec = SpeculativeConfig.from_dict(self.speculative_config)
         return EngineConfig(
-            model_config=model_config, lora_config=lora,
+            model_config=model_config, lora_config=lora, reasoning_parser=self.reasoning_parser,
             cache_config=CacheConfig.from_args(self, hbm, model_config.is_encoder),
             scheduler_config=SchedulerConfig(
                 max_num_seqs=self.max_num_seqs, max_num_batched_tokens=max_batched,

@@ -22,10 +22,11 @@ hosts make each of its device calls too (lockstep.py); nothing else changes.
 
 from __future__ import annotations
 
+import functools
 import gc
 import logging
 import time
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 from jaxllm.config import EngineConfig
 from jaxllm.core.encoder_scheduler import EncoderScheduler
@@ -39,6 +40,7 @@ from jaxllm.core.request import Request, RequestStatus
 from jaxllm.core.runner_output import ModelRunnerOutput
 from jaxllm.core.sched_output import SchedulerOutput
 from jaxllm.core.scheduler import Scheduler
+from jaxllm.reasoning import get_reasoning_format
 from jaxllm.sampling_params import INT64_MAX, TOKEN_ID_MAX
 from jaxllm.structured_output.grammar import make_tokenizer
 from jaxllm.structured_output.manager import StructuredOutputManager
@@ -136,7 +138,8 @@ class EngineCore:
             if req.request_id in self._awaiting_grammar or req.request_id in \
                     self.scheduler.requests:
                 raise ValueError(f"request id {req.request_id!r} is already in use")
-            self._structured().submit(req.request_id, params.structured_outputs)
+            self._structured().submit(req.request_id, params.structured_outputs,
+                                      request.prompt_token_ids)
             self._awaiting_grammar[req.request_id] = req
             return None
         self.scheduler.add_request(req)
@@ -146,14 +149,23 @@ class EngineCore:
         if self.structured is None:
             mc = self.config.model_config
 
-            def tokenizer() -> object:
+            @functools.cache
+            def hf_tokenizer() -> Any:
                 from transformers import AutoTokenizer
 
-                hf = AutoTokenizer.from_pretrained(mc.tokenizer)
-                return make_tokenizer(hf, mc.vocab_size,
+                return AutoTokenizer.from_pretrained(mc.tokenizer)
+
+            def tokenizer() -> object:
+                return make_tokenizer(hf_tokenizer(), mc.vocab_size,
                                       mc.eos_token_ids[0] if mc.eos_token_ids else None)
 
-            self.structured = StructuredOutputManager(tokenizer, mc.vocab_size)
+            tags = None
+            if self.config.reasoning_parser is not None:  # the grammar waits out the thinking
+                fmt = get_reasoning_format(self.config.reasoning_parser)
+                tags = tuple(hf_tokenizer().encode(t, add_special_tokens=False)
+                             for t in (fmt.start, fmt.end))
+            self.structured = StructuredOutputManager(tokenizer, mc.vocab_size,
+                                                      reasoning_tags=tags)
         return self.structured
 
     def _admit_compiled(self) -> None:

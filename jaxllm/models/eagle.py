@@ -29,7 +29,7 @@ from jaxllm.layers.attention_sharded import shard_attention
 from jaxllm.layers.gated_mlp import GatedMLP
 from jaxllm.layers.linear import Linear, make_param
 from jaxllm.layers.norm import rms_norm
-from jaxllm.models.decoder import DecoderAttention
+from jaxllm.models.decoder_attention import DecoderAttention
 from jaxllm.models.decoder_weights import hf_weight_map
 from jaxllm.models.eagle_config import FIELD, EagleHeadSpec, canonical
 from jaxllm.models.llama import llama_arch

@@ -6,7 +6,8 @@ pool; compiled grammars are cached by (kind, spec) and each request gets a
 copy of the cached matcher). Each step the manager fills the packed int32
 token bitmask `[scheduled requests, ceil(vocab / 32)]` for the scheduled
 requests (bit j of word i allows token 32 i + j; unconstrained rows allow
-everything), and advances every matcher with the tokens sampled for it. A
+everything, as do those of a request still reasoning under a reasoning parser), and
+advances every matcher with the tokens sampled for it (past the reasoning). A
 matcher that has reached the end of its grammar allows only EOS, so the
 request then stops on EOS as any other.
 """
@@ -24,6 +25,7 @@ import llguidance.numpy as llnp
 import numpy as np
 
 from jaxllm.errors import ParameterError
+from jaxllm.reasoning import ReasoningGate
 from jaxllm.sampling_params import StructuredOutputsParams
 from jaxllm.structured_output.grammar import grammar_key, grammar_text
 
@@ -37,7 +39,10 @@ class StructuredOutputManager:
     """Compiles, holds and advances the grammars of the engine's structured requests."""
 
     def __init__(self, make_tokenizer: Callable[[], llguidance.LLTokenizer], vocab_size: int,
-                 max_workers: int = 2):
+                 max_workers: int = 2,
+                 reasoning_tags: tuple[list[int], list[int]] | None = None):
+        """`reasoning_tags`: a reasoning parser's start and end tags as token ids; a
+        request's grammar then waits until its reasoning has ended (`ReasoningGate`)."""
         self.vocab_size = vocab_size
         self.num_words = -(-vocab_size // 32)
         self._make_tokenizer = make_tokenizer
@@ -47,6 +52,8 @@ class StructuredOutputManager:
         self._compiled: OrderedDict[tuple[str, str], Future] = OrderedDict()
         self._pending: dict[str, Future] = {}  # req_id -> compile, until `take_ready`
         self.matchers: dict[str, llguidance.LLMatcher] = {}
+        self.reasoning_tags = reasoning_tags
+        self.gates: dict[str, ReasoningGate] = {}  # requests still reasoning
         self._executor: llguidance.LLExecutor | None = None
 
     # ---- compilation ------------------------------------------------------
@@ -63,8 +70,13 @@ class StructuredOutputManager:
             raise ParameterError(f"structured_outputs.{kind}", matcher.get_error())
         return matcher
 
-    def submit(self, req_id: str, params: StructuredOutputsParams) -> None:
+    def submit(self, req_id: str, params: StructuredOutputsParams,
+               prompt_token_ids: list[int] = ()) -> None:
         """Starts compiling the request's grammar (or reuses a compiled one)."""
+        if self.reasoning_tags is not None:
+            gate = ReasoningGate.for_prompt(*self.reasoning_tags, list(prompt_token_ids))
+            if not gate.ended:
+                self.gates[req_id] = gate
         key = grammar_key(params)
         with self._lock:
             fut = self._compiled.get(key)
@@ -106,6 +118,7 @@ class StructuredOutputManager:
         for req_id in req_ids:
             self._pending.pop(req_id, None)
             self.matchers.pop(req_id, None)
+            self.gates.pop(req_id, None)
 
     # ---- per step ---------------------------------------------------------
 
@@ -114,7 +127,7 @@ class StructuredOutputManager:
         that samples this step is constrained."""
         matchers = self.matchers
         rows = [(matchers[r], j) for j, r in enumerate(req_ids)
-                if samples[j] and r in matchers]
+                if samples[j] and r in matchers and r not in self.gates]
         if not rows:
             return None
         words = -(-self.tokenizer().vocab_size // 32)
@@ -138,6 +151,11 @@ class StructuredOutputManager:
     def accept(self, req_id: str, token_ids: list[int]) -> None:
         """Advances the request's matcher with its newly sampled tokens."""
         matcher = self.matchers.get(req_id)
+        gate = self.gates.get(req_id)
+        if gate is not None:  # tokens of the reasoning are not the grammar's
+            token_ids = gate.feed(token_ids)
+            if gate.ended:
+                del self.gates[req_id]
         if matcher is None or not token_ids or matcher.is_stopped():
             return  # a stopped grammar has consumed all it takes; the EOS after it ends it
         if not matcher.consume_tokens(token_ids):

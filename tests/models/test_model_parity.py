@@ -402,7 +402,8 @@ def test_dummy_weights_are_deterministic_from_the_seed(tmp_path):
 def test_unsupported_architecture_lists_the_supported_ones():
     with pytest.raises(ParameterError, match="supported: BertForSequenceClassification, "
                                              "BertModel, Ernie4_5ForCausalLM, "
-                                             "Gemma2ForCausalLM, Gemma3ForCausalLM, "
+                                             "Exaone4ForCausalLM, Gemma2ForCausalLM, "
+                                             "Gemma3ForCausalLM, "
                                              "Gemma3ForConditionalGeneration, "
                                              "GemmaForCausalLM, Glm4ForCausalLM, "
                                              "Glm4MoeForCausalLM, GlmForCausalLM, "

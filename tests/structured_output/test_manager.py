@@ -84,3 +84,27 @@ def test_a_structural_tag_constrains_the_text_after_its_trigger_to_the_schema():
     m.accept("r", hf.encode('{"a":7}', add_special_tokens=False))
     assert _allowed(m.fill_bitmask(["r"], np.array([True]))[0]) == {
         hf.convert_tokens_to_ids("<")}
+
+
+def test_under_a_reasoning_parser_the_grammar_waits_out_the_thinking():
+    """Unconstrained rows while the request reasons, and its tokens are not the grammar's;
+    the grammar starts right after the end tag, in the same step's tokens; a prompt that
+    closed the block starts constrained."""
+    hf = make_tiny_tokenizer(256)
+    ids = lambda text: hf.encode(text, add_special_tokens=False)  # noqa: E731
+    m = StructuredOutputManager(lambda: make_tokenizer(hf, 256, EOS_ID), 256,
+                                reasoning_tags=(ids("<think>"), ids("</think>")))
+    m.submit("thinking", StructuredOutputsParams(regex="ab"), ids("q<think>\n"))
+    m.submit("closed", StructuredOutputsParams(regex="ab"), ids("q<think>\n\n</think>\n\n"))
+    ready = []
+    while len(ready) < 2:
+        ready += _ready(m)[0]
+    mask = m.fill_bitmask(["thinking", "closed"], np.array([True, True]))
+    a, b = hf.convert_tokens_to_ids(["a", "b"])
+    assert _allowed(mask[0]) == set(range(256)) and _allowed(mask[1]) == {a}
+    m.accept("thinking", ids("zzz</th"))
+    assert m.fill_bitmask(["thinking"], np.array([True])) is None  # no row constrained
+    m.accept("thinking", ids("ink>a"))  # the tag ends, and "a" is the grammar's first
+    assert _allowed(m.fill_bitmask(["thinking"], np.array([True]))[0]) == {b}
+    m.remove(["thinking", "closed"])
+    assert not m.gates and not m.matchers

@@ -241,6 +241,8 @@ class ChatCompletionRequest(SamplingFields):
     chat_template_kwargs: dict[str, Any] | None = None
     # As in vLLM, off by default: the chat template already writes BOS and the like.
     add_special_tokens: bool = False
+    # vLLM's: under --reasoning-parser, whether the reasoning is returned at all.
+    include_reasoning: bool = True
 
     def check(self) -> None:
         self.check_strings()
@@ -299,6 +301,9 @@ class ChatChoiceLogprobs(OpenAIBaseModel):
 class ChatResponseMessage(OpenAIBaseModel):
     role: str = "assistant"
     content: str | None = None
+    # Under --reasoning-parser: vLLM's `reasoning`, and its older name that clients read.
+    reasoning: str | None = _omitted_when_none()
+    reasoning_content: str | None = _omitted_when_none()
     tool_calls: list[ToolCall] = Field(default_factory=list)
 
 
@@ -324,6 +329,8 @@ class ChatCompletionResponse(OpenAIBaseModel):
 class DeltaMessage(OpenAIBaseModel):
     role: str | None = _omitted_when_none()
     content: str | None = _omitted_when_none()
+    reasoning: str | None = _omitted_when_none()
+    reasoning_content: str | None = _omitted_when_none()
     tool_calls: list[DeltaToolCall] | None = _omitted_when_none()
 
 

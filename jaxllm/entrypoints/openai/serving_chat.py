@@ -1,4 +1,7 @@
-"""/v1/chat/completions: render the chat template, generate, answer or stream deltas."""
+"""/v1/chat/completions: render the chat template, generate, answer or stream deltas.
+
+Under --reasoning-parser (jaxllm/reasoning.py) each choice's thinking is split from its
+answer first; the tool parser reads the answer only."""
 
 from __future__ import annotations
 
@@ -32,6 +35,12 @@ from jaxllm.entrypoints.openai.serving_engine import (
 from jaxllm.entrypoints.openai.tools import template_messages
 from jaxllm.errors import EngineDeadError, ParameterError
 from jaxllm.outputs import Logprob, RequestOutput
+from jaxllm.reasoning import (
+    ReasoningSplitter,
+    get_reasoning_format,
+    opened_by_prompt,
+    split_reasoning,
+)
 
 # apply_chat_template's own arguments, which chat_template_kwargs cannot pass again.
 _SET_BY_REQUEST = frozenset({"messages", "conversation", "chat_template", "tokenize",
@@ -61,6 +70,8 @@ class OpenAIServingChat(OpenAIServing):
     def __init__(self, *args: Any, tool_settings: ToolSettings | None = None, **kwargs: Any):
         super().__init__(*args, **kwargs)
         self.tool_settings = tool_settings or ToolSettings()
+        name = getattr(getattr(self.engine, "config", None), "reasoning_parser", None)
+        self.reasoning = None if name is None else get_reasoning_format(name)
 
     def render(self, req: ChatCompletionRequest,
                tools: list[dict[str, Any]] | None = None) -> tuple[str, list[int]]:
@@ -109,9 +120,9 @@ class OpenAIServingChat(OpenAIServing):
             raise req.structured_error(e) from e
         echo = self._echo_text(req)
         if req.stream:
-            return self._stream(req, request_id, model, requests, echo, plan)
+            return self._stream(req, request_id, model, requests, echo, plan, text)
         (final,) = await self.collect(requests)
-        return self._response(req, request_id, model, final, echo, plan)
+        return self._response(req, request_id, model, final, echo, plan, text)
 
     @staticmethod
     def _echo_text(req: ChatCompletionRequest) -> str:
@@ -122,19 +133,27 @@ class OpenAIServingChat(OpenAIServing):
         return last["content"] if last["role"] == "assistant" else ""
 
     def _response(self, req: ChatCompletionRequest, request_id: str, model: str,
-                  out: RequestOutput, echo: str, plan: ToolPlan) -> ChatCompletionResponse:
+                  out: RequestOutput, echo: str, plan: ToolPlan,
+                  prompt: str) -> ChatCompletionResponse:
         raise_if_failed(out)
         choices = []
         for comp in out.outputs:
             logprobs = None
             if req.logprobs and comp.logprobs is not None:
                 logprobs = chat_logprobs(comp.token_ids, comp.logprobs, req.top_logprobs or 0)
-            content, calls, finish = plan.message(comp.text, comp.finish_reason)
+            reasoning, answer = None, comp.text
+            if self.reasoning is not None:
+                reasoning, answer = split_reasoning(self.reasoning, prompt, comp.text)
+                reasoning = reasoning if req.include_reasoning else None
+            content, calls, finish = plan.message(answer or "", comp.finish_reason)
+            if answer is None and not content:
+                content = None  # all of it was reasoning
             if echo and content is not None:
                 content = echo + content
             choices.append(ChatCompletionChoice(
                 index=comp.index,
-                message=ChatResponseMessage(content=content, tool_calls=calls),
+                message=ChatResponseMessage(content=content, reasoning=reasoning,
+                                            reasoning_content=reasoning, tool_calls=calls),
                 logprobs=logprobs, finish_reason=finish,
                 stop_reason=comp.stop_reason,
                 token_ids=comp.token_ids if req.return_token_ids else None))
@@ -145,7 +164,8 @@ class OpenAIServingChat(OpenAIServing):
                                           out, req.prompt_logprobs))
 
     async def _stream(self, req: ChatCompletionRequest, request_id: str, model: str,
-                      requests: list, echo: str, plan: ToolPlan) -> AsyncIterator[str]:
+                      requests: list, echo: str, plan: ToolPlan,
+                      prompt: str) -> AsyncIterator[str]:
         created = int(time.time())
         opts = req.stream_options
         include_usage = bool(opts and opts.include_usage)
@@ -153,6 +173,9 @@ class OpenAIServingChat(OpenAIServing):
         prompt_tokens = 0
         generated: dict[int, int] = {}
         tool_streams = [ChoiceToolStream(plan) for _ in range(req.n)]
+        fmt = self.reasoning
+        splitters = [ReasoningSplitter(fmt, opened_by_prompt(fmt, prompt))
+                     for _ in range(req.n)] if fmt is not None else None
 
         def chunk(choices: list[ChatStreamChoice], with_usage: bool = False) -> str:
             body: dict[str, Any] = {}
@@ -182,9 +205,14 @@ class OpenAIServingChat(OpenAIServing):
                         logprobs = chat_logprobs(comp.token_ids, comp.logprobs,
                                                  req.top_logprobs or 0)
                     tools = tool_streams[comp.index]
-                    deltas = tools.feed(comp.text)
+                    thought, answer = _split_step(splitters, comp.index, comp.text,
+                                                  comp.finish_reason is not None)
+                    deltas = tools.feed(answer) if answer or splitters is None else []
                     if comp.finish_reason is not None:
                         deltas += tools.finish()
+                    if thought and req.include_reasoning:
+                        deltas.insert(0, DeltaMessage(reasoning=thought,
+                                                      reasoning_content=thought))
                     elif not deltas and logprobs is None and not req.return_token_ids:
                         continue  # text held back by the tool parser; nothing to send yet
                     deltas = deltas or [DeltaMessage(content="")]
@@ -204,3 +232,17 @@ class OpenAIServingChat(OpenAIServing):
         except EngineDeadError as e:
             yield sse(error_body(503, str(e)).model_dump_json())
         yield sse("[DONE]")
+
+
+def _split_step(splitters: list[ReasoningSplitter] | None, index: int, text: str,
+                last: bool) -> tuple[str, str]:
+    """(reasoning, answer) of one streamed piece of choice `index` (all answer without
+    a reasoning parser); `last`: the choice's final piece, which flushes what was held."""
+    if splitters is None:
+        return "", text
+    splitter = splitters[index]
+    thought, answer = splitter.feed(text)
+    if last:
+        more_thought, more_answer = splitter.finish()
+        thought, answer = thought + more_thought, answer + more_answer
+    return thought, answer

@@ -1,0 +1,180 @@
+"""Reasoning outputs (vLLM's `--reasoning-parser`): a model's thinking split from its answer.
+
+A reasoning model writes its thinking between a start and an end tag (`<think>` ...
+`</think>` for DeepSeek-R1 and Qwen3) and its answer after. The chat server returns
+the thinking as `message.reasoning` (and the older name `reasoning_content`) and the
+rest as `content`, whole or streamed; tool calls are read from the content only.
+Under structured outputs the grammar holds only the answer: it starts once the
+reasoning has ended (`ReasoningGate`, which the engine core's grammars use).
+
+Where the output starts is read from the prompt, since chat templates often open
+(Qwen3-Thinking, DeepSeek-R1-0528) or close (Qwen3 with `enable_thinking: false`) the
+block themselves: the prompt's last tag says whether the block is open. With no tag
+in the prompt, `deepseek_r1` starts in reasoning (R1 thinks first, tag or not) and
+`qwen3` in the answer. Either way an output that begins with the start tag (past
+whitespace) opens the block there. The streamed split equals the whole one: text that
+may be the start of a tag is held back until it is told apart. (vLLM's whole-output
+`qwen3` parser returns an output cut off inside an opened block as content, while its
+stream sends the same text as reasoning; here both call it reasoning.)
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from jaxllm.errors import ParameterError
+
+
+@dataclass(frozen=True)
+class ReasoningFormat:
+    name: str
+    start: str
+    end: str
+    open_without_tags: bool  # the output starts in reasoning when the prompt has no tag
+
+
+REASONING_PARSERS = {
+    "deepseek_r1": ReasoningFormat("deepseek_r1", "<think>", "</think>", True),
+    "qwen3": ReasoningFormat("qwen3", "<think>", "</think>", False),
+}
+
+
+def get_reasoning_format(name: str) -> ReasoningFormat:
+    try:
+        return REASONING_PARSERS[name]
+    except KeyError:
+        raise ParameterError("reasoning_parser", f"unknown parser {name!r}; supported: "
+                             f"{', '.join(sorted(REASONING_PARSERS))}") from None
+
+
+def opened_by_prompt(fmt: ReasoningFormat, prompt: str) -> bool:
+    """Whether the output starts inside the reasoning block (module docstring)."""
+    start, end = prompt.rfind(fmt.start), prompt.rfind(fmt.end)
+    if start < 0 and end < 0:
+        return fmt.open_without_tags
+    return start > end
+
+
+def _held(text: str, tag: str) -> int:
+    """How many of `text`'s last characters may begin `tag` (0: none)."""
+    for n in range(min(len(tag) - 1, len(text)), 0, -1):
+        if tag.startswith(text[-n:]):
+            return n
+    return 0
+
+
+@dataclass
+class ReasoningSplitter:
+    """One choice's output text, fed as it grows, split into reasoning and content."""
+
+    fmt: ReasoningFormat
+    in_reasoning: bool  # `opened_by_prompt`
+    leading: bool = True  # nothing but whitespace seen: a start tag may still open the block
+    entered: bool = False  # the block was open at some point (reasoning is "" not None)
+    _buffer: str = ""
+    reasoning_parts: list[str] = field(default_factory=list)
+    content_parts: list[str] = field(default_factory=list)
+
+    def __post_init__(self) -> None:
+        self.entered = self.in_reasoning
+
+    def feed(self, text: str) -> tuple[str, str]:
+        """(reasoning, content) that `text` adds, as far as they are settled."""
+        self._buffer += text
+        reasoning, content = [], []
+        while self._buffer:
+            if self.leading:
+                head = self._buffer.lstrip()
+                if head.startswith(self.fmt.start):
+                    self._buffer = head[len(self.fmt.start):]
+                    self.in_reasoning = self.entered = True
+                elif head and not self.fmt.start.startswith(head):
+                    pass  # not a tag: the text belongs where the output started
+                else:
+                    break  # whitespace, or what may become the start tag
+                self.leading = False
+            elif self.in_reasoning:
+                before, tag, after = self._buffer.partition(self.fmt.end)
+                if tag:
+                    reasoning.append(before)
+                    self._buffer, self.in_reasoning = after, False
+                    continue
+                keep = _held(self._buffer, self.fmt.end)
+                reasoning.append(self._buffer[:len(self._buffer) - keep])
+                self._buffer = self._buffer[len(self._buffer) - keep:]
+                break
+            else:
+                content.append(self._buffer)
+                self._buffer = ""
+        return self._record("".join(reasoning), "".join(content))
+
+    def finish(self) -> tuple[str, str]:
+        """What was held back, now that the output is whole."""
+        rest, self._buffer, self.leading = self._buffer, "", False
+        return self._record(rest, "") if self.in_reasoning else self._record("", rest)
+
+    def _record(self, reasoning: str, content: str) -> tuple[str, str]:
+        if reasoning:
+            self.reasoning_parts.append(reasoning)
+        if content:
+            self.content_parts.append(content)
+        return reasoning, content
+
+    @property
+    def reasoning(self) -> str | None:
+        return "".join(self.reasoning_parts) if self.entered else None
+
+    @property
+    def content(self) -> str | None:
+        return "".join(self.content_parts) or None
+
+
+def split_reasoning(fmt: ReasoningFormat, prompt: str, text: str
+                    ) -> tuple[str | None, str | None]:
+    """(reasoning, content) of a whole output; None where the output has none."""
+    splitter = ReasoningSplitter(fmt, opened_by_prompt(fmt, prompt))
+    splitter.feed(text)
+    splitter.finish()
+    return splitter.reasoning, splitter.content
+
+
+def _last(ids: list[int], sub: list[int]) -> int:
+    """Where `sub` last starts in `ids` (-1: nowhere)."""
+    n = len(sub)
+    for i in range(len(ids) - n, -1, -1):
+        if ids[i:i + n] == sub:
+            return i
+    return -1
+
+
+@dataclass
+class ReasoningGate:
+    """Token-level: holds a request's grammar back until its reasoning has ended, as
+    vLLM's structured outputs do under a reasoning parser. `start_ids` / `end_ids`: the
+    tags as the tokenizer writes them."""
+
+    start_ids: list[int]
+    end_ids: list[int]
+    ended: bool = False
+    _tail: list[int] = field(default_factory=list)
+
+    @classmethod
+    def for_prompt(cls, start_ids: list[int], end_ids: list[int],
+                   prompt_ids: list[int]) -> ReasoningGate:
+        """A gate for a request: already past the reasoning where the prompt's last tag
+        is the end tag (the template closed the block)."""
+        start, end = _last(prompt_ids, start_ids), _last(prompt_ids, end_ids)
+        return cls(start_ids, end_ids, ended=end >= 0 and end > start)
+
+    def feed(self, token_ids: list[int]) -> list[int]:
+        """Newly sampled tokens in; those after the end tag (the grammar's) out."""
+        if self.ended:
+            return token_ids
+        n = len(self.end_ids)
+        seen = self._tail + token_ids
+        for i in range(len(self._tail), len(seen)):
+            if i + 1 >= n and seen[i + 1 - n:i + 1] == self.end_ids:
+                self.ended, self._tail = True, []
+                return seen[i + 1:]
+        self._tail = seen[-(n - 1):] if n > 1 else []
+        return []
