@@ -1,21 +1,23 @@
 """Reasoning outputs (vLLM's `--reasoning-parser`): a model's thinking split from its answer.
 
 A reasoning model writes its thinking between a start and an end tag (`<think>` ...
-`</think>` for DeepSeek-R1 and Qwen3) and its answer after. The chat server returns
-the thinking as `message.reasoning` (and the older name `reasoning_content`) and the
-rest as `content`, whole or streamed; tool calls are read from the content only.
-Under structured outputs the grammar holds only the answer: it starts once the
-reasoning has ended (`ReasoningGate`, which the engine core's grammars use).
+`</think>` for DeepSeek-R1, Qwen3 and OLMo 3; `<seed:think>` ... `</seed:think>` for
+Seed-OSS) and its answer after. The chat server returns the thinking as
+`message.reasoning` (and the older name `reasoning_content`) and the rest as
+`content`, whole or streamed; tool calls are read from the content only. Under
+structured outputs the grammar holds only the answer: it starts once the reasoning
+has ended (`ReasoningGate`, which the engine core's grammars use).
 
 Where the output starts is read from the prompt, since chat templates often open
 (Qwen3-Thinking, DeepSeek-R1-0528) or close (Qwen3 with `enable_thinking: false`) the
 block themselves: the prompt's last tag says whether the block is open. With no tag
-in the prompt, `deepseek_r1` starts in reasoning (R1 thinks first, tag or not) and
-`qwen3` in the answer. Either way an output that begins with the start tag (past
-whitespace) opens the block there. The streamed split equals the whole one: text that
-may be the start of a tag is held back until it is told apart. (vLLM's whole-output
-`qwen3` parser returns an output cut off inside an opened block as content, while its
-stream sends the same text as reasoning; here both call it reasoning.)
+in the prompt, `deepseek_r1`, `olmo3` and `seed_oss` start in reasoning (these models
+think first, tag or not) and `qwen3` in the answer. Either way an output that begins
+with the start tag (past whitespace) opens the block there. The streamed split equals
+the whole one: text that may be the start of a tag is held back until it is told
+apart. (vLLM's whole-output `qwen3` parser returns an output cut off inside an opened
+block as content, while its stream sends the same text as reasoning; here both call
+it reasoning.)
 """
 
 from __future__ import annotations
@@ -36,6 +38,9 @@ class ReasoningFormat:
 REASONING_PARSERS = {
     "deepseek_r1": ReasoningFormat("deepseek_r1", "<think>", "</think>", True),
     "qwen3": ReasoningFormat("qwen3", "<think>", "</think>", False),
+    # OLMo 3 Think writes plain-text tags, its template opening the block or not.
+    "olmo3": ReasoningFormat("olmo3", "<think>", "</think>", True),
+    "seed_oss": ReasoningFormat("seed_oss", "<seed:think>", "</seed:think>", True),
 }
 
 

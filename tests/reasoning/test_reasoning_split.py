@@ -17,6 +17,7 @@ from jaxllm.reasoning import (
 )
 
 R1, QWEN3 = REASONING_PARSERS["deepseek_r1"], REASONING_PARSERS["qwen3"]
+SEED = REASONING_PARSERS["seed_oss"]
 OPEN, CLOSED, PLAIN = "<|assistant|><think>\n", "<|assistant|><think>\n\n</think>\n\n", "<|a|>"
 
 # (format, prompt, output, reasoning, content)
@@ -44,6 +45,10 @@ CASES = [
     (QWEN3, OPEN, "a </thin b</think>c", "a </thin b", "c"),
     (QWEN3, PLAIN, "<thx", None, "<thx"),
     (QWEN3, OPEN, "a </th", "a </th", None),
+    # Seed-OSS's own tags; a <think> means nothing to it.
+    (SEED, PLAIN, "<seed:think>a</seed:think>b", "a", "b"),
+    (SEED, PLAIN, "a <think>x</think></seed:think>b", "a <think>x</think>", "b"),
+    (SEED, PLAIN, "<seed:thi", "<seed:thi", None),
     # A second end tag is content.
     (QWEN3, OPEN, "a</think>b</think>c", "a", "b</think>c"),
 ]
@@ -77,7 +82,7 @@ def test_every_streamed_cut_assembles_to_the_whole_split(fmt, prompt, output, re
 
 def test_an_unknown_parser_is_named():
     with pytest.raises(ParameterError, match="reasoning_parser: unknown parser 'r2'; "
-                                             "supported: deepseek_r1, qwen3"):
+                                             "supported: deepseek_r1, olmo3, qwen3, seed_oss"):
         get_reasoning_format("r2")
 
 
