@@ -24,6 +24,15 @@ def rms_norm(x: jax.Array, weight: jax.Array, eps: float, offset: bool = False) 
     return weight * x32.astype(x.dtype)
 
 
+def layer_norm(x: jax.Array, weight: jax.Array, eps: float) -> jax.Array:
+    """Cohere's LayerNorm over the last axis: mean-centred, no bias; the weight applied
+    in float32, then cast back, as Hugging Face computes it."""
+    x32 = x.astype(jnp.float32)
+    centred = x32 - jnp.mean(x32, axis=-1, keepdims=True)
+    normed = centred * jax.lax.rsqrt(jnp.mean(centred * centred, axis=-1, keepdims=True) + eps)
+    return (weight.astype(jnp.float32) * normed).astype(x.dtype)
+
+
 class RMSNorm(nnx.Module):
     """`weight * x / rms(x)` (`offset`: `(1 + weight) * ...`) over the last axis (size `dim`)."""
 

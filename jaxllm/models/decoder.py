@@ -57,7 +57,7 @@ from jaxllm.layers.linear import make_param
 from jaxllm.layers.mlp import SwiGLU
 from jaxllm.layers.moe import SparseMoE
 from jaxllm.layers.moe_shared import SharedExpertMoE
-from jaxllm.layers.norm import RMSNorm, rms_norm
+from jaxllm.layers.norm import RMSNorm, layer_norm, rms_norm
 from jaxllm.models.contract import KVCacheSpec, LogitsHead, WeightSource
 from jaxllm.models.decoder_arch import DecoderArch, with_context
 from jaxllm.models.decoder_attention import DecoderAttention
@@ -75,7 +75,7 @@ class DecoderLayer(nnx.Module):
             mesh=getattr(attn_backend, "mesh", None))
         self.eps, self.offset, self.sandwich = (arch.rms_norm_eps, arch.norm_offset,
                                                 arch.sandwich_norms)
-        self.post_norms = arch.post_norms
+        self.post_norms, self.parallel = arch.post_norms, arch.parallel_block
         self.num_norms = len(arch.norm_names)
 
     def __call__(self, x: jax.Array, positions: jax.Array, kv_cache: jax.Array,
@@ -97,16 +97,28 @@ class DecoderLayer(nnx.Module):
         tensor parallelism), so a layer norms the next one's input."""
         first = self.self_attn.layer * self.num_norms
 
+        def normed_by(y: jax.Array, weight: jax.Array) -> jax.Array:
+            if self.parallel:
+                return layer_norm(y, weight, self.eps)
+            return rms_norm(y, weight, self.eps, self.offset)
+
         def norm(y: jax.Array, i: int) -> jax.Array:
-            return rms_norm(y, norms[first + i], self.eps, self.offset)
+            return normed_by(y, norms[first + i])
 
         def after(y: jax.Array) -> jax.Array | None:
-            return (None if next_norm is None
-                    else rms_norm(y, next_norm.weight, self.eps, self.offset))
+            return None if next_norm is None else normed_by(y, next_norm.weight)
 
         # The real rows lead: the step's tokens, or with `rows` one per real request.
         num_tokens = md.cu_q_lens[-1] if rows is None else md.num_seqs[0]
         attn = self.self_attn
+        if self.parallel:  # Cohere: attention and MLP side by side on the one norm
+            h = norm(x, 0) if normed is None else normed
+            o, residual, kv_cache = attn.heads(h, positions, kv_cache, md, qk_norms, x,
+                                               rows=rows, write=write, kv_scale=kv_scale,
+                                               sinks=sinks)
+            mlp_in = h if rows is None else h[rows]
+            x = residual + attn.o_proj(o) + self.mlp(mlp_in, None, num_tokens)
+            return x, after(x), kv_cache
         if self.post_norms:  # OLMo 2: the attention and the MLP read the residual stream
             x, kv_cache = attn(x, positions, kv_cache, md, qk_norms, residual=x,
                                post_norm=norms[first], rows=rows, write=write,

@@ -21,6 +21,8 @@ SANDWICH_NORMS = ("input_layernorm", "post_attention_layernorm", "pre_feedforwar
                   "post_feedforward_layernorm")
 # OLMo 2's two, on the attention's and MLP's outputs only (`post_norms`).
 POST_NORMS = ("post_attention_layernorm", "post_feedforward_layernorm")
+# Cohere's one, read by the attention and the MLP side by side (`parallel_block`).
+PARALLEL_NORMS = ("input_layernorm",)
 
 
 @dataclass(frozen=True)
@@ -53,6 +55,9 @@ class DecoderArch:
     # OLMo 2: q and k each normed over all their heads at once (not per head as `qk_norm`).
     qk_norm_whole: bool = False
     clip_qkv: float | None = None  # OLMoE: q, k (after their norms) and v clamped to +-this
+    # Cohere: attention and MLP both read the layer's one norm (PARALLEL_NORMS) and add to
+    # the residual together; its norms are LayerNorms (`layer_norm`), the final one too.
+    parallel_block: bool = False
     # Ministral 3: (beta, length), each query times 1 + beta * log(1 + floor(position /
     # length)) after rope, so attention sharpens past the original context.
     q_position_scale: tuple[float, int] | None = None
@@ -127,7 +132,8 @@ def common_fields(cfg: Any, tensor_parallel_size: int) -> dict[str, Any]:
         num_heads=heads,
         num_kv_heads=kv_heads * replicas,
         head_dim=head_dim,
-        rms_norm_eps=float(cfg.rms_norm_eps),
+        # A LayerNorm family (Cohere) sets its own `layer_norm_eps` over this.
+        rms_norm_eps=float(getattr(cfg, "rms_norm_eps", None) or cfg.layer_norm_eps),
         tie_word_embeddings=bool(getattr(cfg, "tie_word_embeddings", False)),
         sliding_windows=sliding_windows(cfg, layer_types),
         ropes=layer_ropes(cfg, head_dim, layer_types),

@@ -14,6 +14,7 @@ from typing import Any
 
 from jaxllm.errors import ParameterError
 from jaxllm.models.bert import BertModel, RobertaModel
+from jaxllm.models.cohere import CohereForCausalLM
 from jaxllm.models.cross_encoder import (
     BertForSequenceClassification,
     RobertaForSequenceClassification,
@@ -45,6 +46,8 @@ _MODELS: dict[str, type] = {
     "Phi3ForCausalLM": Phi3ForCausalLM,
     "Olmo2ForCausalLM": OlmoForCausalLM,
     "Exaone4ForCausalLM": Exaone4ForCausalLM,
+    "CohereForCausalLM": CohereForCausalLM,
+    "Cohere2ForCausalLM": CohereForCausalLM,
     "Olmo3ForCausalLM": OlmoForCausalLM,
     "GraniteForCausalLM": GraniteForCausalLM,
     "MixtralForCausalLM": MoEForCausalLM,

@@ -32,6 +32,9 @@ CASES = {
                                 attention_multiplier=0.2, logits_scaling=4.0),
     "exaone4-hybrid": dict(arch="exaone4", num_key_value_heads=2, num_hidden_layers=4,
                            sliding_window=8),
+    "cohere-parallel-block": dict(arch="cohere", num_key_value_heads=2, logit_scale=0.5),
+    "cohere2-windows-nope-full": dict(arch="cohere2", num_key_value_heads=2,
+                                      num_hidden_layers=4, sliding_window=8, logit_scale=0.25),
     "olmo2-post-norms": dict(arch="olmo2", num_key_value_heads=2, attention_bias=True),
     # Three sliding layers of four (OLMo 3's default layout), windows shorter than the prompts.
     "olmo3-windows": dict(arch="olmo3", num_key_value_heads=2, num_hidden_layers=4,

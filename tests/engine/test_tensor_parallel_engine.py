@@ -58,6 +58,9 @@ FAMILIES = {
     # MLP only, a sliding layer then a full one.
     "olmo3": dict(arch="olmo3", sliding_window=8,
                   layer_types=["sliding_attention", "full_attention"]),
+    # Attention and MLP side by side on one LayerNorm, interleaved rope, NoPE full layers.
+    "cohere2": dict(arch="cohere2", sliding_window=8, logit_scale=0.25,
+                    layer_types=["sliding_attention", "full_attention"]),
     # Expert parallel: each device holds 2 of Mixtral's 4 experts, 4 of Qwen3-MoE's 8
     # (its layer 1 a dense MLP, column/row parallel).
     "mixtral": dict(arch="mixtral"),

@@ -90,6 +90,14 @@ CASES = {
     # Without a window every layer global and rotated.
     "exaone4-global-rope": dict(arch="exaone4", sliding_window=None,
                                 layer_types=["full_attention"] * 2),
+    # Command R: attention and MLP side by side on one LayerNorm, interleaved rope, the
+    # logit scale, tied; q/k/v/o biases.
+    "cohere-parallel-block": dict(arch="cohere", logit_scale=0.5, attention_bias=True,
+                                  tie_word_embeddings=True),
+    # Command R7B: a sliding layer with rope, then a full one without.
+    "cohere2-window-nope-full": dict(arch="cohere2", sliding_window=4, logit_scale=0.25,
+                                     layer_types=["sliding_attention", "full_attention"],
+                                     tie_word_embeddings=True),
     # OLMoE: q/k norms over every head, q/k/v clamped tight enough to bite, 8 experts
     # top 3 as they come out of the softmax.
     "olmoe-clip-qkv": dict(arch="olmoe", num_experts=8, num_experts_per_tok=3, clip_qkv=0.5),
@@ -401,7 +409,8 @@ def test_dummy_weights_are_deterministic_from_the_seed(tmp_path):
 
 def test_unsupported_architecture_lists_the_supported_ones():
     with pytest.raises(ParameterError, match="supported: BertForSequenceClassification, "
-                                             "BertModel, Ernie4_5ForCausalLM, "
+                                             "BertModel, Cohere2ForCausalLM, "
+                                             "CohereForCausalLM, Ernie4_5ForCausalLM, "
                                              "Exaone4ForCausalLM, Gemma2ForCausalLM, "
                                              "Gemma3ForCausalLM, "
                                              "Gemma3ForConditionalGeneration, "

@@ -47,6 +47,9 @@ CASES = {
     # EXAONE 4's post norms with per-head q/k norms, a window and NoPE global layers.
     "tp2-exaone4": (2, dict(arch="exaone4", num_attention_heads=4, num_key_value_heads=2,
                             sliding_window=4, sliding_window_pattern=2)),
+    # Cohere2's parallel block (both row-parallel sums), interleaved rope, NoPE full layers.
+    "tp2-cohere2": (2, dict(arch="cohere2", num_attention_heads=4, num_key_value_heads=2,
+                            sliding_window=4, logit_scale=0.25)),
     # Phi-3's fused checkpoint tensors cut at the checkpoint's kv rows, then replicated.
     "tp4-phi3-replicated-kv": (4, dict(arch="phi3", num_attention_heads=4,
                                        num_key_value_heads=2)),

@@ -16,6 +16,10 @@ import tempfile
 import torch
 from tokenizers import Regex, Tokenizer, decoders, models, pre_tokenizers, processors
 from transformers import (
+    Cohere2Config,
+    Cohere2ForCausalLM,
+    CohereConfig,
+    CohereForCausalLM,
     Ernie4_5Config,
     Ernie4_5ForCausalLM,
     Exaone4Config,
@@ -92,6 +96,8 @@ ARCHS = {
     "olmo3": (Olmo3Config, Olmo3ForCausalLM),
     "olmoe": (OlmoeConfig, OlmoeForCausalLM),
     "exaone4": (Exaone4Config, Exaone4ForCausalLM),
+    "cohere": (CohereConfig, CohereForCausalLM),
+    "cohere2": (Cohere2Config, Cohere2ForCausalLM),
     "gemma": (GemmaConfig, GemmaForCausalLM),
     "gemma2": (Gemma2Config, Gemma2ForCausalLM),
     "gemma3": (Gemma3TextConfig, Gemma3ForCausalLM),
