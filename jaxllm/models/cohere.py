@@ -12,17 +12,16 @@ rotate: the full ones take no rope.
 
 from __future__ import annotations
 
-import dataclasses
 from typing import Any
 
 from jaxllm.errors import ParameterError
-from jaxllm.layers.rotary import RotaryEmbedding
 from jaxllm.models.decoder import DecoderForCausalLM
 from jaxllm.models.decoder_arch import (
     PARALLEL_NORMS,
     DecoderArch,
     common_fields,
     layer_types_of,
+    rope_on_sliding_layers_only,
     swiglu_model_type,
 )
 
@@ -45,10 +44,7 @@ def cohere_arch(cfg: Any, tensor_parallel_size: int = 1) -> DecoderArch:
     types = layer_types_of(cfg)
     if model_type != "cohere2" or types is None:
         return arch
-    nope = RotaryEmbedding(arch.head_dim, 0, ())
-    return dataclasses.replace(arch, ropes=tuple(
-        rope if t == "sliding_attention" else nope
-        for rope, t in zip(arch.ropes, types, strict=True)))
+    return rope_on_sliding_layers_only(arch, types)
 
 
 class CohereForCausalLM(DecoderForCausalLM):

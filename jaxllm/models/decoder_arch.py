@@ -152,6 +152,15 @@ def with_context(arch: DecoderArch, cfg: Any, max_model_len: int | None) -> Deco
                                      for old, new in zip(arch.ropes, ropes, strict=True)))
 
 
+def rope_on_sliding_layers_only(arch: DecoderArch, layer_types: tuple[str, ...]
+                                ) -> DecoderArch:
+    """`arch` with its full-attention layers rotating nothing (EXAONE 4 and Cohere2's
+    hybrid layouts: only the sliding-window layers take rope)."""
+    nope = RotaryEmbedding(arch.head_dim, 0, ())
+    return replace(arch, ropes=tuple(rope if t == "sliding_attention" else nope
+                                     for rope, t in zip(arch.ropes, layer_types, strict=True)))
+
+
 def layer_types_of(cfg: Any) -> tuple[str, ...] | None:
     """Each layer's attention type ("sliding_attention" / "full_attention"), or None
     where the config does not say (one window, or none, for every layer)."""

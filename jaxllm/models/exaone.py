@@ -10,16 +10,15 @@ every layer is global and rotated.
 
 from __future__ import annotations
 
-import dataclasses
 from typing import Any
 
-from jaxllm.layers.rotary import RotaryEmbedding
 from jaxllm.models.decoder import DecoderForCausalLM
 from jaxllm.models.decoder_arch import (
     POST_NORMS,
     DecoderArch,
     common_fields,
     layer_types_of,
+    rope_on_sliding_layers_only,
     swiglu_model_type,
 )
 
@@ -34,11 +33,8 @@ def exaone4_arch(cfg: Any, tensor_parallel_size: int = 1) -> DecoderArch:
     if getattr(cfg, "sliding_window", None) is None:
         return arch
     # Hybrid: the global layers rotate nothing.
-    types = layer_types_of(cfg) or ("full_attention",) * arch.num_layers
-    nope = RotaryEmbedding(arch.head_dim, 0, ())
-    return dataclasses.replace(arch, ropes=tuple(
-        rope if t == "sliding_attention" else nope for rope, t in zip(arch.ropes, types,
-                                                                        strict=True)))
+    return rope_on_sliding_layers_only(
+        arch, layer_types_of(cfg) or ("full_attention",) * arch.num_layers)
 
 
 class Exaone4ForCausalLM(DecoderForCausalLM):
