@@ -1,7 +1,7 @@
 """Reasoning outputs (vLLM's `--reasoning-parser`): a model's thinking split from its answer.
 
 A reasoning model writes its thinking between a start and an end tag (`<think>` ...
-`</think>` for DeepSeek-R1, Qwen3 and OLMo 3; `<seed:think>` ... `</seed:think>` for
+`</think>` for DeepSeek-R1, Qwen3, GLM-4.5 and OLMo 3; `<seed:think>` ... `</seed:think>` for
 Seed-OSS) and its answer after. The chat server returns the thinking as
 `message.reasoning` (and the older name `reasoning_content`) and the rest as
 `content`, whole or streamed; tool calls are read from the content only. Under
@@ -12,7 +12,8 @@ Where the output starts is read from the prompt, since chat templates often open
 (Qwen3-Thinking, DeepSeek-R1-0528) or close (Qwen3 with `enable_thinking: false`) the
 block themselves: the prompt's last tag says whether the block is open. With no tag
 in the prompt, `deepseek_r1`, `olmo3` and `seed_oss` start in reasoning (these models
-think first, tag or not) and `qwen3` in the answer. Either way an output that begins
+think first, tag or not) and `qwen3` and `glm45` in the answer (`glm45` reads only the
+prompt after its last `<|assistant|>`, as vLLM's). Either way an output that begins
 with the start tag (past whitespace) opens the block there. The streamed split equals
 the whole one: text that may be the start of a tag is held back until it is told
 apart. (vLLM's whole-output `qwen3` parser returns an output cut off inside an opened
@@ -33,6 +34,9 @@ class ReasoningFormat:
     start: str
     end: str
     open_without_tags: bool  # the output starts in reasoning when the prompt has no tag
+    # Where the model's own turn begins in the prompt: only tags after its last one count
+    # (GLM-4.5's template closes a <think></think> in every earlier assistant turn).
+    turn: str | None = None
 
 
 REASONING_PARSERS = {
@@ -41,6 +45,7 @@ REASONING_PARSERS = {
     # OLMo 3 Think writes plain-text tags, its template opening the block or not.
     "olmo3": ReasoningFormat("olmo3", "<think>", "</think>", True),
     "seed_oss": ReasoningFormat("seed_oss", "<seed:think>", "</seed:think>", True),
+    "glm45": ReasoningFormat("glm45", "<think>", "</think>", False, turn="<|assistant|>"),
 }
 
 
@@ -54,6 +59,8 @@ def get_reasoning_format(name: str) -> ReasoningFormat:
 
 def opened_by_prompt(fmt: ReasoningFormat, prompt: str) -> bool:
     """Whether the output starts inside the reasoning block (module docstring)."""
+    if fmt.turn is not None and fmt.turn in prompt:
+        prompt = prompt[prompt.rfind(fmt.turn) + len(fmt.turn):]
     start, end = prompt.rfind(fmt.start), prompt.rfind(fmt.end)
     if start < 0 and end < 0:
         return fmt.open_without_tags
@@ -164,10 +171,14 @@ class ReasoningGate:
     _tail: list[int] = field(default_factory=list)
 
     @classmethod
-    def for_prompt(cls, start_ids: list[int], end_ids: list[int],
-                   prompt_ids: list[int]) -> ReasoningGate:
+    def for_prompt(cls, start_ids: list[int], end_ids: list[int], prompt_ids: list[int],
+                   turn_ids: list[int] | None = None) -> ReasoningGate:
         """A gate for a request: already past the reasoning where the prompt's last tag
-        is the end tag (the template closed the block)."""
+        (after its last `turn_ids`, where given) is the end tag (the template closed the
+        block)."""
+        turn = _last(prompt_ids, turn_ids) if turn_ids else -1
+        if turn >= 0:
+            prompt_ids = prompt_ids[turn + len(turn_ids):]
         start, end = _last(prompt_ids, start_ids), _last(prompt_ids, end_ids)
         return cls(start_ids, end_ids, ended=end >= 0 and end > start)
 

@@ -162,8 +162,8 @@ class EngineCore:
             tags = None
             if self.config.reasoning_parser is not None:  # the grammar waits out the thinking
                 fmt = get_reasoning_format(self.config.reasoning_parser)
-                tags = tuple(hf_tokenizer().encode(t, add_special_tokens=False)
-                             for t in (fmt.start, fmt.end))
+                tags = tuple(hf_tokenizer().encode(t, add_special_tokens=False) if t else None
+                             for t in (fmt.start, fmt.end, fmt.turn))
             self.structured = StructuredOutputManager(tokenizer, mc.vocab_size,
                                                       reasoning_tags=tags)
         return self.structured

@@ -29,7 +29,7 @@ _HELP = {"data_parallel_size": "engine cores, each a full replica on its own "
                                    "follows host 0 in lockstep",
          "num_kv_blocks": "the KV cache's memory, in blocks of every layer",
          "reasoning_parser": "split the model's thinking from its answer (deepseek_r1, "
-                             "olmo3, qwen3, seed_oss): the chat server's "
+                             "glm45, olmo3, qwen3, seed_oss): the chat server's "
                              "message.reasoning, and grammars that start once the "
                              "thinking has ended",
          "num_gpu_blocks_override": "vLLM's: the KV block pool's size, the null block "

@@ -40,9 +40,10 @@ class StructuredOutputManager:
 
     def __init__(self, make_tokenizer: Callable[[], llguidance.LLTokenizer], vocab_size: int,
                  max_workers: int = 2,
-                 reasoning_tags: tuple[list[int], list[int]] | None = None):
-        """`reasoning_tags`: a reasoning parser's start and end tags as token ids; a
-        request's grammar then waits until its reasoning has ended (`ReasoningGate`)."""
+                 reasoning_tags: tuple[list[int], list[int], list[int] | None] | None = None):
+        """`reasoning_tags`: a reasoning parser's start and end tags (and its turn
+        marker, or None) as token ids; a request's grammar then waits until its
+        reasoning has ended (`ReasoningGate`)."""
         self.vocab_size = vocab_size
         self.num_words = -(-vocab_size // 32)
         self._make_tokenizer = make_tokenizer

@@ -17,7 +17,9 @@ from jaxllm.reasoning import (
 )
 
 R1, QWEN3 = REASONING_PARSERS["deepseek_r1"], REASONING_PARSERS["qwen3"]
-SEED = REASONING_PARSERS["seed_oss"]
+SEED, GLM = REASONING_PARSERS["seed_oss"], REASONING_PARSERS["glm45"]
+# GLM-4.5's template closes a block in every earlier assistant turn.
+GLM_HISTORY = "<|assistant|><think></think>old<|user|>again<|assistant|>"
 OPEN, CLOSED, PLAIN = "<|assistant|><think>\n", "<|assistant|><think>\n\n</think>\n\n", "<|a|>"
 
 # (format, prompt, output, reasoning, content)
@@ -49,6 +51,10 @@ CASES = [
     (SEED, PLAIN, "<seed:think>a</seed:think>b", "a", "b"),
     (SEED, PLAIN, "a <think>x</think></seed:think>b", "a <think>x</think>", "b"),
     (SEED, PLAIN, "<seed:thi", "<seed:thi", None),
+    # GLM-4.5 reads only its own turn of the prompt.
+    (GLM, GLM_HISTORY, "<think>a</think>b", "a", "b"),
+    (GLM, GLM_HISTORY + "<think>", "a</think>b", "a", "b"),
+    (GLM, GLM_HISTORY, "plain", None, "plain"),
     # A second end tag is content.
     (QWEN3, OPEN, "a</think>b</think>c", "a", "b</think>c"),
 ]
@@ -82,7 +88,8 @@ def test_every_streamed_cut_assembles_to_the_whole_split(fmt, prompt, output, re
 
 def test_an_unknown_parser_is_named():
     with pytest.raises(ParameterError, match="reasoning_parser: unknown parser 'r2'; "
-                                             "supported: deepseek_r1, olmo3, qwen3, seed_oss"):
+                                             "supported: deepseek_r1, glm45, olmo3, qwen3, "
+                                             "seed_oss"):
         get_reasoning_format("r2")
 
 
@@ -102,5 +109,9 @@ def test_the_gate_reads_the_prompt_and_a_false_start():
     assert ReasoningGate.for_prompt(START, END, [7, 8, 1, 9, 10, 11, 2]).ended  # closed
     assert not ReasoningGate.for_prompt(START, END, [9, 10, 11, 7, 8]).ended  # reopened
     assert not ReasoningGate.for_prompt(START, END, [1, 2]).ended  # as vLLM: no tag, waits
+    # Only the prompt after the last turn marker counts (GLM-4.5's history).
+    assert not ReasoningGate.for_prompt(START, END, [7, 8, 9, 10, 11, 5, 1, 5], [5]).ended
+    assert ReasoningGate.for_prompt(START, END, [5, 7, 8, 9, 10, 11], [5]).ended
+    assert ReasoningGate.for_prompt(START, END, [7, 8, 9, 10, 11], [5]).ended  # no turn
     gate = ReasoningGate.for_prompt(START, END, [])
     assert gate.feed([9, 10, 3, 9, 10, 11]) == [] and gate.ended  # 9 10 3 is no tag
