@@ -80,3 +80,39 @@ class GatedMLP(nnx.Module):
         act = jax.nn.silu if self.activation == "silu" else functools.partial(
             jax.nn.gelu, approximate=True)
         return act(gate_up[:, 0]) * gate_up[:, 1]
+
+
+def _relu2(x: jax.Array) -> jax.Array:
+    return jnp.square(jax.nn.relu(x))
+
+
+# A non-gated MLP's activations, by `DecoderArch.activation` (Hugging Face's names mapped
+# by PLAIN_ACTIVATIONS).
+_PLAIN = {"relu2": _relu2, "gelu_tanh": functools.partial(jax.nn.gelu, approximate=True),
+          "silu": jax.nn.silu}
+PLAIN_ACTIVATIONS = {"relu2": "relu2", "gelu_pytorch_tanh": "gelu_tanh", "silu": "silu"}
+
+
+class PlainMLP(nnx.Module):
+    """The non-gated MLP `down(act(x @ up.T))` (Arcee's ReLU²): up `[I, H]` column parallel,
+    down `[H, I]` row parallel, called as GatedMLP is."""
+
+    def __init__(self, hidden: int, inter: int, *, activation: str, bias: bool,
+                 dtype: jnp.dtype, rngs: nnx.Rngs, swiglu: SwiGLU, method: Any = None):
+        self.act = _PLAIN[activation]
+        self.up_proj = Linear((inter,), (hidden,), P("model", None), dtype=dtype, rngs=rngs,
+                              bias=bias, method=method)
+        self.down_proj = Linear((hidden,), (inter,), P(None, "model"), dtype=dtype, rngs=rngs,
+                                bias=bias, bias_spec=P(None), matmul_add=swiglu.matmul_add,
+                                method=method)
+
+    def __call__(self, x: jax.Array, residual: jax.Array | None,
+                 num_tokens: jax.Array | None = None) -> jax.Array:
+        if residual is None:
+            return self.down_proj(self.act(self.up_proj(x)))
+        return self.down_proj.add(self.act(self.up_proj(x)), residual)
+
+    def add_norm(self, x: jax.Array, residual: jax.Array, num_tokens: jax.Array | None,
+                 norm: NormWeight, eps: float, offset: bool) -> tuple[jax.Array, jax.Array]:
+        return self.down_proj.add_norm(self.act(self.up_proj(x)), residual, norm, eps, offset)
+

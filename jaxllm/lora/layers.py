@@ -38,7 +38,8 @@ from jaxllm.layers.linear import Linear
 
 # A fused projection's PEFT parts, in the order they sit along its part axis.
 LORA_PARTS = {"qkv_proj": ("q_proj", "k_proj", "v_proj"), "o_proj": ("o_proj",),
-              "gate_up_proj": ("gate_proj", "up_proj"), "down_proj": ("down_proj",)}
+              "gate_up_proj": ("gate_proj", "up_proj"), "down_proj": ("down_proj",),
+              "up_proj": ("up_proj",)}  # a non-gated MLP's (Arcee)
 
 
 def _placed(mesh: jax.sharding.Mesh, shape: tuple[int, ...], dtype: jnp.dtype,
@@ -127,6 +128,8 @@ def lora_linears(model: nnx.Module) -> list[tuple[int, str, nnx.Module]]:
         out += [(i, "qkv_proj", attn.qkv_proj), (i, "o_proj", attn.o_proj)]
         if isinstance(getattr(mlp, "gate_up_proj", None), Linear):  # dense, not experts
             out += [(i, "gate_up_proj", mlp.gate_up_proj), (i, "down_proj", mlp.down_proj)]
+        elif isinstance(getattr(mlp, "up_proj", None), Linear):  # non-gated
+            out += [(i, "up_proj", mlp.up_proj), (i, "down_proj", mlp.down_proj)]
     return out
 
 

@@ -1,5 +1,5 @@
 """The MLP each decoder layer picks, by its kind in `DecoderArch.mlp_kinds`: a dense
-gated MLP, or routed experts (with a shared expert where the family has one)."""
+gated MLP, a non-gated one, or routed experts (with a shared expert where the family has one)."""
 
 from __future__ import annotations
 
@@ -9,7 +9,7 @@ import jax.numpy as jnp
 from flax import nnx
 from jax.sharding import Mesh
 
-from jaxllm.layers.gated_mlp import GatedMLP
+from jaxllm.layers.gated_mlp import GatedMLP, PlainMLP
 from jaxllm.layers.mlp import SwiGLU
 from jaxllm.layers.moe import SparseMoE
 from jaxllm.layers.moe_shared import SharedExpertMoE
@@ -20,6 +20,14 @@ from jaxllm.models.decoder_arch import DecoderArch
 def dense_mlp(arch: DecoderArch, layer: int, *, dtype: jnp.dtype, rngs: nnx.Rngs,
               swiglu: SwiGLU, mesh: Mesh | None) -> nnx.Module:
     return GatedMLP(arch.hidden_size, arch.intermediate_size, activation=arch.activation,
+                    bias=arch.mlp_bias, dtype=dtype, rngs=rngs, swiglu=swiglu,
+                    method=linear_method(arch.quantization))
+
+
+def plain_mlp(arch: DecoderArch, layer: int, *, dtype: jnp.dtype, rngs: nnx.Rngs,
+              swiglu: SwiGLU, mesh: Mesh | None) -> nnx.Module:
+    """The non-gated MLP (Arcee)."""
+    return PlainMLP(arch.hidden_size, arch.intermediate_size, activation=arch.activation,
                     bias=arch.mlp_bias, dtype=dtype, rngs=rngs, swiglu=swiglu,
                     method=linear_method(arch.quantization))
 
@@ -45,4 +53,5 @@ def sparse_moe(arch: DecoderArch, layer: int, *, dtype: jnp.dtype, rngs: nnx.Rng
 # whose output nothing reads (the experts skip them; a dense MLP computes them);
 # its checkpoint tensors are decoder_weights.MLP_WEIGHTS[kind]. `mesh`: the mesh the
 # attention is split over (layers/attention_sharded.py; None on one device).
-MLP_FACTORIES: dict[str, Callable[..., nnx.Module]] = {"dense": dense_mlp, "moe": sparse_moe}
+MLP_FACTORIES: dict[str, Callable[..., nnx.Module]] = {"dense": dense_mlp, "plain": plain_mlp,
+                                                       "moe": sparse_moe}

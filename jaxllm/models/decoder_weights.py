@@ -124,6 +124,16 @@ def gated_mlp_weights(arch: DecoderArch, hf_prefix: str,
     return out
 
 
+def plain_mlp_weights(arch: DecoderArch, hf_prefix: str,
+                      path: tuple[str | int, ...]) -> list[WeightSource]:
+    """The non-gated MLP's (layers/gated_mlp.PlainMLP) parameters."""
+    names = ("up_proj", "down_proj")
+    out = [WeightSource(path + (n, "weight"), (f"{hf_prefix}{n}.weight",), _only) for n in names]
+    if arch.mlp_bias:
+        out += [WeightSource(path + (n, "bias"), (f"{hf_prefix}{n}.bias",), _only) for n in names]
+    return out
+
+
 def sparse_mlp_weights(arch: DecoderArch, hf_prefix: str,
                        path: tuple[str | int, ...]) -> list[WeightSource]:
     """A sparse layer's router and experts, and its shared expert where it has one."""
@@ -136,7 +146,7 @@ def sparse_mlp_weights(arch: DecoderArch, hf_prefix: str,
 
 # Per-layer MLP kind (`DecoderArch.mlp_kinds`) -> its parameters' sources (the MLP
 # modules themselves: models/decoder_mlps.py's MLP_FACTORIES).
-MLP_WEIGHTS = {"dense": gated_mlp_weights, "moe": sparse_mlp_weights}
+MLP_WEIGHTS = {"dense": gated_mlp_weights, "plain": plain_mlp_weights, "moe": sparse_mlp_weights}
 
 
 def read_fused(sources: list[WeightSource],

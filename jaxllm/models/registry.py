@@ -13,6 +13,7 @@ from __future__ import annotations
 from typing import Any
 
 from jaxllm.errors import ParameterError
+from jaxllm.models.arcee import ArceeForCausalLM
 from jaxllm.models.bert import BertModel, RobertaModel
 from jaxllm.models.cohere import CohereForCausalLM
 from jaxllm.models.cross_encoder import (
@@ -47,6 +48,7 @@ _MODELS: dict[str, type] = {
     "Olmo2ForCausalLM": OlmoForCausalLM,
     "Exaone4ForCausalLM": Exaone4ForCausalLM,
     "CohereForCausalLM": CohereForCausalLM,
+    "ArceeForCausalLM": ArceeForCausalLM,
     "Cohere2ForCausalLM": CohereForCausalLM,
     "Olmo3ForCausalLM": OlmoForCausalLM,
     "GraniteForCausalLM": GraniteForCausalLM,

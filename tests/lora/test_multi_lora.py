@@ -225,3 +225,21 @@ def test_an_olmo2_adapter_of_q_and_k_comes_before_their_norms_over_every_head(tm
     outs = llm.generate([{"prompt_token_ids": p} for p in prompts], GREEDY, use_tqdm=False,
                         lora_request=LoRARequest("olmo", 1, adapter))
     assert [o.outputs[0].token_ids for o in outs] == want
+
+
+@pytest.mark.slow
+def test_an_arcee_adapter_of_its_non_gated_mlp_matches_merged_transformers(tmp_path):
+    """Arcee's MLP has no gate: adapters of its up and down projections, served from the
+    engine's tables, give the merged model's tokens."""
+    base = make_tiny_checkpoint(tmp_path, arch="arcee", num_attention_heads=4,
+                                num_key_value_heads=2)
+    prompts = random_prompts(checkpoint_vocab_size(base), [11, 7], seed=6)
+    adapter, merged = make_peft_adapter(base, tmp_path, seed=9, r=8, lora_alpha=16,
+                                        target_modules=["up_proj", "down_proj", "q_proj"])
+    want = merged_greedy(merged, prompts, NEW_TOKENS)
+    assert want != hf_greedy(base, prompts, NEW_TOKENS)[0]
+    llm = LLM(base, max_loras=1, **ENGINE)
+    outs = llm.generate([{"prompt_token_ids": p} for p in prompts], GREEDY, use_tqdm=False,
+                        lora_request=LoRARequest("arcee", 1, adapter))
+    assert [o.outputs[0].token_ids for o in outs] == want
+

@@ -98,6 +98,10 @@ CASES = {
     "cohere2-window-nope-full": dict(arch="cohere2", sliding_window=4, logit_scale=0.25,
                                      layer_types=["sliding_attention", "full_attention"],
                                      tie_word_embeddings=True),
+    # Arcee AFM: a non-gated ReLU² MLP, biased, and llama3 rope scaling.
+    "arcee-relu2-plain-mlp": dict(arch="arcee", mlp_bias=True, rope_parameters=dict(
+        rope_type="llama3", rope_theta=10000.0, factor=8.0, low_freq_factor=1.0,
+        high_freq_factor=4.0, original_max_position_embeddings=16)),
     # OLMoE: q/k norms over every head, q/k/v clamped tight enough to bite, 8 experts
     # top 3 as they come out of the softmax.
     "olmoe-clip-qkv": dict(arch="olmoe", num_experts=8, num_experts_per_tok=3, clip_qkv=0.5),
@@ -408,7 +412,8 @@ def test_dummy_weights_are_deterministic_from_the_seed(tmp_path):
 
 
 def test_unsupported_architecture_lists_the_supported_ones():
-    with pytest.raises(ParameterError, match="supported: BertForSequenceClassification, "
+    with pytest.raises(ParameterError, match="supported: ArceeForCausalLM, "
+                                             "BertForSequenceClassification, "
                                              "BertModel, Cohere2ForCausalLM, "
                                              "CohereForCausalLM, Ernie4_5ForCausalLM, "
                                              "Exaone4ForCausalLM, Gemma2ForCausalLM, "

@@ -16,6 +16,8 @@ import tempfile
 import torch
 from tokenizers import Regex, Tokenizer, decoders, models, pre_tokenizers, processors
 from transformers import (
+    ArceeConfig,
+    ArceeForCausalLM,
     Cohere2Config,
     Cohere2ForCausalLM,
     CohereConfig,
@@ -98,6 +100,7 @@ ARCHS = {
     "exaone4": (Exaone4Config, Exaone4ForCausalLM),
     "cohere": (CohereConfig, CohereForCausalLM),
     "cohere2": (Cohere2Config, Cohere2ForCausalLM),
+    "arcee": (ArceeConfig, ArceeForCausalLM),
     "gemma": (GemmaConfig, GemmaForCausalLM),
     "gemma2": (Gemma2Config, Gemma2ForCausalLM),
     "gemma3": (Gemma3TextConfig, Gemma3ForCausalLM),
