@@ -24,7 +24,7 @@ from flax import nnx
 from jax.sharding import PartitionSpec as P
 
 from jaxllm.errors import ParameterError
-from jaxllm.layers.linear import Linear
+from jaxllm.layers.linear import Linear, make_param
 from jaxllm.layers.mlp import SwiGLU
 from jaxllm.layers.row_reduce import NormWeight
 
@@ -90,16 +90,31 @@ def _relu2(x: jax.Array) -> jax.Array:
 # by PLAIN_ACTIVATIONS).
 _PLAIN = {"relu2": _relu2, "gelu_tanh": functools.partial(jax.nn.gelu, approximate=True),
           "silu": jax.nn.silu}
-PLAIN_ACTIVATIONS = {"relu2": "relu2", "gelu_pytorch_tanh": "gelu_tanh", "silu": "silu"}
+PLAIN_ACTIVATIONS = {"relu2": "relu2", "gelu_pytorch_tanh": "gelu_tanh", "silu": "silu",
+                     "xielu": "xielu"}
+
+
+def xielu(x: jax.Array, params: jax.Array) -> jax.Array:
+    """Apertus's xIELU with its learned `params` [alpha_p, alpha_n, beta, eps] (the raw
+    parameters as stored: the alphas before their softplus), in `x`'s dtype as Hugging
+    Face's Python form computes it."""
+    alpha_p_raw, alpha_n_raw, beta, eps = (params[i].astype(x.dtype) for i in range(4))
+    alpha_p = jax.nn.softplus(alpha_p_raw)
+    alpha_n = beta + jax.nn.softplus(alpha_n_raw)
+    return jnp.where(x > 0, alpha_p * x * x + beta * x,
+                     (jnp.expm1(jnp.minimum(x, eps)) - x) * alpha_n + beta * x)
 
 
 class PlainMLP(nnx.Module):
-    """The non-gated MLP `down(act(x @ up.T))` (Arcee's ReLU²): up `[I, H]` column parallel,
-    down `[H, I]` row parallel, called as GatedMLP is."""
+    """The non-gated MLP `down(act(x @ up.T))` (Arcee's ReLU², Apertus's xIELU): up
+    `[I, H]` column parallel, down `[H, I]` row parallel, called as GatedMLP is. xIELU's
+    four learned scalars sit in `act_params`."""
 
     def __init__(self, hidden: int, inter: int, *, activation: str, bias: bool,
                  dtype: jnp.dtype, rngs: nnx.Rngs, swiglu: SwiGLU, method: Any = None):
-        self.act = _PLAIN[activation]
+        if activation == "xielu":
+            self.act_params = make_param(rngs, (4,), dtype, P(None), "zeros")
+        self.activation = activation
         self.up_proj = Linear((inter,), (hidden,), P("model", None), dtype=dtype, rngs=rngs,
                               bias=bias, method=method)
         self.down_proj = Linear((hidden,), (inter,), P(None, "model"), dtype=dtype, rngs=rngs,
@@ -109,10 +124,15 @@ class PlainMLP(nnx.Module):
     def __call__(self, x: jax.Array, residual: jax.Array | None,
                  num_tokens: jax.Array | None = None) -> jax.Array:
         if residual is None:
-            return self.down_proj(self.act(self.up_proj(x)))
-        return self.down_proj.add(self.act(self.up_proj(x)), residual)
+            return self.down_proj(self._act(self.up_proj(x)))
+        return self.down_proj.add(self._act(self.up_proj(x)), residual)
 
     def add_norm(self, x: jax.Array, residual: jax.Array, num_tokens: jax.Array | None,
                  norm: NormWeight, eps: float, offset: bool) -> tuple[jax.Array, jax.Array]:
-        return self.down_proj.add_norm(self.act(self.up_proj(x)), residual, norm, eps, offset)
+        return self.down_proj.add_norm(self._act(self.up_proj(x)), residual, norm, eps, offset)
+
+    def _act(self, y: jax.Array) -> jax.Array:
+        if self.activation == "xielu":
+            return xielu(y, self.act_params[...])
+        return _PLAIN[self.activation](y)
 

@@ -131,6 +131,10 @@ def plain_mlp_weights(arch: DecoderArch, hf_prefix: str,
     out = [WeightSource(path + (n, "weight"), (f"{hf_prefix}{n}.weight",), _only) for n in names]
     if arch.mlp_bias:
         out += [WeightSource(path + (n, "bias"), (f"{hf_prefix}{n}.bias",), _only) for n in names]
+    if arch.activation == "xielu":  # its learned scalars, as one [4] array
+        out.append(WeightSource(path + ("act_params",), tuple(
+            f"{hf_prefix}act_fn.{p}" for p in ("alpha_p", "alpha_n", "beta", "eps")),
+            lambda ts: np.concatenate([t.reshape(-1) for t in ts])))
     return out
 
 

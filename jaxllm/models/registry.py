@@ -13,7 +13,6 @@ from __future__ import annotations
 from typing import Any
 
 from jaxllm.errors import ParameterError
-from jaxllm.models.arcee import ArceeForCausalLM
 from jaxllm.models.bert import BertModel, RobertaModel
 from jaxllm.models.cohere import CohereForCausalLM
 from jaxllm.models.cross_encoder import (
@@ -29,6 +28,7 @@ from jaxllm.models.granite import GraniteForCausalLM
 from jaxllm.models.llama import LlamaForCausalLM
 from jaxllm.models.moe import MoEForCausalLM
 from jaxllm.models.multimodal import TEXT_ARCHITECTURES
+from jaxllm.models.nongated import NonGatedForCausalLM
 from jaxllm.models.olmo import OlmoForCausalLM
 from jaxllm.models.phi3 import Phi3ForCausalLM
 
@@ -48,7 +48,8 @@ _MODELS: dict[str, type] = {
     "Olmo2ForCausalLM": OlmoForCausalLM,
     "Exaone4ForCausalLM": Exaone4ForCausalLM,
     "CohereForCausalLM": CohereForCausalLM,
-    "ArceeForCausalLM": ArceeForCausalLM,
+    "ArceeForCausalLM": NonGatedForCausalLM,
+    "ApertusForCausalLM": NonGatedForCausalLM,
     "Cohere2ForCausalLM": CohereForCausalLM,
     "Olmo3ForCausalLM": OlmoForCausalLM,
     "GraniteForCausalLM": GraniteForCausalLM,

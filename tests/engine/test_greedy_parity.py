@@ -36,6 +36,7 @@ CASES = {
     "cohere2-windows-nope-full": dict(arch="cohere2", num_key_value_heads=2,
                                       num_hidden_layers=4, sliding_window=8, logit_scale=0.25),
     "arcee-relu2": dict(arch="arcee", num_key_value_heads=2),
+    "apertus-xielu": dict(arch="apertus", num_key_value_heads=2),
     "olmo2-post-norms": dict(arch="olmo2", num_key_value_heads=2, attention_bias=True),
     # Three sliding layers of four (OLMo 3's default layout), windows shorter than the prompts.
     "olmo3-windows": dict(arch="olmo3", num_key_value_heads=2, num_hidden_layers=4,

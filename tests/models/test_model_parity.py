@@ -102,6 +102,8 @@ CASES = {
     "arcee-relu2-plain-mlp": dict(arch="arcee", mlp_bias=True, rope_parameters=dict(
         rope_type="llama3", rope_theta=10000.0, factor=8.0, low_freq_factor=1.0,
         high_freq_factor=4.0, original_max_position_embeddings=16)),
+    # Apertus: xIELU with learned scalars, per-head q/k norms, its own norm names.
+    "apertus-xielu-qk-norm": dict(arch="apertus"),
     # OLMoE: q/k norms over every head, q/k/v clamped tight enough to bite, 8 experts
     # top 3 as they come out of the softmax.
     "olmoe-clip-qkv": dict(arch="olmoe", num_experts=8, num_experts_per_tok=3, clip_qkv=0.5),
@@ -412,7 +414,8 @@ def test_dummy_weights_are_deterministic_from_the_seed(tmp_path):
 
 
 def test_unsupported_architecture_lists_the_supported_ones():
-    with pytest.raises(ParameterError, match="supported: ArceeForCausalLM, "
+    with pytest.raises(ParameterError, match="supported: ApertusForCausalLM, "
+                                             "ArceeForCausalLM, "
                                              "BertForSequenceClassification, "
                                              "BertModel, Cohere2ForCausalLM, "
                                              "CohereForCausalLM, Ernie4_5ForCausalLM, "

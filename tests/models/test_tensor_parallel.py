@@ -52,6 +52,7 @@ CASES = {
                             sliding_window=4, logit_scale=0.25)),
     # Arcee's non-gated MLP: up column parallel, down row parallel.
     "tp2-arcee": (2, dict(arch="arcee", num_attention_heads=4, num_key_value_heads=2)),
+    "tp2-apertus": (2, dict(arch="apertus", num_attention_heads=4, num_key_value_heads=2)),
     # Phi-3's fused checkpoint tensors cut at the checkpoint's kv rows, then replicated.
     "tp4-phi3-replicated-kv": (4, dict(arch="phi3", num_attention_heads=4,
                                        num_key_value_heads=2)),

@@ -16,6 +16,8 @@ import tempfile
 import torch
 from tokenizers import Regex, Tokenizer, decoders, models, pre_tokenizers, processors
 from transformers import (
+    ApertusConfig,
+    ApertusForCausalLM,
     ArceeConfig,
     ArceeForCausalLM,
     Cohere2Config,
@@ -101,6 +103,7 @@ ARCHS = {
     "cohere": (CohereConfig, CohereForCausalLM),
     "cohere2": (Cohere2Config, Cohere2ForCausalLM),
     "arcee": (ArceeConfig, ArceeForCausalLM),
+    "apertus": (ApertusConfig, ApertusForCausalLM),
     "gemma": (GemmaConfig, GemmaForCausalLM),
     "gemma2": (Gemma2Config, Gemma2ForCausalLM),
     "gemma3": (Gemma3TextConfig, Gemma3ForCausalLM),
