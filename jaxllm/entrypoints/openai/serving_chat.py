@@ -208,13 +208,13 @@ class OpenAIServingChat(OpenAIServing):
                     thought, answer = _split_step(splitters, comp.index, comp.text,
                                                   comp.finish_reason is not None)
                     deltas = tools.feed(answer) if answer or splitters is None else []
-                    if comp.finish_reason is not None:
-                        deltas += tools.finish()
                     if thought and req.include_reasoning:
                         deltas.insert(0, DeltaMessage(reasoning=thought,
                                                       reasoning_content=thought))
+                    if comp.finish_reason is not None:
+                        deltas += tools.finish()
                     elif not deltas and logprobs is None and not req.return_token_ids:
-                        continue  # text held back by the tool parser; nothing to send yet
+                        continue  # text held back by a parser; nothing to send yet
                     deltas = deltas or [DeltaMessage(content="")]
                     for k, delta in enumerate(deltas):
                         first, last = k == 0, k == len(deltas) - 1
