@@ -75,7 +75,9 @@ class StructuredOutputManager:
                prompt_token_ids: list[int] = ()) -> None:
         """Starts compiling the request's grammar (or reuses a compiled one)."""
         if self.reasoning_tags is not None:
-            gate = ReasoningGate.for_prompt(*self.reasoning_tags, list(prompt_token_ids))
+            start, end, *turn = self.reasoning_tags
+            gate = ReasoningGate.for_prompt(start, end, list(prompt_token_ids),
+                                            turn[0] if turn else None)
             if not gate.ended:
                 self.gates[req_id] = gate
         key = grammar_key(params)

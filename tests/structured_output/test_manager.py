@@ -93,7 +93,7 @@ def test_under_a_reasoning_parser_the_grammar_waits_out_the_thinking():
     hf = make_tiny_tokenizer(256)
     ids = lambda text: hf.encode(text, add_special_tokens=False)  # noqa: E731
     m = StructuredOutputManager(lambda: make_tokenizer(hf, 256, EOS_ID), 256,
-                                reasoning_tags=(ids("<think>"), ids("</think>")))
+                                reasoning_tags=(ids("<think>"), ids("</think>"), None))
     m.submit("thinking", StructuredOutputsParams(regex="ab"), ids("q<think>\n"))
     m.submit("closed", StructuredOutputsParams(regex="ab"), ids("q<think>\n\n</think>\n\n"))
     ready = []
