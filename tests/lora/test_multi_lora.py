@@ -157,89 +157,38 @@ def test_prefix_cache_never_serves_one_adapters_blocks_to_another_or_the_base(se
     assert max(abs(g - w) for g, w in zip(got, want_lp, strict=True)) < 1e-4
 
 
+# Families whose adapters meet a projection laid out apart from Llama's, each with the
+# (PEFT) modules that do: Phi-3's checkpoint fuses q/k/v and gate/up itself; Granite's
+# o_proj and down_proj carry its residual multiplier as they load, so their adapters'
+# terms take it too; GLM's q and k rows load permuted (interleaved rope read as
+# rotate-half), so their B rows are permuted alike; OLMo 2 norms q and k over all heads
+# after the projections, adapters included; Arcee's MLP has no gate.
+FAMILY_ADAPTERS = {
+    "phi3-fused-modules": (dict(arch="phi3"),
+                           ["qkv_proj", "o_proj", "gate_up_proj", "down_proj"]),
+    "granite-residual-multiplier": (dict(arch="granite", residual_multiplier=0.3,
+                                         embedding_multiplier=4.0, logits_scaling=2.0),
+                                    ["o_proj", "down_proj"]),
+    "glm4-interleaved-rope-order": (dict(arch="glm4", partial_rotary_factor=0.5),
+                                    ["q_proj", "k_proj"]),
+    "olmo2-before-the-whole-qk-norms": (dict(arch="olmo2"), ["q_proj", "k_proj", "v_proj"]),
+    "arcee-non-gated-mlp": (dict(arch="arcee"), ["up_proj", "down_proj", "q_proj"]),
+}
+
+
 @pytest.mark.slow
-def test_a_phi3_adapter_of_its_fused_modules_matches_merged_transformers(tmp_path):
-    """PEFT names Phi-3's projections as its checkpoint fuses them (`qkv_proj`,
-    `gate_up_proj`); served from the engine's tables they give the merged model's tokens."""
-    base = make_tiny_checkpoint(tmp_path, arch="phi3", num_attention_heads=4,
-                                num_key_value_heads=2)
-    prompts = random_prompts(checkpoint_vocab_size(base), [11, 7], seed=9)
-    adapter, merged = make_peft_adapter(base, tmp_path, seed=4, r=8, lora_alpha=16,
-                                        target_modules=["qkv_proj", "o_proj", "gate_up_proj",
-                                                        "down_proj"])
+@pytest.mark.parametrize("case", list(FAMILY_ADAPTERS))
+def test_a_family_adapter_served_from_the_tables_gives_the_merged_models_tokens(case,
+                                                                               tmp_path):
+    fields, modules = FAMILY_ADAPTERS[case]
+    base = make_tiny_checkpoint(tmp_path, num_attention_heads=4, num_key_value_heads=2,
+                                **fields)
+    prompts = random_prompts(checkpoint_vocab_size(base), [11, 7], seed=len(case))
+    adapter, merged = make_peft_adapter(base, tmp_path, seed=len(case) + 1, r=8,
+                                        lora_alpha=16, target_modules=modules)
     want = merged_greedy(merged, prompts, NEW_TOKENS)
     assert want != hf_greedy(base, prompts, NEW_TOKENS)[0]
     llm = LLM(base, max_loras=1, **ENGINE)
     outs = llm.generate([{"prompt_token_ids": p} for p in prompts], GREEDY, use_tqdm=False,
-                        lora_request=LoRARequest("phi", 1, adapter))
+                        lora_request=LoRARequest(case, 1, adapter))
     assert [o.outputs[0].token_ids for o in outs] == want
-
-
-@pytest.mark.slow
-def test_a_granite_adapter_takes_the_residual_multiplier_folded_into_its_base(tmp_path):
-    """Granite's o_proj and down_proj carry its residual multiplier as they load, so their
-    adapters' terms take it too: the merged model's tokens."""
-    base = make_tiny_checkpoint(tmp_path, arch="granite", num_attention_heads=4,
-                                num_key_value_heads=2, residual_multiplier=0.3,
-                                embedding_multiplier=4.0, logits_scaling=2.0)
-    prompts = random_prompts(checkpoint_vocab_size(base), [11, 7], seed=3)
-    adapter, merged = make_peft_adapter(base, tmp_path, seed=6, r=8, lora_alpha=16,
-                                        target_modules=["o_proj", "down_proj"])
-    want = merged_greedy(merged, prompts, NEW_TOKENS)
-    assert want != hf_greedy(base, prompts, NEW_TOKENS)[0]
-    llm = LLM(base, max_loras=1, **ENGINE)
-    outs = llm.generate([{"prompt_token_ids": p} for p in prompts], GREEDY, use_tqdm=False,
-                        lora_request=LoRARequest("granite", 1, adapter))
-    assert [o.outputs[0].token_ids for o in outs] == want
-
-
-@pytest.mark.slow
-def test_an_adapter_of_q_and_k_follows_the_interleaved_rope_order_they_load_in(tmp_path):
-    """GLM's q and k rows load permuted (interleaved rope pairs read as rotate-half), so
-    their adapters' B rows are permuted alike: the merged model's tokens."""
-    base = make_tiny_checkpoint(tmp_path, arch="glm4", num_attention_heads=4,
-                                num_key_value_heads=2, partial_rotary_factor=0.5)
-    prompts = random_prompts(checkpoint_vocab_size(base), [11, 7], seed=4)
-    adapter, merged = make_peft_adapter(base, tmp_path, seed=7, r=8, lora_alpha=16,
-                                        target_modules=["q_proj", "k_proj"])
-    want = merged_greedy(merged, prompts, NEW_TOKENS)
-    assert want != hf_greedy(base, prompts, NEW_TOKENS)[0]
-    llm = LLM(base, max_loras=1, **ENGINE)
-    outs = llm.generate([{"prompt_token_ids": p} for p in prompts], GREEDY, use_tqdm=False,
-                        lora_request=LoRARequest("glm", 1, adapter))
-    assert [o.outputs[0].token_ids for o in outs] == want
-
-
-@pytest.mark.slow
-def test_an_olmo2_adapter_of_q_and_k_comes_before_their_norms_over_every_head(tmp_path):
-    """OLMo 2 norms q and k over all their heads after the projections, adapters
-    included: the merged model's tokens."""
-    base = make_tiny_checkpoint(tmp_path, arch="olmo2", num_attention_heads=4,
-                                num_key_value_heads=2)
-    prompts = random_prompts(checkpoint_vocab_size(base), [11, 7], seed=5)
-    adapter, merged = make_peft_adapter(base, tmp_path, seed=8, r=8, lora_alpha=16,
-                                        target_modules=["q_proj", "k_proj", "v_proj"])
-    want = merged_greedy(merged, prompts, NEW_TOKENS)
-    assert want != hf_greedy(base, prompts, NEW_TOKENS)[0]
-    llm = LLM(base, max_loras=1, **ENGINE)
-    outs = llm.generate([{"prompt_token_ids": p} for p in prompts], GREEDY, use_tqdm=False,
-                        lora_request=LoRARequest("olmo", 1, adapter))
-    assert [o.outputs[0].token_ids for o in outs] == want
-
-
-@pytest.mark.slow
-def test_an_arcee_adapter_of_its_non_gated_mlp_matches_merged_transformers(tmp_path):
-    """Arcee's MLP has no gate: adapters of its up and down projections, served from the
-    engine's tables, give the merged model's tokens."""
-    base = make_tiny_checkpoint(tmp_path, arch="arcee", num_attention_heads=4,
-                                num_key_value_heads=2)
-    prompts = random_prompts(checkpoint_vocab_size(base), [11, 7], seed=6)
-    adapter, merged = make_peft_adapter(base, tmp_path, seed=9, r=8, lora_alpha=16,
-                                        target_modules=["up_proj", "down_proj", "q_proj"])
-    want = merged_greedy(merged, prompts, NEW_TOKENS)
-    assert want != hf_greedy(base, prompts, NEW_TOKENS)[0]
-    llm = LLM(base, max_loras=1, **ENGINE)
-    outs = llm.generate([{"prompt_token_ids": p} for p in prompts], GREEDY, use_tqdm=False,
-                        lora_request=LoRARequest("arcee", 1, adapter))
-    assert [o.outputs[0].token_ids for o in outs] == want
-
