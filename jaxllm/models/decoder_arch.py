@@ -96,15 +96,22 @@ class DecoderArch:
         return (self.query_pre_attn_scalar or self.head_dim) ** -0.5
 
 
+def checked_model_type(cfg: Any, model_types: tuple[str, ...], family: str,
+                       default: str | None = None) -> str:
+    """The config's `model_type`, which must be one of the family's; else an error."""
+    model_type = getattr(cfg, "model_type", default)
+    if model_type not in model_types:
+        raise ParameterError("model", f"model_type {model_type!r} is not a {family} model; "
+                             f"supported: {', '.join(model_types)}")
+    return model_type
+
+
 def swiglu_model_type(cfg: Any, model_types: tuple[str, ...], family: str,
                       default: str | None = None) -> str:
     """The config's `model_type`, which must be one of the family's, and its `hidden_act`,
     which must be SiLU (the families whose MLPs are all SwiGLU); else an error naming the
     field."""
-    model_type = getattr(cfg, "model_type", default)
-    if model_type not in model_types:
-        raise ParameterError("model", f"model_type {model_type!r} is not a {family} model; "
-                             f"supported: {', '.join(model_types)}")
+    model_type = checked_model_type(cfg, model_types, family, default)
     act = getattr(cfg, "hidden_act", "silu")
     if act != "silu":
         raise ParameterError("config.json:hidden_act", f"{act!r} is not supported; "

@@ -18,17 +18,20 @@ from typing import Any
 from jaxllm.errors import ParameterError
 from jaxllm.layers.gated_mlp import activation_name
 from jaxllm.models.decoder import DecoderForCausalLM
-from jaxllm.models.decoder_arch import PRE_NORMS, SANDWICH_NORMS, DecoderArch, common_fields
+from jaxllm.models.decoder_arch import (
+    PRE_NORMS,
+    SANDWICH_NORMS,
+    DecoderArch,
+    checked_model_type,
+    common_fields,
+)
 
 MODEL_TYPES = ("gemma", "gemma2", "gemma3_text")
 
 
 def gemma_arch(cfg: Any, tensor_parallel_size: int = 1) -> DecoderArch:
     """A Gemma / Gemma 2 / Gemma 3 text config as a `DecoderArch`."""
-    model_type = getattr(cfg, "model_type", None)
-    if model_type not in MODEL_TYPES:
-        raise ParameterError("model", f"model_type {model_type!r} is not a Gemma text "
-                             f"model; supported: {', '.join(MODEL_TYPES)}")
+    model_type = checked_model_type(cfg, MODEL_TYPES, "Gemma text")
     act = (getattr(cfg, "hidden_activation", None) or getattr(cfg, "hidden_act", None)
            or "gelu_pytorch_tanh")
     activation = activation_name(act, "config.json:hidden_activation")

@@ -16,7 +16,12 @@ from typing import Any
 
 from jaxllm.errors import ParameterError
 from jaxllm.models.decoder import DecoderForCausalLM
-from jaxllm.models.decoder_arch import DecoderArch, common_fields, layer_types_of
+from jaxllm.models.decoder_arch import (
+    DecoderArch,
+    checked_model_type,
+    common_fields,
+    layer_types_of,
+)
 from jaxllm.models.moe_weights import MoEArch
 
 MODEL_TYPES = ("gpt_oss",)
@@ -25,19 +30,12 @@ LAYER_TYPES = ("sliding_attention", "full_attention")
 
 def gpt_oss_arch(cfg: Any, tensor_parallel_size: int = 1) -> DecoderArch:
     """A GPT-OSS config as a `DecoderArch`."""
-    model_type = getattr(cfg, "model_type", None)
-    if model_type not in MODEL_TYPES:
-        raise ParameterError("model", f"model_type {model_type!r} is not a GPT-OSS model; "
-                             f"supported: {', '.join(MODEL_TYPES)}")
+    checked_model_type(cfg, MODEL_TYPES, "GPT-OSS")
     unknown = sorted(set(layer_types_of(cfg) or ()) - set(LAYER_TYPES))
     if unknown:
         raise ParameterError("config.json:layer_types", f"{unknown[0]!r} is not supported; "
                              f"supported: {', '.join(LAYER_TYPES)}")
-    moe = MoEArch.from_hf_config(cfg)
-    if tensor_parallel_size > 1 and moe.num_experts % tensor_parallel_size:
-        raise ParameterError("tensor_parallel_size",
-                             f"{tensor_parallel_size} does not divide the {moe.num_experts} "
-                             "experts (each device holds whole experts)")
+    moe = MoEArch.split_over(cfg, tensor_parallel_size)
     bias = bool(getattr(cfg, "attention_bias", True))
     return DecoderArch(**common_fields(cfg, tensor_parallel_size), qkv_bias=bias, o_bias=bias,
                        mlp_bias=False, qk_norm=False, mlp_kinds=("moe",) * len(moe.sparse_layers),

@@ -27,11 +27,7 @@ from jaxllm.models.moe_weights import MOE_MODEL_TYPES, MoEArch
 def moe_arch(cfg: Any, tensor_parallel_size: int = 1) -> DecoderArch:
     """A Mixtral / Qwen2-MoE / Qwen3-MoE / GLM-4.5 / OLMoE config as a `DecoderArch`."""
     model_type = swiglu_model_type(cfg, MOE_MODEL_TYPES, "mixture-of-experts")
-    moe = MoEArch.from_hf_config(cfg)
-    if tensor_parallel_size > 1 and moe.num_experts % tensor_parallel_size:
-        raise ParameterError("tensor_parallel_size",
-                             f"{tensor_parallel_size} does not divide the {moe.num_experts} "
-                             "experts (each device holds whole experts)")
+    moe = MoEArch.split_over(cfg, tensor_parallel_size)
     attention_bias = bool(getattr(cfg, "attention_bias", False))
     glm, olmoe = model_type == "glm4_moe", model_type == "olmoe"
     fields = common_fields(cfg, tensor_parallel_size)

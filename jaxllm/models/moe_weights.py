@@ -64,6 +64,17 @@ class MoEArch:
     mxfp4: bool = False  # those stacked weights as MXFP4 blocks and scales
 
     @classmethod
+    def split_over(cls, cfg: Any, tensor_parallel_size: int) -> MoEArch:
+        """`from_hf_config` of a mixture-of-experts config, its experts checked to split
+        whole over `tensor_parallel_size` devices (expert parallel)."""
+        moe = cls.from_hf_config(cfg)
+        if tensor_parallel_size > 1 and moe.num_experts % tensor_parallel_size:
+            raise ParameterError("tensor_parallel_size",
+                                 f"{tensor_parallel_size} does not divide the "
+                                 f"{moe.num_experts} experts (each device holds whole experts)")
+        return moe
+
+    @classmethod
     def from_hf_config(cls, cfg: Any) -> MoEArch | None:
         """None for a dense model type."""
         model_type = getattr(cfg, "model_type", None)

@@ -11,7 +11,7 @@ from typing import Any
 from jaxllm.errors import ParameterError
 from jaxllm.layers.gated_mlp import PLAIN_ACTIVATIONS
 from jaxllm.models.decoder import DecoderForCausalLM
-from jaxllm.models.decoder_arch import DecoderArch, common_fields
+from jaxllm.models.decoder_arch import DecoderArch, checked_model_type, common_fields
 
 MODEL_TYPES = ("arcee", "apertus")
 APERTUS_NORMS = ("attention_layernorm", "feedforward_layernorm")
@@ -19,10 +19,7 @@ APERTUS_NORMS = ("attention_layernorm", "feedforward_layernorm")
 
 def nongated_arch(cfg: Any, tensor_parallel_size: int = 1) -> DecoderArch:
     """An Arcee or Apertus config as a `DecoderArch`."""
-    model_type = getattr(cfg, "model_type", None)
-    if model_type not in MODEL_TYPES:
-        raise ParameterError("model", f"model_type {model_type!r} is not an Arcee or Apertus "
-                             f"model; supported: {', '.join(MODEL_TYPES)}")
+    model_type = checked_model_type(cfg, MODEL_TYPES, "Arcee or Apertus")
     act = getattr(cfg, "hidden_act", None) or ("relu2" if model_type == "arcee" else "xielu")
     if act not in PLAIN_ACTIVATIONS:
         raise ParameterError("config.json:hidden_act", f"{act!r} is not supported; supported: "
