@@ -42,8 +42,11 @@ CASES = {
                      n_group=4, topk_group=2, moe_intermediate_size=128),
     # Attention sinks in the Triton body (and its split-KV combine), windows, yarn, and
     # biased experts with the clamped SwiGLU on the loop.
+    # GPT-OSS's own clamp and slope: some transformers versions (5.17, the GPU image's)
+    # fix them in code and ignore the config's; the CPU suite tests other values.
     "gpt_oss": dict(SHAPE, arch="gpt_oss", num_local_experts=8, num_experts_per_tok=2,
-                    intermediate_size=128, sliding_window=16),
+                    intermediate_size=128, sliding_window=16, swiglu_limit=7.0,
+                    swiglu_alpha=1.702),
     # qkv_rope's q/k norms and yarn's factor on cos and sin, compiled.
     "qwen3-yarn": dict(SHAPE, arch="qwen3", intermediate_size=512, rope_parameters=dict(
         rope_type="yarn", rope_theta=10000.0, factor=4.0, original_max_position_embeddings=32)),
@@ -75,8 +78,11 @@ def test_greedy_tokens_equal_transformers_on_the_gpu(checkpoints, case, tp, monk
     want, _ = hf_greedy(model_dir, prompts, NEW_TOKENS)
     # A fixed, small KV pool: the budget would otherwise count the memory an earlier
     # case's engine still holds.
+    # Two token buckets: decode steps (the small-step kernels) and 64-row steps, over which
+    # the 65 prompt tokens are chunked (the grouped matmul, chunked prefill).
     llm = LLM(model=model_dir, dtype="float32", max_model_len=256, tensor_parallel_size=tp,
-              num_gpu_blocks_override=256)
+              num_gpu_blocks_override=256, max_num_seqs=4, max_num_batched_tokens=64,
+              token_buckets=[8, 64], request_buckets=[4])
     outs = llm.generate([{"prompt_token_ids": p} for p in prompts],
                         SamplingParams(temperature=0.0, max_tokens=NEW_TOKENS, ignore_eos=True),
                         use_tqdm=False)
