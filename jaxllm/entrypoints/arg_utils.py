@@ -15,6 +15,7 @@ from jaxllm.config import EngineArgs
 # The HTTP server's request size limit: `jaxllm serve --max-request-bytes` and
 # ServerOptions both default to it.
 DEFAULT_MAX_REQUEST_BYTES = 32 * 1024 * 1024
+DEFAULT_RESPONSES_STORE_SIZE = 1000  # finished /v1/responses the server keeps
 
 _SKIP = {"model", "token_buckets", "request_buckets", "gpu_memory_utilization",
          "speculative_config"}

@@ -30,23 +30,28 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 
 import jaxllm
 from jaxllm.engine.async_llm import AsyncLLM
-from jaxllm.entrypoints.arg_utils import DEFAULT_MAX_REQUEST_BYTES, engine_args_from
+from jaxllm.entrypoints.arg_utils import (
+    DEFAULT_MAX_REQUEST_BYTES,
+    DEFAULT_RESPONSES_STORE_SIZE,
+    engine_args_from,
+)
 from jaxllm.entrypoints.openai.chat_tools import ToolSettings
 from jaxllm.entrypoints.openai.protocol import (
     ChatCompletionRequest,
     CompletionRequest,
-    DetokenizeRequest,
-    DetokenizeResponse,
     ModelCard,
     ModelList,
-    TokenizeRequest,
-    TokenizeResponse,
 )
 from jaxllm.entrypoints.openai.serving_chat import OpenAIServingChat
 from jaxllm.entrypoints.openai.serving_completion import OpenAIServingCompletion
 from jaxllm.entrypoints.openai.serving_engine import HTTPError, error_body
-from jaxllm.entrypoints.openai.serving_info import add_info_routes
+from jaxllm.entrypoints.openai.serving_info import add_info_routes, add_tokenizer_routes
 from jaxllm.entrypoints.openai.serving_lora import LoRARegistry, add_lora_routes
+from jaxllm.entrypoints.openai.serving_responses import (
+    OpenAIServingResponses,
+    ResponseStore,
+    add_responses_routes,
+)
 from jaxllm.entrypoints.openai.serving_score import OpenAIServingScore, add_pooling_routes
 from jaxllm.entrypoints.openai.supervisor import DEFAULT_ENGINE_RESTARTS, EngineSupervisor
 from jaxllm.errors import EngineDeadError, ParameterError
@@ -73,6 +78,7 @@ class ServerOptions:
     engine_restarts: int = DEFAULT_ENGINE_RESTARTS  # 0: exit when the engine core dies
     tools: ToolSettings = field(default_factory=ToolSettings)
     lora_modules: list[str] = field(default_factory=list)  # vLLM's `name=path` entries
+    responses_store_size: int = DEFAULT_RESPONSES_STORE_SIZE  # 0: /v1/responses keeps none
 
 
 def error_response(status: int, message: str, param: str | None = None) -> Response:
@@ -169,6 +175,10 @@ def build_app(engine: AsyncLLM, options: ServerOptions,
     names = options.served_model_names or [engine.model_config.served_model_name]
     completion = OpenAIServingCompletion(engine, names, options.chat_template)
     chat = OpenAIServingChat(engine, names, options.chat_template, tool_settings=options.tools)
+    responses = OpenAIServingResponses(engine, names, options.chat_template,
+                                       tool_settings=options.tools,
+                                       store=ResponseStore(options.responses_store_size)
+                                       if options.responses_store_size > 0 else None)
     pooling = OpenAIServingScore(engine, names)
     loras = LoRARegistry(engine.config.lora_config, options.lora_modules)
     app = FastAPI(title="jaxllm OpenAI-compatible server", version=jaxllm.__version__)
@@ -226,7 +236,7 @@ def build_app(engine: AsyncLLM, options: ServerOptions,
         return ModelList(data=[ModelCard(id=n, root=mc.model, max_model_len=mc.max_model_len)
                                for n in names] + loras.model_cards(names[0]))
 
-    add_lora_routes(app, loras, [completion, chat])
+    add_lora_routes(app, loras, [completion, chat, responses])
     add_info_routes(app, engine, completion.check_model, options.chat_template,
                     options.enable_tokenizer_info_endpoint)
 
@@ -235,6 +245,8 @@ def build_app(engine: AsyncLLM, options: ServerOptions,
             return StreamingResponse(result, media_type="text/event-stream")
         if isinstance(result, Response):
             return result
+        if isinstance(result, dict):
+            return Response(json.dumps(result), media_type="application/json")
         return Response(result.model_dump_json(), media_type="application/json")
 
     def generates(api: str) -> None:
@@ -258,39 +270,8 @@ def build_app(engine: AsyncLLM, options: ServerOptions,
 
     add_pooling_routes(app, pooling, respond, _until_disconnect)
 
-    @app.post("/tokenize")
-    async def tokenize(body: TokenizeRequest) -> TokenizeResponse:
-        body.check_strings()
-        completion.check_model(body.model)
-        tok = completion.tokenizer
-        if tok is None:
-            raise HTTPError(400, "the server runs without a tokenizer", "prompt")
-        if body.messages is not None:
-            req = ChatCompletionRequest(messages=body.messages, chat_template=body.chat_template,
-                                        add_generation_prompt=body.add_generation_prompt,
-                                        continue_final_message=body.continue_final_message)
-            text, _ = chat.render(req)
-            ids = tok(text, add_special_tokens=bool(body.add_special_tokens)).input_ids
-        elif body.prompt is not None:
-            add = True if body.add_special_tokens is None else body.add_special_tokens
-            ids = tok(body.prompt, add_special_tokens=add).input_ids
-        else:
-            raise HTTPError(400, "give either 'prompt' or 'messages'", "prompt")
-        strs = tok.convert_ids_to_tokens(ids) if body.return_token_strs else None
-        return TokenizeResponse(count=len(ids), max_model_len=engine.model_config.max_model_len,
-                                tokens=ids, token_strs=strs)
-
-    @app.post("/detokenize")
-    async def detokenize(body: DetokenizeRequest) -> DetokenizeResponse:
-        completion.check_model(body.model)
-        tok = completion.tokenizer
-        if tok is None:
-            raise HTTPError(400, "the server runs without a tokenizer", "tokens")
-        vocab = engine.model_config.vocab_size
-        bad = [t for t in body.tokens if not 0 <= t < vocab]
-        if bad:
-            raise HTTPError(400, f"token id {bad[0]} is outside [0, {vocab})", "tokens")
-        return DetokenizeResponse(prompt=tok.decode(body.tokens))
+    add_tokenizer_routes(app, engine, chat)
+    add_responses_routes(app, responses, respond, _until_disconnect, generates)
 
     app.add_middleware(GuardMiddleware, api_key=options.api_key,  # type: ignore[arg-type]
                        max_bytes=options.max_request_bytes)
@@ -380,7 +361,8 @@ def run_server(args: argparse.Namespace) -> int:
         enable_tokenizer_info_endpoint=args.enable_tokenizer_info_endpoint,
         engine_restarts=0 if args.exit_on_engine_death else args.engine_restarts,
         tools=ToolSettings(args.enable_auto_tool_choice, args.tool_call_parser),
-        lora_modules=list(args.lora_modules or []))
+        lora_modules=list(args.lora_modules or []),
+        responses_store_size=args.responses_store_size)
     # SamplingParams reads the bound on n (and best_of) here, as vLLM reads
     # VLLM_MAX_N_SEQUENCES; the engine core's process inherits it.
     os.environ["JAXLLM_MAX_N_SEQUENCES"] = str(args.max_n_sequences)

@@ -14,6 +14,7 @@ from typing import Any
 
 from jaxllm.entrypoints.arg_utils import (
     DEFAULT_MAX_REQUEST_BYTES,
+    DEFAULT_RESPONSES_STORE_SIZE,
     add_engine_args,
     engine_args_from,
 )
@@ -72,6 +73,10 @@ def add_serve_parser(subparsers: Any) -> argparse.ArgumentParser:
     p.add_argument("--tool-call-parser", default=None, choices=sorted(TOOL_PARSERS),
                    help="how tool calls are read from the model's output (as vLLM's parsers "
                         "of these names)")
+    p.add_argument("--responses-store-size", type=int, default=DEFAULT_RESPONSES_STORE_SIZE,
+                   help="finished /v1/responses kept in memory for previous_response_id and "
+                        "GET /v1/responses/{id}, the oldest dropped first (at most 64 MiB "
+                        "of them); 0 keeps none")
     p.add_argument("--lora-modules", nargs="+", default=None, metavar="NAME=PATH",
                    help="LoRA adapters to serve (with --enable-lora): name=path, or JSON "
                         "{\"name\": ..., \"path\": ..., \"base_model_name\": ...}")

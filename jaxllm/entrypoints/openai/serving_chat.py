@@ -205,7 +205,7 @@ class OpenAIServingChat(OpenAIServing):
                         logprobs = chat_logprobs(comp.token_ids, comp.logprobs,
                                                  req.top_logprobs or 0)
                     tools = tool_streams[comp.index]
-                    thought, answer = _split_step(splitters, comp.index, comp.text,
+                    thought, answer = split_step(splitters, comp.index, comp.text,
                                                   comp.finish_reason is not None)
                     deltas = tools.feed(answer) if answer or splitters is None else []
                     if thought and req.include_reasoning:
@@ -234,7 +234,7 @@ class OpenAIServingChat(OpenAIServing):
         yield sse("[DONE]")
 
 
-def _split_step(splitters: list[ReasoningSplitter] | None, index: int, text: str,
+def split_step(splitters: list[ReasoningSplitter] | None, index: int, text: str,
                 last: bool) -> tuple[str, str]:
     """(reasoning, answer) of one streamed piece of choice `index` (all answer without
     a reasoning parser); `last`: the choice's final piece, which flushes what was held."""

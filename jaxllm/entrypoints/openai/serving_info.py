@@ -1,4 +1,5 @@
-"""Read-only routes that describe the served model: `GET /v1/models/{id}` and `/tokenizer_info`.
+"""Routes that describe the served model and its tokenizer: `GET /v1/models/{id}`,
+`/tokenizer_info`, and `POST /tokenize` and `/detokenize`.
 
 `/tokenizer_info` answers, as vLLM's behind `--enable-tokenizer-info-endpoint`, the tokenizer's
 configuration as its tokenizer_config.json holds it (special tokens as plain strings) plus
@@ -14,7 +15,15 @@ from typing import Any
 from fastapi import FastAPI
 
 from jaxllm.engine.async_llm import AsyncLLM
-from jaxllm.entrypoints.openai.protocol import ModelCard
+from jaxllm.entrypoints.openai.protocol import (
+    ChatCompletionRequest,
+    DetokenizeRequest,
+    DetokenizeResponse,
+    ModelCard,
+    TokenizeRequest,
+    TokenizeResponse,
+)
+from jaxllm.entrypoints.openai.serving_chat import OpenAIServingChat
 from jaxllm.entrypoints.openai.serving_engine import HTTPError
 
 
@@ -75,3 +84,41 @@ def add_info_routes(app: FastAPI, engine: AsyncLLM, check_model: Callable[[str],
         if tokenizer is None:
             raise HTTPError(400, "the server runs without a tokenizer")
         return tokenizer_info(tokenizer, chat_template)
+
+
+def add_tokenizer_routes(app: FastAPI, engine: AsyncLLM, chat: OpenAIServingChat) -> None:
+    """`POST /tokenize` (text, or messages through the chat template) and `/detokenize`."""
+
+    @app.post("/tokenize")
+    async def tokenize(body: TokenizeRequest) -> TokenizeResponse:
+        body.check_strings()
+        chat.check_model(body.model)
+        tok = chat.tokenizer
+        if tok is None:
+            raise HTTPError(400, "the server runs without a tokenizer", "prompt")
+        if body.messages is not None:
+            req = ChatCompletionRequest(messages=body.messages, chat_template=body.chat_template,
+                                        add_generation_prompt=body.add_generation_prompt,
+                                        continue_final_message=body.continue_final_message)
+            text, _ = chat.render(req)
+            ids = tok(text, add_special_tokens=bool(body.add_special_tokens)).input_ids
+        elif body.prompt is not None:
+            add = True if body.add_special_tokens is None else body.add_special_tokens
+            ids = tok(body.prompt, add_special_tokens=add).input_ids
+        else:
+            raise HTTPError(400, "give either 'prompt' or 'messages'", "prompt")
+        strs = tok.convert_ids_to_tokens(ids) if body.return_token_strs else None
+        return TokenizeResponse(count=len(ids), max_model_len=engine.model_config.max_model_len,
+                                tokens=ids, token_strs=strs)
+
+    @app.post("/detokenize")
+    async def detokenize(body: DetokenizeRequest) -> DetokenizeResponse:
+        chat.check_model(body.model)
+        tok = chat.tokenizer
+        if tok is None:
+            raise HTTPError(400, "the server runs without a tokenizer", "tokens")
+        vocab = engine.model_config.vocab_size
+        bad = [t for t in body.tokens if not 0 <= t < vocab]
+        if bad:
+            raise HTTPError(400, f"token id {bad[0]} is outside [0, {vocab})", "tokens")
+        return DetokenizeResponse(prompt=tok.decode(body.tokens))
