@@ -17,7 +17,7 @@ import numpy as np
 from jaxllm.errors import ParameterError
 from jaxllm.models.contract import WeightSource
 from jaxllm.models.decoder_arch import DecoderArch
-from jaxllm.models.moe_weights import moe_weights
+from jaxllm.models.moe_weights import granite_shared_weights, moe_weights
 
 
 def _only(ts: list[np.ndarray]) -> np.ndarray:
@@ -142,7 +142,9 @@ def sparse_mlp_weights(arch: DecoderArch, hf_prefix: str,
                        path: tuple[str | int, ...]) -> list[WeightSource]:
     """A sparse layer's router and experts, and its shared expert where it has one."""
     out = moe_weights(arch, hf_prefix, path)
-    if arch.moe.shared_intermediate_size:
+    if arch.moe.shared_intermediate_size and arch.moe.granite:
+        out += granite_shared_weights(arch.moe, int(path[1]), path + ("shared_expert",))
+    elif arch.moe.shared_intermediate_size:
         out += gated_mlp_weights(dataclasses.replace(arch, mlp_bias=False),
                                  f"{hf_prefix}{arch.moe.shared_name}.", path + ("shared_expert",))
     return out

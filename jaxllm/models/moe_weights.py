@@ -23,7 +23,12 @@ and every expert in one stacked tensor per projection, biases beside them:
 gate `[..., ::2]`, up `[..., 1::2]`) with `gate_up_proj_bias [E, 2I]`, and `down_proj
 [E, I, H]` with `down_proj_bias [E, H]`, as `save_pretrained` writes them; the released
 checkpoints store the two weights as MXFP4 `*_blocks` / `*_scales` in the `[out, in]`
-orientation (models/mxfp4.py), dequantized on load.
+orientation (models/mxfp4.py), dequantized on load. Granite MoE (`GraniteMoeForCausalLM`,
+`GraniteMoeSharedForCausalLM`): every layer sparse, the router `block_sparse_moe.router.layer`,
+its top-k logits softmaxed, every expert in one tensor per projection, `[out, in]`:
+`block_sparse_moe.input_linear [E, 2I, H]` (gate rows, then up rows) and `output_linear [E,
+H, I]`; GraniteMoeShared adds an ungated shared expert `shared_mlp` of
+`shared_intermediate_size`, its `input_linear [2S, H]` fused the same way.
 """
 
 from __future__ import annotations
@@ -41,6 +46,7 @@ from jaxllm.models import mxfp4
 from jaxllm.models.contract import WeightSource
 
 MOE_MODEL_TYPES = ("mixtral", "qwen3_moe", "qwen2_moe", "glm4_moe", "olmoe")
+GRANITE_MOE_TYPES = ("granitemoe", "granitemoeshared")  # models/granite.py reads them
 
 
 @dataclass(frozen=True)
@@ -57,6 +63,7 @@ class MoEArch:
     shared_intermediate_size: int = 0  # the shared expert's (0: none)
     shared_gate: bool = False  # the shared expert's output scaled by a sigmoid gate
     shared_name: str = "shared_expert"  # its module under `block`
+    granite: bool = False  # Granite's fused tensors (input_linear, output_linear), above
     grouped: GroupedRouting | None = None  # grouped sigmoid routing (else softmax top-k)
     biases: bool = False  # the router and both expert products add biases (GPT-OSS)
     glu: ExpertGLU = SWIGLU  # the experts' activation (layers/moe_glu.py)
@@ -78,7 +85,7 @@ class MoEArch:
     def from_hf_config(cls, cfg: Any) -> MoEArch | None:
         """None for a dense model type."""
         model_type = getattr(cfg, "model_type", None)
-        if model_type not in (*MOE_MODEL_TYPES, "gpt_oss"):
+        if model_type not in (*MOE_MODEL_TYPES, "gpt_oss", *GRANITE_MOE_TYPES):
             return None
         layers = int(cfg.num_hidden_layers)
         experts = int(getattr(cfg, "num_experts", None) or cfg.num_local_experts)
@@ -90,6 +97,14 @@ class MoEArch:
                        sparse_layers=(True,) * layers, block="mlp",
                        names=("gate_up_proj", "gate_up_proj", "down_proj"), biases=True,
                        glu=_gpt_oss_glu(cfg), stacked=True, mxfp4=mxfp4.is_mxfp4(cfg))
+        if model_type in GRANITE_MOE_TYPES:
+            return cls(num_experts=experts, top_k=int(cfg.num_experts_per_tok),
+                       intermediate_size=int(cfg.intermediate_size), renormalize=True,
+                       sparse_layers=(True,) * layers, block="block_sparse_moe",
+                       names=("input_linear", "input_linear", "output_linear"),
+                       shared_intermediate_size=int(
+                           getattr(cfg, "shared_intermediate_size", 0) or 0),
+                       shared_name="shared_mlp", granite=True)
         if model_type == "olmoe":  # every layer sparse, the experts `intermediate_size` wide
             return cls(num_experts=experts, top_k=int(cfg.num_experts_per_tok),
                        intermediate_size=int(cfg.intermediate_size),
@@ -189,6 +204,38 @@ def _stacked_weights(moe: MoEArch, pre: str, path: tuple[str | int, ...], hidden
             WeightSource(path + ("down_proj_bias",), (x + "down_proj_bias",), _only)]
 
 
+def _granite_weights(moe: MoEArch, pre: str, path: tuple[str | int, ...], hidden: int
+                     ) -> list[WeightSource]:
+    """Granite MoE's router and fused experts (see above) in the layer's layouts."""
+    e, i = moe.num_experts, moe.intermediate_size
+
+    def gate_up(ts: list[np.ndarray]) -> np.ndarray:  # [E, 2I, H]: gate rows, then up
+        return _shaped(ts[0], (e, 2 * i, hidden), pre + "input_linear.weight").reshape(
+            e, 2, i, hidden)
+
+    def down(ts: list[np.ndarray]) -> np.ndarray:
+        return _shaped(ts[0], (e, hidden, i), pre + "output_linear.weight")
+
+    return [WeightSource(path + ("router",), (pre + "router.layer.weight",), _only),
+            WeightSource(path + ("gate_up_proj",), (pre + "input_linear.weight",), gate_up),
+            WeightSource(path + ("down_proj",), (pre + "output_linear.weight",), down)]
+
+
+def granite_shared_weights(moe: MoEArch, layer: int, path: tuple[str | int, ...]
+                           ) -> list[WeightSource]:
+    """GraniteMoeShared's shared expert (`model.layers.N.shared_mlp`) as the dense gated
+    MLP's parameters: its fused `input_linear [2S, H]` split into gate and up."""
+    pre = f"model.layers.{layer}.{moe.shared_name}."
+
+    def gate_up(ts: list[np.ndarray]) -> np.ndarray:
+        w = ts[0]
+        return w.reshape(2, w.shape[0] // 2, *w.shape[1:])
+
+    return [WeightSource(path + ("gate_up_proj", "weight"), (pre + "input_linear.weight",),
+                         gate_up),
+            WeightSource(path + ("down_proj", "weight"), (pre + "output_linear.weight",), _only)]
+
+
 def moe_weights(arch: Any, hf_prefix: str, path: tuple[str | int, ...]) -> list[WeightSource]:
     """Router, stacked gate/up `[E, 2, I, H]` and stacked down `[E, H, I]` of the sparse
     layer at `path` (`("layers", i, "mlp")`), each from the per-expert tensors (GPT-OSS:
@@ -199,6 +246,8 @@ def moe_weights(arch: Any, hf_prefix: str, path: tuple[str | int, ...]) -> list[
     pre = f"model.layers.{path[1]}.{moe.block}."
     if moe.stacked:
         return _stacked_weights(moe, pre, path, arch.hidden_size)
+    if moe.granite:
+        return _granite_weights(moe, pre, path, arch.hidden_size)
     gate, up, down = moe.names
     experts = range(moe.num_experts)
 

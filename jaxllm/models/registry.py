@@ -53,6 +53,8 @@ _MODELS: dict[str, type] = {
     "Cohere2ForCausalLM": CohereForCausalLM,
     "Olmo3ForCausalLM": OlmoForCausalLM,
     "GraniteForCausalLM": GraniteForCausalLM,
+    "GraniteMoeForCausalLM": GraniteForCausalLM,
+    "GraniteMoeSharedForCausalLM": GraniteForCausalLM,
     "MixtralForCausalLM": MoEForCausalLM,
     "Qwen2MoeForCausalLM": MoEForCausalLM,
     "Glm4MoeForCausalLM": MoEForCausalLM,

@@ -64,6 +64,7 @@ CASES = {
     "qwen2-moe-shared-expert": dict(arch="qwen2_moe", num_key_value_heads=2, num_experts=8),
     "glm4-moe-grouped-routing": dict(arch="glm4_moe", num_key_value_heads=2),
     "olmoe-clip-qkv": dict(arch="olmoe", num_key_value_heads=2, num_experts=8, clip_qkv=0.5),
+    "granitemoeshared": dict(arch="granitemoeshared", num_key_value_heads=2, num_local_experts=8),
     # Attention sinks, a window of 8 shorter than the prompts, yarn, biased experts.
     "gpt-oss-sinks-window": dict(arch="gpt_oss", num_key_value_heads=2, sliding_window=8),
 }
@@ -102,7 +103,8 @@ def test_greedy_tokens_top5_logprobs_and_prompt_logprobs_match_transformers(case
 
 
 @pytest.mark.parametrize("case", ["mixtral", "qwen3-moe-dense-layer-1", "qwen2-moe-shared-expert",
-                                  "glm4-moe-grouped-routing", "olmoe-clip-qkv"])
+                                  "glm4-moe-grouped-routing", "olmoe-clip-qkv",
+                                  "granitemoeshared"])
 def test_moe_decode_steps_through_the_fused_expert_kernel_match_transformers(
         case, tmp_path, monkeypatch):
     """The same parity with every small step's experts in pallas_kernels/moe_small (its

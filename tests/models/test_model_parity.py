@@ -107,6 +107,11 @@ CASES = {
     # OLMoE: q/k norms over every head, q/k/v clamped tight enough to bite, 8 experts
     # top 3 as they come out of the softmax.
     "olmoe-clip-qkv": dict(arch="olmoe", num_experts=8, num_experts_per_tok=3, clip_qkv=0.5),
+    # Granite MoE: fused expert tensors, Granite's multipliers folded into the experts'
+    # down projections too; tied, and untied with a shared expert.
+    "granitemoe-multipliers-tied": dict(arch="granitemoe", tie_word_embeddings=True),
+    "granitemoeshared-shared-expert": dict(arch="granitemoeshared", num_local_experts=8,
+                                           num_experts_per_tok=3),
     # YaRN: frequencies ramped between interpolated and kept, cos and sin scaled.
     "qwen3-yarn-rope": dict(arch="qwen3", rope_parameters=dict(
         rope_type="yarn", rope_theta=10000.0, factor=4.0, original_max_position_embeddings=64)),
@@ -263,7 +268,7 @@ def test_ragged_prefill_and_decode_logits_match_transformers(case, tmp_path):
 @pytest.mark.slow
 @pytest.mark.parametrize("case", ["mixtral-4-experts-top2", "qwen3-moe-dense-and-sparse-layers",
                                   "qwen2-moe-shared-expert", "glm4-moe-grouped-routing",
-                                  "olmoe-clip-qkv",
+                                  "olmoe-clip-qkv", "granitemoeshared-shared-expert",
                                   "gpt-oss-sinks-window-biases"])
 def test_moe_logits_by_the_megablox_kernel_match_transformers(case, tmp_path):
     """The routed experts by the Pallas TPU grouped matmul (interpret mode) at every step

@@ -71,6 +71,9 @@ CASES = {
     # OLMoE: the whole q/k norms and the clamp beside expert parallelism.
     "tp2-olmoe": (2, dict(arch="olmoe", num_attention_heads=4, num_key_value_heads=2,
                           clip_qkv=0.5)),
+    # Granite MoE: the multipliers folded into the sharded experts and shared expert.
+    "tp2-granitemoeshared": (2, dict(arch="granitemoeshared", num_attention_heads=4,
+                                     num_key_value_heads=2)),
     "tp2-qwen3-moe": (2, dict(arch="qwen3_moe", num_attention_heads=4, num_key_value_heads=2,
                               num_experts=8, mlp_only_layers=[1])),
 }
