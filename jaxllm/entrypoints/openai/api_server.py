@@ -249,29 +249,28 @@ def build_app(engine: AsyncLLM, options: ServerOptions,
             return Response(json.dumps(result), media_type="application/json")
         return Response(result.model_dump_json(), media_type="application/json")
 
-    def generates(api: str) -> None:
+    async def generate(api: str, body: Any, raw: Request, create: Any) -> Response:
+        """A generation API's answer: a stream, or the whole answer unless the client
+        leaves first."""
         if "generate" not in engine.model_config.supported_tasks:
             raise HTTPError(400, f"The model does not support {api} API (it is a pooling "
                             "model: use /v1/embeddings, /classify or /score)", "model")
+        if body.stream:
+            return respond(await create(body))
+        return respond(await _until_disconnect(raw, create(body)))
 
     @app.post("/v1/completions")
     async def completions(body: CompletionRequest, raw: Request) -> Any:
-        generates("Completions")
-        if body.stream:
-            return respond(await completion.create_completion(body))
-        return respond(await _until_disconnect(raw, completion.create_completion(body)))
+        return await generate("Completions", body, raw, completion.create_completion)
 
     @app.post("/v1/chat/completions")
     async def chat_completions(body: ChatCompletionRequest, raw: Request) -> Any:
-        generates("Chat Completions")
-        if body.stream:
-            return respond(await chat.create_chat_completion(body))
-        return respond(await _until_disconnect(raw, chat.create_chat_completion(body)))
+        return await generate("Chat Completions", body, raw, chat.create_chat_completion)
 
     add_pooling_routes(app, pooling, respond, _until_disconnect)
 
     add_tokenizer_routes(app, engine, chat)
-    add_responses_routes(app, responses, respond, _until_disconnect, generates)
+    add_responses_routes(app, responses, respond, generate)
 
     app.add_middleware(GuardMiddleware, api_key=options.api_key,  # type: ignore[arg-type]
                        max_bytes=options.max_request_bytes)

@@ -339,15 +339,13 @@ class _Events:
 
 
 def add_responses_routes(app: FastAPI, serving: OpenAIServingResponses, respond: Callable,
-                         until_disconnect: Callable, generates: Callable) -> None:
-    """POST /v1/responses; GET and DELETE /v1/responses/{id} for the kept ones."""
+                         generate: Callable) -> None:
+    """POST /v1/responses (through the server's `generate`); GET and DELETE
+    /v1/responses/{id} for the kept ones."""
 
     @app.post("/v1/responses")
     async def create(body: ResponsesRequest, raw: Request) -> Any:
-        generates("Responses")
-        if body.stream:
-            return respond(await serving.create_response(body))
-        return respond(await until_disconnect(raw, serving.create_response(body)))
+        return await generate("Responses", body, raw, serving.create_response)
 
     @app.get("/v1/responses/{response_id}")
     async def retrieve(response_id: str) -> Any:
