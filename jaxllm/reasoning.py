@@ -26,6 +26,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 from jaxllm.errors import ParameterError
+from jaxllm.harmony import HarmonySplitter
 
 
 @dataclass(frozen=True)
@@ -37,6 +38,9 @@ class ReasoningFormat:
     # Where the model's own turn begins in the prompt: only tags after its last one count
     # (GLM-4.5's template closes a <think></think> in every earlier assistant turn).
     turn: str | None = None
+    # GPT-OSS's harmony messages (jaxllm/harmony.py) rather than tags around the thinking;
+    # `start` / `end` then only gate a grammar (the analysis and final channels' headers).
+    harmony: bool = False
 
 
 REASONING_PARSERS = {
@@ -46,7 +50,13 @@ REASONING_PARSERS = {
     "olmo3": ReasoningFormat("olmo3", "<think>", "</think>", True),
     "seed_oss": ReasoningFormat("seed_oss", "<seed:think>", "</seed:think>", True),
     "glm45": ReasoningFormat("glm45", "<think>", "</think>", False, turn="<|assistant|>"),
+    "openai_gptoss": ReasoningFormat("openai_gptoss", "<|channel|>analysis<|message|>",
+                                     "<|channel|>final<|message|>", True,
+                                     turn="<|start|>assistant", harmony=True),
 }
+# The reasoning split a family's chat answers get with no --reasoning-parser, as in vLLM
+# (GPT-OSS writes harmony messages whatever the flags).
+DEFAULT_FOR_MODEL_TYPE = {"gpt_oss": "openai_gptoss"}
 
 
 def get_reasoning_format(name: str) -> ReasoningFormat:
@@ -141,10 +151,19 @@ class ReasoningSplitter:
         return "".join(self.content_parts) or None
 
 
-def split_reasoning(fmt: ReasoningFormat, prompt: str, text: str
+def make_splitter(fmt: ReasoningFormat, prompt: str, calls: bool = False
+                  ) -> ReasoningSplitter | HarmonySplitter:
+    """A choice's splitter. `calls`: harmony's function calls stay in the answer, for the
+    `openai` tool parser."""
+    if fmt.harmony:
+        return HarmonySplitter(calls)
+    return ReasoningSplitter(fmt, opened_by_prompt(fmt, prompt))
+
+
+def split_reasoning(fmt: ReasoningFormat, prompt: str, text: str, calls: bool = False
                     ) -> tuple[str | None, str | None]:
     """(reasoning, content) of a whole output; None where the output has none."""
-    splitter = ReasoningSplitter(fmt, opened_by_prompt(fmt, prompt))
+    splitter = make_splitter(fmt, prompt, calls)
     splitter.feed(text)
     splitter.finish()
     return splitter.reasoning, splitter.content

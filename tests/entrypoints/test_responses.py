@@ -126,7 +126,9 @@ REQ = ResponsesRequest(input="q", stream=True)
     (None, "an answer", [("message", "an answer")]),
     ("qwen3", "<think>why so</think>because", [("reasoning", "why so"),
                                                ("message", "because")]),
-    ("qwen3", "<think>all thought</think>", [("reasoning", "all thought")])])
+    ("qwen3", "<think>all thought</think>", [("reasoning", "all thought")]),
+    ("openai_gptoss", "<|channel|>analysis<|message|>why so<|end|><|start|>assistant"
+     "<|channel|>final<|message|>because", [("reasoning", "why so"), ("message", "because")])])
 def test_every_cut_of_the_stream_gives_the_whole_answer_in_valid_events(parser, text, want):
     serving = _serving(parser)
     body = whole(serving, REQ, [text])

@@ -88,8 +88,8 @@ def test_every_streamed_cut_assembles_to_the_whole_split(fmt, prompt, output, re
 
 def test_an_unknown_parser_is_named():
     with pytest.raises(ParameterError, match="reasoning_parser: unknown parser 'r2'; "
-                                             "supported: deepseek_r1, glm45, olmo3, qwen3, "
-                                             "seed_oss"):
+                                             "supported: deepseek_r1, glm45, olmo3, "
+                                             "openai_gptoss, qwen3, seed_oss"):
         get_reasoning_format("r2")
 
 

@@ -145,6 +145,8 @@ class ChoiceToolStream:
         return self._deltas(self.stream.finish())
 
     def finish_reason(self, engine_reason: str | None) -> str | None:
+        if engine_reason is None:
+            return None  # not the choice's last chunk, although a call may be under way
         mode = self.plan.choice.mode
         if mode == "auto" and self.called:
             return "tool_calls"

@@ -36,9 +36,10 @@ from jaxllm.entrypoints.openai.tools import template_messages
 from jaxllm.errors import EngineDeadError, ParameterError
 from jaxllm.outputs import Logprob, RequestOutput
 from jaxllm.reasoning import (
+    DEFAULT_FOR_MODEL_TYPE,
     ReasoningSplitter,
     get_reasoning_format,
-    opened_by_prompt,
+    make_splitter,
     split_reasoning,
 )
 
@@ -71,7 +72,18 @@ class OpenAIServingChat(OpenAIServing):
         super().__init__(*args, **kwargs)
         self.tool_settings = tool_settings or ToolSettings()
         name = getattr(getattr(self.engine, "config", None), "reasoning_parser", None)
+        model_type = getattr(getattr(self.model_config, "hf_config", None), "model_type", None)
+        name = name or DEFAULT_FOR_MODEL_TYPE.get(model_type)
         self.reasoning = None if name is None else get_reasoning_format(name)
+
+    def keeps_special_tokens(self, plan: ToolPlan) -> bool:
+        """Whether the output is decoded with its special tokens, which the tool parser or
+        the harmony split reads."""
+        return plan.keeps_special_tokens() or bool(self.reasoning and self.reasoning.harmony)
+
+    @staticmethod
+    def harmony_calls(plan: ToolPlan) -> bool:
+        return plan.parser_name == "openai"
 
     def render(self, req: ChatCompletionRequest,
                tools: list[dict[str, Any]] | None = None) -> tuple[str, list[int]]:
@@ -104,7 +116,7 @@ class OpenAIServingChat(OpenAIServing):
         constraint = plan.constraint()
         if constraint is not None:
             params.structured_outputs = constraint
-        if plan.keeps_special_tokens():
+        if self.keeps_special_tokens(plan):
             params.skip_special_tokens = False
         request_id = random_id("chatcmpl")
         try:
@@ -143,7 +155,8 @@ class OpenAIServingChat(OpenAIServing):
                 logprobs = chat_logprobs(comp.token_ids, comp.logprobs, req.top_logprobs or 0)
             reasoning, answer = None, comp.text
             if self.reasoning is not None:
-                reasoning, answer = split_reasoning(self.reasoning, prompt, comp.text)
+                reasoning, answer = split_reasoning(self.reasoning, prompt, comp.text,
+                                                    self.harmony_calls(plan))
                 reasoning = reasoning if req.include_reasoning else None
             content, calls, finish = plan.message(answer or "", comp.finish_reason)
             if answer is None and not content:
@@ -174,7 +187,7 @@ class OpenAIServingChat(OpenAIServing):
         generated: dict[int, int] = {}
         tool_streams = [ChoiceToolStream(plan) for _ in range(req.n)]
         fmt = self.reasoning
-        splitters = [ReasoningSplitter(fmt, opened_by_prompt(fmt, prompt))
+        splitters = [make_splitter(fmt, prompt, self.harmony_calls(plan))
                      for _ in range(req.n)] if fmt is not None else None
 
         def chunk(choices: list[ChatStreamChoice], with_usage: bool = False) -> str:

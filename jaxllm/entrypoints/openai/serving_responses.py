@@ -42,7 +42,7 @@ from jaxllm.entrypoints.openai.serving_chat import OpenAIServingChat, chat_logpr
 from jaxllm.entrypoints.openai.serving_engine import HTTPError, raise_if_failed
 from jaxllm.errors import EngineDeadError, ParameterError
 from jaxllm.outputs import RequestOutput
-from jaxllm.reasoning import ReasoningSplitter, opened_by_prompt, split_reasoning
+from jaxllm.reasoning import make_splitter, split_reasoning
 
 STORE_BYTES = 64 << 20  # all kept responses and conversations together, as JSON
 
@@ -127,7 +127,7 @@ class OpenAIServingResponses(OpenAIServingChat):
             constraint = run.plan.constraint()
             if constraint is not None:
                 params.structured_outputs = constraint
-            if run.plan.keeps_special_tokens():
+            if self.keeps_special_tokens(run.plan):
                 params.skip_special_tokens = False
             try:
                 requests = self.add_requests(
@@ -150,7 +150,8 @@ class OpenAIServingResponses(OpenAIServingChat):
         comp = out.outputs[0]
         reasoning, answer = None, comp.text
         if self.reasoning is not None:
-            reasoning, answer = split_reasoning(self.reasoning, run.prompt, comp.text)
+            reasoning, answer = split_reasoning(self.reasoning, run.prompt, comp.text,
+                                                self.harmony_calls(run.plan))
         content, calls, _ = run.plan.message(answer or "", comp.finish_reason)
         status = "incomplete" if comp.finish_reason == "length" else "completed"
         logprobs = None
@@ -190,7 +191,7 @@ class OpenAIServingResponses(OpenAIServingChat):
         yield ev.emit("response.created", response=pending)
         yield ev.emit("response.in_progress", response=pending)
         fmt = self.reasoning
-        splitters = ([ReasoningSplitter(fmt, opened_by_prompt(fmt, run.prompt))]
+        splitters = ([make_splitter(fmt, run.prompt, self.harmony_calls(run.plan))]
                      if fmt is not None else None)
         tools = ChoiceToolStream(run.plan)
         last: RequestOutput | None = None

@@ -254,9 +254,44 @@ class RequiredToolParser(ToolParser):
         return PartialCall(named, params.out if params is not None else "", False)
 
 
+class OpenAIToolParser(ToolParser):
+    """GPT-OSS's calls (`openai`): the harmony messages addressed to `functions.NAME`,
+    which the harmony reasoning split (jaxllm/harmony.py) hands on as `to=functions.NAME
+    <|message|>ARGS<|call|>` blocks; the rest of the answer is content. A call is known
+    by its header, so its arguments stream as they are written and stand as written."""
+
+    name = "openai"
+    keeps_special_tokens = True
+    START, CALL = "to=functions.", "<|call|>"
+    _BLOCK = re.compile(r"to=functions\.(.*?)<\|message\|>(.*?)(<\|call\|>|$)", re.DOTALL)
+
+    def _blocks(self, text: str) -> tuple[int, list[PartialCall]]:
+        first = text.find(self.START)
+        if first < 0:
+            return len(text) - _partial_suffix(text, self.START), []
+        calls = []
+        for m in self._BLOCK.finditer(text, first):
+            closed = bool(m.group(3))
+            calls.append(PartialCall(m.group(1), m.group(2) if closed else m.group(2)
+                                     [:len(m.group(2)) - _partial_suffix(m.group(2), self.CALL)],
+                                     closed))
+        return first, calls
+
+    def extract(self, text: str) -> Extracted:
+        first, calls = self._blocks(text)
+        if not calls:
+            return Extracted([], text)
+        content = self._BLOCK.sub("", text[first:])
+        content = (text[:first] + content) or None
+        return Extracted([ParsedCall(c.name or "", c.arguments) for c in calls], content)
+
+    def safe(self, text: str) -> tuple[int, list[PartialCall]]:
+        return self._blocks(text)
+
+
 TOOL_PARSERS: dict[str, type[ToolParser]] = {
     "hermes": HermesToolParser, "llama3_json": Llama3JsonToolParser,
-    "llama4_json": Llama3JsonToolParser}
+    "llama4_json": Llama3JsonToolParser, "openai": OpenAIToolParser}
 
 
 def get_tool_parser(name: str) -> ToolParser:
