@@ -60,8 +60,33 @@ def _held(text: str) -> int:
     return 0
 
 
+class SplitParts:
+    """What a splitter has handed out (its dataclass holds `entered`, `reasoning_parts`
+    and `content_parts`): the output's reasoning ("" once a block was entered, else None)
+    and content (None when empty)."""
+
+    entered: bool
+    reasoning_parts: list[str]
+    content_parts: list[str]
+
+    def _record(self, reasoning: str, content: str) -> tuple[str, str]:
+        if reasoning:
+            self.reasoning_parts.append(reasoning)
+        if content:
+            self.content_parts.append(content)
+        return reasoning, content
+
+    @property
+    def reasoning(self) -> str | None:
+        return "".join(self.reasoning_parts) if self.entered else None
+
+    @property
+    def content(self) -> str | None:
+        return "".join(self.content_parts) or None
+
+
 @dataclass
-class HarmonySplitter:
+class HarmonySplitter(SplitParts):
     """One choice's harmony text, fed as it grows, split into reasoning and answer (the
     interface of reasoning.ReasoningSplitter). `calls`: keep function calls in the answer
     (under the `openai` tool parser)."""
@@ -116,18 +141,3 @@ class HarmonySplitter:
 
     def finish(self) -> tuple[str, str]:
         return self._step(final=True)
-
-    def _record(self, reasoning: str, content: str) -> tuple[str, str]:
-        if reasoning:
-            self.reasoning_parts.append(reasoning)
-        if content:
-            self.content_parts.append(content)
-        return reasoning, content
-
-    @property
-    def reasoning(self) -> str | None:
-        return "".join(self.reasoning_parts) if self.entered else None
-
-    @property
-    def content(self) -> str | None:
-        return "".join(self.content_parts) or None

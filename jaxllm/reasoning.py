@@ -26,7 +26,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 from jaxllm.errors import ParameterError
-from jaxllm.harmony import HarmonySplitter
+from jaxllm.harmony import HarmonySplitter, SplitParts
 
 
 @dataclass(frozen=True)
@@ -86,7 +86,7 @@ def _held(text: str, tag: str) -> int:
 
 
 @dataclass
-class ReasoningSplitter:
+class ReasoningSplitter(SplitParts):
     """One choice's output text, fed as it grows, split into reasoning and content."""
 
     fmt: ReasoningFormat
@@ -134,21 +134,6 @@ class ReasoningSplitter:
         """What was held back, now that the output is whole."""
         rest, self._buffer, self.leading = self._buffer, "", False
         return self._record(rest, "") if self.in_reasoning else self._record("", rest)
-
-    def _record(self, reasoning: str, content: str) -> tuple[str, str]:
-        if reasoning:
-            self.reasoning_parts.append(reasoning)
-        if content:
-            self.content_parts.append(content)
-        return reasoning, content
-
-    @property
-    def reasoning(self) -> str | None:
-        return "".join(self.reasoning_parts) if self.entered else None
-
-    @property
-    def content(self) -> str | None:
-        return "".join(self.content_parts) or None
 
 
 def make_splitter(fmt: ReasoningFormat, prompt: str, calls: bool = False

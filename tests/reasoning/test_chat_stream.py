@@ -26,7 +26,7 @@ def _serving(parser: str | None, tools: str | None) -> OpenAIServingChat:
         enable_auto_tool_choice=tools is not None, tool_call_parser=tools))
 
 
-def _stream(serving: OpenAIServingChat, pieces: list[str]) -> list[dict]:
+def scripted_stream(serving: OpenAIServingChat, pieces: list[str]) -> list[dict]:
     async def scripted(requests):
         for k, piece in enumerate(pieces):
             last = k == len(pieces) - 1
@@ -58,7 +58,7 @@ def test_every_cut_of_the_stream_assembles_to_one_answer_and_one_finish(parser, 
     cuts = [[TEXT, ""], [TEXT[:3], TEXT[3:12], TEXT[12:], ""], [TEXT[:9], TEXT[9:]],
             list(TEXT) + [""]]
     for pieces in cuts:
-        chunks = _stream(_serving(parser, tools), pieces)
+        chunks = scripted_stream(_serving(parser, tools), pieces)
         deltas = [c["choices"][0] for c in chunks if c["choices"]]
         reasoning = "".join(d["delta"].get("reasoning") or "" for d in deltas) or None
         content = "".join(d["delta"].get("content") or "" for d in deltas) or None

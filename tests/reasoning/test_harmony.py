@@ -4,7 +4,6 @@ endpoint's stream with scripted engine outputs; the split is GPT-OSS's default."
 
 from __future__ import annotations
 
-import asyncio
 import json
 from types import SimpleNamespace
 
@@ -17,6 +16,7 @@ from jaxllm.entrypoints.openai.tool_parsers import OpenAIToolParser
 from jaxllm.harmony import HarmonySplitter
 from jaxllm.outputs import CompletionOutput, RequestOutput
 from jaxllm.reasoning import REASONING_PARSERS, split_reasoning
+from tests.reasoning.test_chat_stream import scripted_stream
 
 FMT = REASONING_PARSERS["openai_gptoss"]
 THINK = "<|channel|>analysis<|message|>User asks. Think.<|end|>"
@@ -103,27 +103,6 @@ def _request(serving: OpenAIServingChat, stream: bool) -> tuple[ChatCompletionRe
     return req, ToolPlan.of(req, serving.tool_settings)
 
 
-def _chat_stream(serving: OpenAIServingChat, pieces: list[str]) -> list[dict]:
-    async def scripted(requests):
-        for k, piece in enumerate(pieces):
-            last = k == len(pieces) - 1
-            yield 0, RequestOutput("r", None, [1], None, [CompletionOutput(
-                0, piece, [5] * len(piece), None, None, "stop" if last else None)], last)
-
-    serving.iterate = scripted
-    req, plan = _request(serving, True)
-
-    async def run() -> list[dict]:
-        out = []
-        async for line in serving._stream(req, "id", "m", [], "", plan, "<|start|>assistant"):
-            body = line.removeprefix("data: ").strip()
-            if body != "[DONE]":
-                out.append(json.loads(body))
-        return out
-
-    return asyncio.run(run())
-
-
 @pytest.mark.parametrize("text", [THINK + FINAL, THINK + PREAMBLE + "<|end|>" + CALL])
 def test_the_chat_stream_assembles_to_the_whole_answer(text):
     whole_req, plan = _request(_serving("openai"), False)
@@ -133,7 +112,7 @@ def test_the_chat_stream_assembles_to_the_whole_answer(text):
                                        "<|start|>assistant").choices[0].message
     want_calls = [(c.function.name, c.function.arguments) for c in msg.tool_calls]
     for pieces in _cuts(text) + [[*_cuts(text)[1], ""]]:
-        chunks = _chat_stream(_serving("openai"), pieces)
+        chunks = scripted_stream(_serving("openai"), pieces)
         deltas = [c["choices"][0] for c in chunks if c["choices"]]
         reasoning = "".join(d["delta"].get("reasoning") or "" for d in deltas)
         content = "".join(d["delta"].get("content") or "" for d in deltas)
