@@ -109,6 +109,20 @@ class OpenAIServingChat(OpenAIServing):
                                      ) -> ChatCompletionResponse | AsyncIterator[str]:
         model = self.check_model(req.model)
         req.check()
+        request_id = random_id("chatcmpl")
+        plan, text, requests = self.start(
+            req, request_id, model, "max_completion_tokens"
+            if req.max_completion_tokens is not None else "max_tokens")
+        echo = self._echo_text(req)
+        if req.stream:
+            return self._stream(req, request_id, model, requests, echo, plan, text)
+        (final,) = await self.collect(requests)
+        return self._response(req, request_id, model, final, echo, plan, text)
+
+    def start(self, req: ChatCompletionRequest, request_id: str, model: str,
+              max_tokens_field: str) -> tuple[ToolPlan, str, list]:
+        """A checked chat request into the engine: (its tool plan, the rendered prompt, the
+        added requests). Shared with /v1/responses, which runs as a chat request."""
         plan = ToolPlan.of(req, self.tool_settings)
         text, ids = self.render(req, plan.template_tools())
         top = (req.top_logprobs or 0) if req.logprobs else None
@@ -118,23 +132,17 @@ class OpenAIServingChat(OpenAIServing):
             params.structured_outputs = constraint
         if self.keeps_special_tokens(plan):
             params.skip_special_tokens = False
-        request_id = random_id("chatcmpl")
         try:
             requests = self.add_requests(
                 request_id, [{"prompt": text, "prompt_token_ids": ids}], params, req.priority,
-                "max_completion_tokens" if req.max_completion_tokens is not None
-                else "max_tokens", model=model)
+                max_tokens_field, model=model)
         except ParameterError as e:
             if constraint is not None and e.field.startswith("structured_outputs"):
                 # The grammar came from the tools' parameter schemas.
                 raise HTTPError(400, f"tools: the parameters schema is not usable: "
                                 f"{e.message}", "tools") from e
             raise req.structured_error(e) from e
-        echo = self._echo_text(req)
-        if req.stream:
-            return self._stream(req, request_id, model, requests, echo, plan, text)
-        (final,) = await self.collect(requests)
-        return self._response(req, request_id, model, final, echo, plan, text)
+        return plan, text, requests
 
     @staticmethod
     def _echo_text(req: ChatCompletionRequest) -> str:

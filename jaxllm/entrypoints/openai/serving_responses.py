@@ -40,7 +40,7 @@ from jaxllm.entrypoints.openai.protocol_responses import (
 )
 from jaxllm.entrypoints.openai.serving_chat import OpenAIServingChat, chat_logprobs, split_step
 from jaxllm.entrypoints.openai.serving_engine import HTTPError, raise_if_failed
-from jaxllm.errors import EngineDeadError, ParameterError
+from jaxllm.errors import EngineDeadError
 from jaxllm.outputs import RequestOutput
 from jaxllm.reasoning import make_splitter, split_reasoning
 
@@ -115,29 +115,12 @@ class OpenAIServingResponses(OpenAIServingChat):
                    if req.previous_response_id else [])
         history = earlier + input_messages(req.input, earlier)
         system = [{"role": "system", "content": req.instructions}] if req.instructions else []
-        run = _Run(req, item_id("resp"), model, None, "", history,  # type: ignore[arg-type]
-                   int(time.time()))
+        response_id = item_id("resp")
         with chat_errors_renamed():
             chat = req.to_chat(system + history)
             chat.check()
-            run.plan = ToolPlan.of(chat, self.tool_settings)
-            run.prompt, ids = self.render(chat, run.plan.template_tools())
-            params = chat.to_sampling_params(chat.effective_max_tokens(), chat.top_logprobs,
-                                             self.default_sampling())
-            constraint = run.plan.constraint()
-            if constraint is not None:
-                params.structured_outputs = constraint
-            if self.keeps_special_tokens(run.plan):
-                params.skip_special_tokens = False
-            try:
-                requests = self.add_requests(
-                    run.response_id, [{"prompt": run.prompt, "prompt_token_ids": ids}], params,
-                    req.priority, "max_output_tokens", model=model)
-            except ParameterError as e:
-                if constraint is not None and e.field.startswith("structured_outputs"):
-                    raise HTTPError(400, f"tools: the parameters schema is not usable: "
-                                    f"{e.message}", "tools") from e
-                raise chat.structured_error(e) from e
+            plan, prompt, requests = self.start(chat, response_id, model, "max_output_tokens")
+        run = _Run(req, response_id, model, plan, prompt, history, int(time.time()))
         if req.stream:
             return self._stream(run, requests)
         (final,) = await self.collect(requests)
