@@ -28,6 +28,19 @@ from jaxllm.errors import ParameterError
 AXES = ("model",)
 
 
+# Latent attention (models/mla.py): one kv head, the latent and rope key, whatever
+# `num_key_value_heads` says.
+MLA_MODEL_TYPES = ("deepseek_v2", "deepseek_v3")
+
+
+def config_kv_heads(hf_config: Any) -> int:
+    """The checkpoint's kv heads as the cache holds them (before replication)."""
+    if getattr(hf_config, "model_type", None) in MLA_MODEL_TYPES:
+        return 1
+    heads = int(hf_config.num_attention_heads)
+    return int(getattr(hf_config, "num_key_value_heads", None) or heads)
+
+
 def validate_tensor_parallel(hf_config: Any, tensor_parallel_size: int) -> None:
     """Heads must split evenly: each 'model' shard holds whole q heads and whole kv heads.
 
@@ -37,7 +50,7 @@ def validate_tensor_parallel(hf_config: Any, tensor_parallel_size: int) -> None:
     """
     tp = tensor_parallel_size
     heads = int(hf_config.num_attention_heads)
-    kv_heads = int(getattr(hf_config, "num_key_value_heads", None) or heads)
+    kv_heads = config_kv_heads(hf_config)
     if heads % tp:
         raise ParameterError(
             "tensor_parallel_size",
@@ -53,9 +66,7 @@ def validate_tensor_parallel(hf_config: Any, tensor_parallel_size: int) -> None:
 def kv_head_replicas(hf_config: Any, tensor_parallel_size: int) -> int:
     """How many copies of each kv head the shards hold: 1 where the kv heads split
     over the shards, `tp / kv_heads` where there are fewer kv heads than shards."""
-    heads = int(hf_config.num_attention_heads)
-    kv_heads = int(getattr(hf_config, "num_key_value_heads", None) or heads)
-    return max(1, tensor_parallel_size // kv_heads)
+    return max(1, tensor_parallel_size // config_kv_heads(hf_config))
 
 
 def make_mesh(tensor_parallel_size: int, devices: Sequence[jax.Device] | None = None, *,

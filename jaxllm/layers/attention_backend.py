@@ -134,7 +134,7 @@ class AttentionBackend:
             k = rms_norm(k, qk_norms[layer, 1], eps, offset)
         q, k = rope(q, positions), rope(k, positions)
         if kv_scale is not None:
-            k, v = _to_fp8_range(k, kv_scale[0]), _to_fp8_range(v, kv_scale[1])
+            k, v = to_fp8_range(k, kv_scale[0]), to_fp8_range(v, kv_scale[1])
             q = q * kv_scale[0].astype(q.dtype)
         if write:
             kv_cache = self.write_kv(kv_cache, k, v, md, page_offset)
@@ -152,6 +152,6 @@ class AttentionBackend:
             page_offset=page_offset, sinks=sinks)
 
 
-def _to_fp8_range(x: jax.Array, scale: jax.Array) -> jax.Array:
+def to_fp8_range(x: jax.Array, scale: jax.Array) -> jax.Array:
     """`x / scale`, saturated to e4m3's finite range (the cache write casts it)."""
     return jnp.clip(x.astype(jnp.float32) / scale, -FP8_MAX, FP8_MAX)

@@ -4,7 +4,9 @@ Both kernels read the cache head-major inside each page,
 `[num_pages, 2 * num_kv_heads, page_size, head_dim]` (K of kv head h at 2h, V
 at 2h + 1), so one (page, head) is a contiguous `page_size x head_dim` tile: a
 single DMA on TPU, coalesced rows on GPU (`paged_layout.py`); the TPU cache
-lane-pads head_dim to a multiple of 128 (`tpu.py`). `write_kv` scatters
+lane-pads head_dim to a multiple of 128 (`tpu.py`), the GPU cache rounds it up to a power
+of two for the Triton tiles (`gpu.py`; the query heads of a kv head are padded to a power
+of two there too). `write_kv` scatters
 this step's K/V into that layout; with the cache donated to the jitted step XLA
 updates it in place (tests/kernels/test_attention_backends.py checks the alias and
 the buffer).
@@ -34,18 +36,15 @@ from pallas_kernels.ragged_paged_attention import paged_layout
 
 
 class _PallasBackend(AttentionBackend):
-    """Shared layout and KV update of the two Pallas bodies."""
-
-    def kv_cache_shape(self, num_blocks: int, block_size: int, num_kv_heads: int,
-                       head_dim: int) -> tuple[int, ...]:
-        return paged_layout.kv_cache_shape(num_blocks, block_size, num_kv_heads, head_dim)
+    """Shared layout and KV update of the Pallas bodies; each pads head_dim as its tiles
+    need (`kv_cache_shape`), the extra columns written as zeros."""
 
     def kv_cache_spec(self, axis: str) -> P:
         return P(None, axis, None, None)  # [pages, 2 * kv_heads, page_size, D]
 
     def write_kv(self, kv_cache: jax.Array, k: jax.Array, v: jax.Array,
                  md: AttentionMetadata, page_offset: int = 0) -> jax.Array:
-        return paged_layout.write_kv(kv_cache, k, v, md.slot_mapping, page_offset)
+        return paged_layout.write_kv_padded(kv_cache, k, v, md.slot_mapping, page_offset)
 
 
 class PallasTPUBackend(_PallasBackend):
@@ -68,12 +67,6 @@ class PallasTPUBackend(_PallasBackend):
         from pallas_kernels.ragged_paged_attention import tpu
 
         return tpu.padded_kv_cache_shape(num_blocks, block_size, num_kv_heads, head_dim)
-
-    def write_kv(self, kv_cache: jax.Array, k: jax.Array, v: jax.Array,
-                 md: AttentionMetadata, page_offset: int = 0) -> jax.Array:
-        from pallas_kernels.ragged_paged_attention import tpu
-
-        return tpu.write_kv(kv_cache, k, v, md.slot_mapping, page_offset)
 
     def attend(self, q: jax.Array, kv_cache: jax.Array, md: AttentionMetadata, *,
                sm_scale: float, sliding_window: int | None = None,
@@ -104,6 +97,12 @@ class PallasGPUBackend(_PallasBackend):
                                    static_argnames=("sm_scale", "sliding_window", "soft_cap"))
         self._project_jit = jax.jit(self._project,
                                     static_argnames=("eps", "offset", "dtype", "rope_scale"))
+
+    def kv_cache_shape(self, num_blocks: int, block_size: int, num_kv_heads: int,
+                       head_dim: int) -> tuple[int, ...]:
+        from pallas_kernels.ragged_paged_attention import gpu
+
+        return gpu.padded_kv_cache_shape(num_blocks, block_size, num_kv_heads, head_dim)
 
     @staticmethod
     def _kernel():

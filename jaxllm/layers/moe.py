@@ -282,7 +282,7 @@ class SparseMoE(nnx.Module):
         self.grouped = grouped
         self.router = make_param(rngs, (e, h), jnp.float32 if grouped else dtype, P(None, None))
         self.e_score_correction_bias = (make_param(rngs, (e,), jnp.float32, P(None), "zeros")
-                                        if grouped else None)
+                                        if grouped is not None and grouped.bias else None)
         self.router_bias = (make_param(rngs, (e,), self.router.get_value().dtype, P(None),
                                        "zeros") if biases else None)
         self.method, self.glu = method, glu
@@ -329,7 +329,8 @@ class SparseMoE(nnx.Module):
         elif self.grouped is None:
             routing = route(logits, self.top_k, self.renormalize)
         else:
-            routing = grouped_route(logits, self.e_score_correction_bias[...], self.grouped)
+            bias = self.e_score_correction_bias
+            routing = grouped_route(logits, None if bias is None else bias[...], self.grouped)
 
         def ffn(x, routing, statics, biases, num_tokens, *experts, first=0):
             if fused:

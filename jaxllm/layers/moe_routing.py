@@ -11,7 +11,8 @@ groups, each group ranks by the sum of its two best biased scores, the `topk_gro
 best groups stay, and the `top_k` best biased scores among their experts are the
 token's experts. Their weights are the unbiased scores, renormalized to sum to one
 where `renormalize`, then times `scale` (the routed scaling factor), so they need not
-sum to one.
+sum to one. DeepSeek-V2's variant (`softmax`): the scores are the softmax over every
+expert's logits, a group ranks by its best score, and there is no correction bias.
 
 Under expert parallelism a device serves only some of the picks: `local_keys` names
 each (token, choice) pair's expert among the device's own (padding tokens' and other
@@ -47,6 +48,12 @@ class GroupedRouting:
     groups: int = 1
     topk_groups: int = 1
     scale: float = 1.0
+    softmax: bool = False  # DeepSeek-V2's softmax scores, groups ranked by their best
+
+    @property
+    def bias(self) -> bool:
+        """Whether the choice adds a learned per-expert correction bias (sigmoid scores)."""
+        return not self.softmax
 
     def check(self, num_experts: int) -> None:
         """Clear errors for settings the experts cannot take, naming the config field."""
@@ -57,7 +64,7 @@ class GroupedRouting:
             raise ParameterError("config.json:topk_group",
                                  f"must be in [1, {self.groups}], got {self.topk_groups}")
         per_group = num_experts // self.groups
-        if per_group < 2 and self.groups > 1:
+        if per_group < 2 and self.groups > 1 and not self.softmax:
             raise ParameterError("config.json:n_group", "each group needs at least 2 experts "
                                  "(a group ranks by its two best scores)")
         if self.top_k > self.topk_groups * per_group:
@@ -70,12 +77,18 @@ def grouped_route(logits: jax.Array, bias: jax.Array | None, routing: GroupedRou
                   ) -> tuple[jax.Array, jax.Array]:
     """(weights `[T, k]` float32, expert ids `[T, k]` int32) for router logits `[T, E]`
     and the correction bias `[E]` (None: zero)."""
-    scores = jax.nn.sigmoid(logits.astype(jnp.float32))
+    if routing.softmax:
+        scores = jax.nn.softmax(logits.astype(jnp.float32), axis=-1)
+    else:
+        scores = jax.nn.sigmoid(logits.astype(jnp.float32))
     choice = scores if bias is None else scores + bias.astype(jnp.float32)
     t, e = choice.shape
     if routing.groups > 1:
         by_group = choice.reshape(t, routing.groups, e // routing.groups)
-        group_score = jnp.sum(jax.lax.top_k(by_group, 2)[0], axis=-1)  # [T, groups]
+        if routing.softmax:
+            group_score = jnp.max(by_group, axis=-1)  # [T, groups]
+        else:
+            group_score = jnp.sum(jax.lax.top_k(by_group, 2)[0], axis=-1)
         _, kept = jax.lax.top_k(group_score, routing.topk_groups)
         keep = jnp.zeros((t, routing.groups), bool).at[jnp.arange(t)[:, None], kept].set(True)
         choice = jnp.where(jnp.repeat(keep, e // routing.groups, axis=1), choice, -jnp.inf)

@@ -26,7 +26,8 @@ Every weight declares its sharding over the mesh axis 'model':
   attn_sinks      [layers, heads]            replicated
 
 A "moe" layer's router and experts (Mixtral, Qwen3-MoE, GPT-OSS): layers/moe.py's table,
-each device holding whole experts.
+each device holding whole experts. DeepSeek's latent attention (MLA) in place of qkv_proj
+and o_proj: models/mla.py's table.
 
 G = heads // kv_heads. The fused qkv weight groups, per kv head, its G query
 heads then its k head then its v head, so sharding the kv-head axis gives every
@@ -63,13 +64,15 @@ from jaxllm.models.decoder_arch import DecoderArch, with_context
 from jaxllm.models.decoder_attention import DecoderAttention
 from jaxllm.models.decoder_mlps import MLP_FACTORIES
 from jaxllm.models.decoder_weights import hf_weight_map
+from jaxllm.models.mla import MLAAttention
 
 
 class DecoderLayer(nnx.Module):
     def __init__(self, arch: DecoderArch, layer: int, *, dtype: jnp.dtype, rngs: nnx.Rngs,
                  attn_backend: AttentionBackend, swiglu: SwiGLU):
-        self.self_attn = DecoderAttention(arch, layer, dtype=dtype, rngs=rngs,
-                                          attn_backend=attn_backend, swiglu=swiglu)
+        attention = DecoderAttention if arch.mla is None else MLAAttention
+        self.self_attn = attention(arch, layer, dtype=dtype, rngs=rngs,
+                                   attn_backend=attn_backend, swiglu=swiglu)
         self.mlp = MLP_FACTORIES[arch.mlp_kinds[layer]](
             arch, layer, dtype=dtype, rngs=rngs, swiglu=swiglu,
             mesh=getattr(attn_backend, "mesh", None))

@@ -13,6 +13,7 @@ from typing import Any
 
 from jaxllm.errors import ParameterError
 from jaxllm.layers.rotary import RotaryEmbedding
+from jaxllm.models.mla_arch import MLAArch
 from jaxllm.models.moe_weights import MoEArch
 
 # Per-layer HF norm names: Llama's two, and Gemma's four (around attention and MLP).
@@ -73,6 +74,10 @@ class DecoderArch:
     residual_scale: float = 1.0
     moe: MoEArch | None = None  # the routed experts of the "moe" layers (models/moe.py)
     attn_sinks: bool = False  # GPT-OSS: a learned sink logit per query head in each softmax
+    # DeepSeek-V2/V3's multi-head latent attention (models/mla.py) in place of the fused
+    # qkv attention; then `head_dim` is the cache's (the latent and the shared rope key).
+    mla: MLAArch | None = None
+    attn_scale: float | None = None  # the softmax scale where it is not a head width's
     # "int8" / "fp8" / "fp8_static": the attention, dense MLP and MoE experts' method
     # (layers/quant.py);
     # embeddings, the logits head and MoE routers stay in the model dtype.
@@ -93,7 +98,14 @@ class DecoderArch:
 
     @property
     def sm_scale(self) -> float:
+        if self.attn_scale is not None:
+            return self.attn_scale
         return (self.query_pre_attn_scalar or self.head_dim) ** -0.5
+
+    @property
+    def rope_head_dim(self) -> int:
+        """The width the rope rotates within: a head, or MLA's rope part of one."""
+        return self.head_dim if self.mla is None else self.mla.rope_dim
 
 
 def checked_model_type(cfg: Any, model_types: tuple[str, ...], family: str,
@@ -154,7 +166,7 @@ def with_context(arch: DecoderArch, cfg: Any, max_model_len: int | None) -> Deco
     (EXAONE 4's global layers) stays so."""
     if max_model_len is None:
         return arch
-    ropes = layer_ropes(cfg, arch.head_dim, layer_types_of(cfg), max_model_len)
+    ropes = layer_ropes(cfg, arch.rope_head_dim, layer_types_of(cfg), max_model_len)
     return replace(arch, ropes=tuple(new if old.rotary_dim else old
                                      for old, new in zip(arch.ropes, ropes, strict=True)))
 

@@ -37,11 +37,25 @@ class DecoderAttention(nnx.Module):
         self.sm_scale = arch.sm_scale
         self.soft_cap = arch.attn_soft_cap
         self.sliding_window = arch.sliding_windows[layer]
+        self.place_in_cache(arch, layer, attn_backend)
+
+    def place_in_cache(self, arch: DecoderArch, layer: int,
+                       attn_backend: AttentionBackend) -> None:
+        """Where this layer's pages sit in the one cache array (`cache_pages`)."""
         self.attn_backend = attn_backend
         self.layer, self.num_layers = layer, arch.num_layers
         groups = KVCacheGroups.from_windows(arch.sliding_windows)
         self.kv_group, self.kv_slot = groups.layer_group[layer], groups.layer_slot[layer]
         self.pages_per_block = groups.group_size
+
+    def cache_pages(self, md: AttentionMetadata, kv_cache: jax.Array
+                    ) -> tuple[AttentionMetadata, int]:
+        """This layer's metadata and the offset of its first page in `kv_cache`."""
+        if md.grouped:  # KV cache groups (jaxllm/kv_groups.py): this layer's group and slot
+            return (md.for_group(self.kv_group),
+                    self.kv_slot * (kv_cache.shape[0] // self.pages_per_block))
+        # every layer's pages; this layer's come after the previous ones'
+        return md, self.layer * (kv_cache.shape[0] // self.num_layers)
 
     def __call__(self, x: jax.Array, positions: jax.Array, kv_cache: jax.Array,
                  md: AttentionMetadata, qk_norms: jax.Array | None, residual: jax.Array,
@@ -71,11 +85,7 @@ class DecoderAttention(nnx.Module):
         and V's to the output (P (v_scale V) = v_scale (P V)), so bodies only upcast.
         `sinks` `[num_heads]` float32: this layer's sink logits (GPT-OSS), in query-head
         order, which the fused qkv layout keeps (checkpoint order, kv copies too)."""
-        if md.grouped:  # KV cache groups (jaxllm/kv_groups.py): this layer's group and slot
-            md = md.for_group(self.kv_group)
-            page_offset = self.kv_slot * (kv_cache.shape[0] // self.pages_per_block)
-        else:  # every layer's pages; this layer's come after the previous ones'
-            page_offset = self.layer * (kv_cache.shape[0] // self.num_layers)
+        md, page_offset = self.cache_pages(md, kv_cache)
         if self.qk_norm_whole:  # the norms span every shard's heads: no split-K partials
             qkv = whole_qk_norm(self.qkv_proj(x), qk_norms[self.layer], self.eps)
             if self.clip_qkv is not None:

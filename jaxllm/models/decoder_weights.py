@@ -17,6 +17,7 @@ import numpy as np
 from jaxllm.errors import ParameterError
 from jaxllm.models.contract import WeightSource
 from jaxllm.models.decoder_arch import DecoderArch
+from jaxllm.models.mla import mla_weights
 from jaxllm.models.moe_weights import granite_shared_weights, moe_weights
 
 
@@ -92,6 +93,10 @@ def hf_weight_map(arch: DecoderArch) -> list[WeightSource]:
         out.append(WeightSource(("lm_head",), ("lm_head.weight",), _only))
     for i in range(arch.num_layers):
         at, path = f"model.layers.{i}.self_attn.", ("layers", i, "self_attn")
+        if arch.mla is not None:  # DeepSeek's latent attention: its own projections
+            out += mla_weights(arch, i) + MLP_WEIGHTS[arch.mlp_kinds[i]](
+                arch, f"model.layers.{i}.mlp.", ("layers", i, "mlp"))
+            continue
         out += [
             WeightSource(path + ("qkv_proj", "weight"),
                          tuple(f"{at}{p}_proj.weight" for p in "qkv"), fuse_qkv),

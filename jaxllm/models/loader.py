@@ -35,6 +35,8 @@ from tqdm.auto import tqdm
 
 from jaxllm.config import ModelConfig
 from jaxllm.distributed.mesh import (
+    MLA_MODEL_TYPES,
+    config_kv_heads,
     kv_head_replicas,
     param_shardings,
     validate_tensor_parallel,
@@ -66,11 +68,15 @@ def kv_cache_spec(hf_config: Any, tensor_parallel_size: int = 1) -> KVCacheSpec:
     alone, so that tools size a cache for any decoder without its class; the
     classes' `kv_cache_spec` agree, tests/models.)"""
     heads = int(hf_config.num_attention_heads)
-    kv_heads = int(getattr(hf_config, "num_key_value_heads", None) or heads)
+    if getattr(hf_config, "model_type", None) in MLA_MODEL_TYPES:  # the latent, rope key
+        head_dim = int(hf_config.kv_lora_rank) + int(hf_config.qk_rope_head_dim)
+    else:
+        head_dim = int(getattr(hf_config, "head_dim", None) or hf_config.hidden_size // heads)
     return KVCacheSpec(
         num_layers=int(hf_config.num_hidden_layers),
-        num_kv_heads=kv_heads * kv_head_replicas(hf_config, tensor_parallel_size),
-        head_dim=int(getattr(hf_config, "head_dim", None) or hf_config.hidden_size // heads))
+        num_kv_heads=config_kv_heads(hf_config) * kv_head_replicas(hf_config,
+                                                                   tensor_parallel_size),
+        head_dim=head_dim)
 
 
 def kv_cache_bytes_per_token(hf_config: Any, dtype: str | jnp.dtype) -> int:

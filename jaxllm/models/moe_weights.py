@@ -16,6 +16,10 @@ ungated shared expert `mlp.shared_experts` of `n_shared_experts` experts' width.
 (`OlmoeForCausalLM`): Qwen3-MoE's names, every layer sparse, the experts of
 `intermediate_size`, renormalized iff `norm_topk_prob`. All are the hub's per-expert
 layout, the one real checkpoints use and the one transformers' `save_pretrained` writes.
+DeepSeek-V2/V3 (`DeepseekV2ForCausalLM`, `DeepseekV3ForCausalLM`): GLM-4.5's layout and
+shared experts, sparse from `first_k_dense_replace` on (every `moe_layer_freq`-th layer);
+V3 routes as GLM-4.5, V2 by softmax scores (greedy, or the best `topk_group` of
+`n_group` groups by their best score), without a correction bias.
 GPT-OSS (`GptOssForCausalLM`): every layer sparse, the router
 `mlp.router` with a bias, its top-k logits softmaxed (the renormalized softmax top-k),
 and every expert in one stacked tensor per projection, biases beside them:
@@ -46,6 +50,7 @@ from jaxllm.models import mxfp4
 from jaxllm.models.contract import WeightSource
 
 MOE_MODEL_TYPES = ("mixtral", "qwen3_moe", "qwen2_moe", "glm4_moe", "olmoe")
+DEEPSEEK_TYPES = ("deepseek_v2", "deepseek_v3")  # models/deepseek.py reads them
 GRANITE_MOE_TYPES = ("granitemoe", "granitemoeshared")  # models/granite.py reads them
 
 
@@ -85,7 +90,7 @@ class MoEArch:
     def from_hf_config(cls, cfg: Any) -> MoEArch | None:
         """None for a dense model type."""
         model_type = getattr(cfg, "model_type", None)
-        if model_type not in (*MOE_MODEL_TYPES, "gpt_oss", *GRANITE_MOE_TYPES):
+        if model_type not in (*MOE_MODEL_TYPES, "gpt_oss", *GRANITE_MOE_TYPES, *DEEPSEEK_TYPES):
             return None
         layers = int(cfg.num_hidden_layers)
         experts = int(getattr(cfg, "num_experts", None) or cfg.num_local_experts)
@@ -116,17 +121,17 @@ class MoEArch:
                        intermediate_size=int(cfg.intermediate_size), renormalize=True,
                        sparse_layers=(True,) * layers, block="block_sparse_moe",
                        names=("w1", "w3", "w2"))
-        if model_type == "glm4_moe":
-            routing = GroupedRouting(
-                top_k=int(cfg.num_experts_per_tok), renormalize=bool(cfg.norm_topk_prob),
-                groups=int(cfg.n_group or 1), topk_groups=int(cfg.topk_group or 1),
-                scale=float(cfg.routed_scaling_factor))
+        if model_type in ("glm4_moe", *DEEPSEEK_TYPES):
+            routing = _grouped_routing(cfg, model_type)
             routing.check(experts)
             first_sparse = int(getattr(cfg, "first_k_dense_replace", 0) or 0)
+            # DeepSeek's `moe_layer_freq` (as vLLM reads it; 1 in every released config).
+            every = int(getattr(cfg, "moe_layer_freq", None) or 1)
             return cls(num_experts=experts, top_k=routing.top_k,
                        intermediate_size=int(cfg.moe_intermediate_size),
                        renormalize=routing.renormalize,
-                       sparse_layers=tuple(i >= first_sparse for i in range(layers)),
+                       sparse_layers=tuple(i >= first_sparse and i % every == 0
+                                           for i in range(layers)),
                        block="mlp", names=("gate_proj", "up_proj", "down_proj"),
                        shared_intermediate_size=int(cfg.moe_intermediate_size)
                        * int(getattr(cfg, "n_shared_experts", 0) or 0),
@@ -142,6 +147,26 @@ class MoEArch:
                    block="mlp", names=("gate_proj", "up_proj", "down_proj"),
                    shared_intermediate_size=shared if model_type == "qwen2_moe" else 0,
                    shared_gate=model_type == "qwen2_moe" and shared > 0)
+
+
+def _grouped_routing(cfg: Any, model_type: str) -> GroupedRouting:
+    """GLM-4.5's and DeepSeek-V3's grouped sigmoid routing (`topk_method` "noaux_tc"), or
+    DeepSeek-V2's softmax routing ("greedy", or "group_limited_greedy" over `n_group`
+    groups). Renormalized iff `norm_topk_prob` (as vLLM reads DeepSeek-V2's too), then
+    times `routed_scaling_factor`."""
+    v2 = model_type == "deepseek_v2"
+    method = getattr(cfg, "topk_method", None) or ("greedy" if v2 else "noaux_tc")
+    allowed = ("greedy", "group_limited_greedy") if v2 else ("noaux_tc",)
+    if method not in allowed:
+        raise ParameterError("config.json:topk_method", f"{method!r} is not supported for "
+                             f"{model_type}; supported: {', '.join(allowed)}")
+    grouped = method != "greedy"
+    return GroupedRouting(
+        top_k=int(cfg.num_experts_per_tok), renormalize=bool(getattr(cfg, "norm_topk_prob",
+                                                                     False)),
+        groups=int(getattr(cfg, "n_group", None) or 1) if grouped else 1,
+        topk_groups=int(getattr(cfg, "topk_group", None) or 1) if grouped else 1,
+        scale=float(getattr(cfg, "routed_scaling_factor", None) or 1.0), softmax=v2)
 
 
 def _gpt_oss_glu(cfg: Any) -> ExpertGLU:
@@ -262,7 +287,7 @@ def moe_weights(arch: Any, hf_prefix: str, path: tuple[str | int, ...]) -> list[
     if moe.shared_gate:  # the shared expert itself: decoder_weights' gated MLP
         out.append(WeightSource(path + ("shared_expert_gate",),
                                 (pre + "shared_expert_gate.weight",), _only))
-    if moe.grouped is not None:
+    if moe.grouped is not None and moe.grouped.bias:
         out.append(WeightSource(path + ("e_score_correction_bias",),
                                 (pre + "gate.e_score_correction_bias",), _only))
     return out + [

@@ -15,6 +15,7 @@ from typing import Any
 from jaxllm.errors import ParameterError
 from jaxllm.models.bert import BertModel, RobertaModel
 from jaxllm.models.cohere import CohereForCausalLM
+from jaxllm.models.deepseek import DeepseekForCausalLM
 from jaxllm.models.cross_encoder import (
     BertForSequenceClassification,
     RobertaForSequenceClassification,
@@ -61,6 +62,8 @@ _MODELS: dict[str, type] = {
     "Qwen3MoeForCausalLM": MoEForCausalLM,
     "OlmoeForCausalLM": MoEForCausalLM,
     "GptOssForCausalLM": GptOssForCausalLM,
+    "DeepseekV2ForCausalLM": DeepseekForCausalLM,
+    "DeepseekV3ForCausalLM": DeepseekForCausalLM,
     "GemmaForCausalLM": GemmaForCausalLM,
     "Gemma2ForCausalLM": GemmaForCausalLM,
     "Gemma3ForCausalLM": GemmaForCausalLM,

@@ -318,7 +318,61 @@ def _kernel(item_req_ref, item_tok_ref, cu_ref, kvlen_ref, pidx_ref, off_ref, q_
         write(acc * inv[:, None], lse, row_valid)
 
 
+def pow2_at_least(n: int) -> int:
+    """The smallest power of two >= n."""
+    return 1 << max(0, n - 1).bit_length()
+
+
+def padded_kv_cache_shape(num_pages: int, page_size: int, num_kv_heads: int,
+                          head_dim: int) -> tuple[int, int, int, int]:
+    """The engine's GPU cache: the shared layout with head_dim rounded up to a power of
+    two (Triton tiles are powers of two; Phi-3's 96 becomes 128), the extra columns
+    zeros (`paged_layout.write_kv_padded`)."""
+    return kv_cache_shape(num_pages, page_size, num_kv_heads, pow2_at_least(head_dim))
+
+
 def ragged_paged_attention(
+    q: jax.Array,
+    kv_cache: jax.Array,
+    kv_lens: jax.Array,
+    page_indices: jax.Array,
+    cu_q_lens: jax.Array,
+    num_seqs: jax.Array,
+    *,
+    sm_scale: float,
+    sinks: jax.Array | None = None,
+    **kw,
+) -> jax.Array:
+    """Ragged paged attention; `kv_cache` is `[P, 2 * Hkv, page_size, D']` (see module doc)
+    with D' a power of two at least q's head_dim D (`padded_kv_cache_shape`; its columns
+    past D zeros). The rest as `_attention`, which this calls with the query heads of
+    each kv head padded to a power of two (Qwen2.5-7B's 7, Qwen2.5-14B's 5) and q's
+    columns to D' (zeros: the scores are unchanged), then drops the padding from the
+    output: the Triton tiles need powers of two."""
+    num_tokens, num_q_heads, head_dim = q.shape
+    num_kv_heads, width = kv_cache.shape[1] // 2, kv_cache.shape[-1]
+    if num_q_heads % num_kv_heads:
+        raise ValueError(f"{num_q_heads=} is not a multiple of {num_kv_heads=}")
+    if head_dim > width or width & (width - 1):
+        raise ValueError(f"the cache's head_dim {width} must be a power of two of at least "
+                         f"q's {head_dim} (padded_kv_cache_shape)")
+    group = num_q_heads // num_kv_heads
+    padded = pow2_at_least(group)
+    if padded == group and width == head_dim:
+        return _attention(q, kv_cache, kv_lens, page_indices, cu_q_lens, num_seqs,
+                          sm_scale=sm_scale, sinks=sinks, **kw)
+    q = jnp.pad(q.reshape(num_tokens, num_kv_heads, group, head_dim),
+                ((0, 0), (0, 0), (0, padded - group), (0, width - head_dim)))
+    if sinks is not None:
+        sinks = jnp.pad(sinks.reshape(num_kv_heads, group), ((0, 0), (0, padded - group)))
+        sinks = sinks.reshape(num_kv_heads * padded)
+    out = _attention(q.reshape(num_tokens, num_kv_heads * padded, width), kv_cache, kv_lens,
+                     page_indices, cu_q_lens, num_seqs, sm_scale=sm_scale, sinks=sinks, **kw)
+    out = out.reshape(num_tokens, num_kv_heads, padded, width)[:, :, :group, :head_dim]
+    return out.reshape(num_tokens, num_q_heads, head_dim)
+
+
+def _attention(
     q: jax.Array,
     kv_cache: jax.Array,
     kv_lens: jax.Array,
@@ -335,8 +389,8 @@ def ragged_paged_attention(
     page_offset: int = 0,
     sinks: jax.Array | None = None,
 ) -> jax.Array:
-    """Ragged paged attention; `kv_cache` is `[P, 2 * Hkv, page_size, D]` (see module doc;
-    `page_offset` as in xla.py, but an input of the kernel: it may be traced; `sinks`
+    """Ragged paged attention for a power-of-two group and head_dim; `kv_cache` is
+    `[P, 2 * Hkv, page_size, D]` (see module doc; `page_offset` as in xla.py, but an input of the kernel: it may be traced; `sinks`
     `[num_q_heads]` as in xla.py, an operand only where given).
     `items`, if given, must be
     `work_items(cu_q_lens, num_seqs, T, bs.block_q, skip_decode=bs.decode is not None)`."""

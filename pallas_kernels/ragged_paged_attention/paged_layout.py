@@ -34,3 +34,17 @@ def write_kv(kv_cache: jax.Array, k: jax.Array, v: jax.Array,
     flat = kv_cache.reshape(num_pages * two_h * page_size, head_dim)
     flat = flat.at[rows].set(kv.astype(kv_cache.dtype), mode="drop", unique_indices=True)
     return flat.reshape(kv_cache.shape)
+
+
+def write_kv_padded(kv_cache: jax.Array, k: jax.Array, v: jax.Array, slot_mapping: jax.Array,
+                    page_offset: int = 0) -> jax.Array:
+    """`write_kv` into a cache whose minor dim may be wider than K/V's head_dim (the TPU
+    cache's 128 lanes, the GPU cache's power of two): the extra columns are written as
+    zeros."""
+    pad = kv_cache.shape[-1] - k.shape[-1]
+    if pad < 0:
+        raise ValueError(f"K/V head_dim {k.shape[-1]} exceeds the cache's {kv_cache.shape[-1]}")
+    if pad:
+        widths = ((0, 0), (0, 0), (0, pad))
+        k, v = jnp.pad(k, widths), jnp.pad(v, widths)
+    return write_kv(kv_cache, k, v, slot_mapping, page_offset)

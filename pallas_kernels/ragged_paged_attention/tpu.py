@@ -67,17 +67,8 @@ def padded_kv_cache_shape(num_pages: int, page_size: int, num_kv_heads: int,
     return kv_cache_shape(num_pages, page_size, num_kv_heads, lane_padded_head_dim(head_dim))
 
 
-def write_kv(kv_cache: jax.Array, k: jax.Array, v: jax.Array, slot_mapping: jax.Array,
-             page_offset: int = 0) -> jax.Array:
-    """`paged_layout.write_kv` into a cache whose minor dim may be wider than K/V's
-    head_dim: the extra lanes are written as zeros."""
-    pad = kv_cache.shape[-1] - k.shape[-1]
-    if pad < 0:
-        raise ValueError(f"K/V head_dim {k.shape[-1]} exceeds the cache's {kv_cache.shape[-1]}")
-    if pad:
-        widths = ((0, 0), (0, 0), (0, pad))
-        k, v = jnp.pad(k, widths), jnp.pad(v, widths)
-    return paged_layout.write_kv(kv_cache, k, v, slot_mapping, page_offset)
+# The KV write into the lane-padded cache (its extra lanes zeros).
+write_kv = paged_layout.write_kv_padded
 
 
 @dataclasses.dataclass(frozen=True)

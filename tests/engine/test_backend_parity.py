@@ -15,7 +15,7 @@ from jaxllm.layers import row_reduce
 from jaxllm.layers.attention_backend import QKV_SPLIT_K
 from tests.engine.hf_reference import hf_greedy, random_prompts
 from tests.jaxprs import equations
-from tests.models.tiny_checkpoints import checkpoint_vocab_size
+from tests.models.tiny_checkpoints import checkpoint_vocab_size, make_tiny_checkpoint
 
 NEW_TOKENS = 8
 # Budget 32 per step: the 61-token prompt is cut into chunks that run beside the
@@ -73,6 +73,23 @@ def test_engine_on_a_pallas_body_in_interpret_mode_matches_transformers_greedy(
         bs = gpu.default_block_sizes(32, 4, heads // kv_heads, runner.kv_layout.head_dim, 8,
                                      96 // 8, kv_heads, 4)
         assert bs.decode is not None  # the mixed steps took the two-call path
+
+
+def test_the_gpu_body_serves_a_group_and_head_dim_that_are_not_powers_of_two(tmp_path):
+    """Three query heads per kv head (Qwen2.5-7B has 7, -14B 5) and a 24-wide head
+    (Phi-3's 96): the GPU cache rounds head_dim up to 32, the query heads are padded to 4
+    a kv head around the Triton tiles, and the tokens are transformers'."""
+    model_dir = make_tiny_checkpoint(tmp_path, arch="phi3", hidden_size=72,
+                                     num_attention_heads=6, num_key_value_heads=2,
+                                     head_dim=24)
+    prompts = random_prompts(checkpoint_vocab_size(model_dir), LENGTHS, seed=3)
+    llm = LLM(model_dir, attention_backend="pallas_gpu", attention_interpret=True, **ENGINE)
+    runner = llm.llm_engine.engine_core.engine_core.model_runner
+    assert runner.kv_cache.shape[-1] == 32
+    params = SamplingParams(temperature=0.0, max_tokens=NEW_TOKENS, ignore_eos=True)
+    outs = llm.generate([{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False)
+    assert [o.outputs[0].token_ids for o in outs] == hf_greedy(model_dir, prompts,
+                                                               NEW_TOKENS)[0]
 
 
 @pytest.mark.parametrize("tp", [1, 2])

@@ -65,6 +65,15 @@ CASES = {
     "glm4-moe-grouped-routing": dict(arch="glm4_moe", num_key_value_heads=2),
     "olmoe-clip-qkv": dict(arch="olmoe", num_key_value_heads=2, num_experts=8, clip_qkv=0.5),
     "granitemoeshared": dict(arch="granitemoeshared", num_key_value_heads=2, num_local_experts=8),
+    # DeepSeek's latent attention: V3 with a q latent and grouped sigmoid routing; V2 with
+    # q_proj, softmax routing within the best 2 of 4 groups, and yarn whose mscale_all_dim
+    # scales the softmax (a 16-token original context, so it rotates differently too).
+    "deepseek-v3-mla-grouped": dict(arch="deepseek_v3"),
+    "deepseek-v2-mla-yarn-group-limited": dict(
+        arch="deepseek_v2", topk_method="group_limited_greedy", n_group=4, topk_group=2,
+        rope_parameters=dict(rope_type="yarn", rope_theta=10000.0, factor=4.0,
+                             original_max_position_embeddings=16, beta_fast=32.0,
+                             beta_slow=1.0, mscale=0.707, mscale_all_dim=0.707)),
     # Attention sinks, a window of 8 shorter than the prompts, yarn, biased experts.
     "gpt-oss-sinks-window": dict(arch="gpt_oss", num_key_value_heads=2, sliding_window=8),
 }
@@ -104,11 +113,11 @@ def test_greedy_tokens_top5_logprobs_and_prompt_logprobs_match_transformers(case
 
 @pytest.mark.parametrize("case", ["mixtral", "qwen3-moe-dense-layer-1", "qwen2-moe-shared-expert",
                                   "glm4-moe-grouped-routing", "olmoe-clip-qkv",
-                                  "granitemoeshared"])
+                                  "granitemoeshared", "deepseek-v3-mla-grouped"])
 def test_moe_decode_steps_through_the_fused_expert_kernel_match_transformers(
         case, tmp_path, monkeypatch):
     """The same parity with every small step's experts in pallas_kernels/moe_small (its
     Pallas interpret mode on the CPU) instead of the loop; GLM-4.5's grouped routing in
-    jnp before them, the others' in the routing kernel."""
+    jnp before them (DeepSeek-V3's too), the others' in the routing kernel."""
     monkeypatch.setenv("JAXLLM_MOE_SMALL_KERNEL", "pallas")
     test_greedy_tokens_top5_logprobs_and_prompt_logprobs_match_transformers(case, tmp_path)

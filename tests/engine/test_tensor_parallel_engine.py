@@ -8,8 +8,9 @@ hits) and fits a KV cache too small for all of it (preemption). Greedy tokens mu
 transformers' (float32) at every tp and on every body, with no compilation
 after start-up. The Pallas bodies run in interpret mode. The Gemma families
 (sliding windows shorter than the prompts, attention and final soft-caps, local
-and global ropes) and the mixture-of-experts ones (Mixtral, Qwen3-MoE: experts
-split over the devices) run the same workload at tp 2 on every body.
+and global ropes), the mixture-of-experts ones (Mixtral, Qwen3-MoE: experts
+split over the devices) and DeepSeek-V3 (latent attention) run the same workload at tp 2
+on every body.
 """
 
 from __future__ import annotations
@@ -65,6 +66,10 @@ FAMILIES = {
     # (its layer 1 a dense MLP, column/row parallel).
     "mixtral": dict(arch="mixtral"),
     "qwen3_moe": dict(arch="qwen3_moe", num_experts=8, mlp_only_layers=[1]),
+    # DeepSeek-V3's latent attention: the one latent kv head copied on both devices, the
+    # query heads (and their kv_b_proj slices) split; experts split, the shared one
+    # column/row parallel.
+    "deepseek_v3": dict(arch="deepseek_v3", num_key_value_heads=HEADS),
 }
 
 
@@ -135,9 +140,9 @@ def test_tp8_one_kv_head_a_device_matches_transformers_with_chunks_hits_and_pree
 @pytest.fixture(scope="module", params=list(FAMILIES))
 def family(request, tmp_path_factory) -> tuple[str, list[list[int]], list[list[int]]]:
     """(checkpoint, prompts, transformers' greedy tokens) of a tiny model per family."""
-    return _case(make_tiny_checkpoint(tmp_path_factory.mktemp(request.param),
-                                      num_attention_heads=HEADS, num_key_value_heads=KV_HEADS,
-                                      num_hidden_layers=LAYERS, **FAMILIES[request.param]))
+    fields = dict(num_attention_heads=HEADS, num_key_value_heads=KV_HEADS,
+                  num_hidden_layers=LAYERS) | FAMILIES[request.param]
+    return _case(make_tiny_checkpoint(tmp_path_factory.mktemp(request.param), **fields))
 
 
 @pytest.mark.slow

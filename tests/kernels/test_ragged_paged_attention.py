@@ -21,7 +21,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from pallas_kernels.ragged_paged_attention import gpu, tpu, xla
+from pallas_kernels.ragged_paged_attention import gpu, paged_layout, tpu, xla
 
 TOL = {jnp.float32: (1e-4, 1e-5), jnp.bfloat16: (6e-2, 1e-2)}
 
@@ -320,6 +320,36 @@ def test_tpu_kernel_on_a_lane_padded_cache_matches_reference(head_dim: int):
         ref = xla.ragged_paged_attention(q, cache, kv_lens, page_indices, cu, num_seqs,
                                                **kw)
     out = tpu.ragged_paged_attention(q, padded, kv_lens, page_indices, cu, num_seqs,
+                                     interpret=True, **kw)
+    assert out.shape == q.shape
+    np.testing.assert_allclose(np.asarray(out[:num_real]), np.asarray(ref[:num_real]),
+                               atol=1e-4, rtol=1e-5)
+    np.testing.assert_array_equal(np.asarray(out[num_real:]), 0.0)
+
+
+@pytest.mark.parametrize("head_dim,group,with_sinks", [(24, 3, False), (96, 5, True),
+                                                      (64, 7, False)])
+def test_gpu_kernel_on_a_padded_cache_with_any_group_matches_reference(head_dim, group,
+                                                                        with_sinks):
+    """The engine's GPU cache (`padded_kv_cache_shape`) rounds head_dim up to a power of
+    two (Phi-3's 96 to 128), and the wrapper pads each kv head's query heads to one
+    (Qwen2.5-7B's 7, -14B's 5): K/V written by `write_kv_padded` and read back give the
+    reference's output at the true head_dim and group, prefill rows beside decodes."""
+    case = Case(((1, 37), (9, 30), (1, 5), (20, 20)), group=group, head_dim=head_dim)
+    (q, kv_lens, page_indices, cu, num_seqs), cache, num_real = make_batch(case, seed=group)
+    num_pages, ps, two_h, d = cache.shape
+    shape = gpu.padded_kv_cache_shape(num_pages, ps, two_h // 2, d)
+    assert shape == (num_pages, two_h, ps, gpu.pow2_at_least(d))
+    slots = jnp.arange(num_pages * ps, dtype=jnp.int32)
+    kv = cache.reshape(num_pages * ps, two_h // 2, 2, d)
+    padded = paged_layout.write_kv_padded(jnp.full(shape, jnp.nan, jnp.float32),
+                                          kv[:, :, 0], kv[:, :, 1], slots)
+    np.testing.assert_array_equal(np.asarray(padded[..., d:]), 0.0)
+    kw = dict(sm_scale=d**-0.5,
+              sinks=make_sinks(q.shape[1], seed=group) if with_sinks else None)
+    with jax.default_matmul_precision("highest"):
+        ref = xla.ragged_paged_attention(q, cache, kv_lens, page_indices, cu, num_seqs, **kw)
+    out = gpu.ragged_paged_attention(q, padded, kv_lens, page_indices, cu, num_seqs,
                                      interpret=True, **kw)
     assert out.shape == q.shape
     np.testing.assert_allclose(np.asarray(out[:num_real]), np.asarray(ref[:num_real]),

@@ -136,6 +136,12 @@ CASES = {
     # GLM-4.5 (tiny_checkpoints' defaults: grouped sigmoid routing with a correction bias,
     # a shared expert, layer 0 dense, partial rotary, q/k norms, q/k/v biases).
     "glm4-moe-grouped-routing": dict(arch="glm4_moe", num_hidden_layers=3),
+    # DeepSeek (tiny_checkpoints' defaults: latent attention, layer 0 dense, a shared
+    # expert): V3's q latent and grouped sigmoid routing, its rope not interleaved here;
+    # V2's q_proj and greedy softmax routing, q/kv-a and o biases.
+    "deepseek-v3-mla-rotate-half": dict(arch="deepseek_v3", num_hidden_layers=3,
+                                        rope_interleave=False),
+    "deepseek-v2-mla-biases": dict(arch="deepseek_v2", attention_bias=True),
     # GPT-OSS (tiny_checkpoints' defaults: attention sinks, a window shorter than the
     # prompts then a full layer, yarn, the router's and experts' biases, the clamp biting).
     "gpt-oss-sinks-window-biases": dict(arch="gpt_oss"),
@@ -269,7 +275,7 @@ def test_ragged_prefill_and_decode_logits_match_transformers(case, tmp_path):
 @pytest.mark.parametrize("case", ["mixtral-4-experts-top2", "qwen3-moe-dense-and-sparse-layers",
                                   "qwen2-moe-shared-expert", "glm4-moe-grouped-routing",
                                   "olmoe-clip-qkv", "granitemoeshared-shared-expert",
-                                  "gpt-oss-sinks-window-biases"])
+                                  "gpt-oss-sinks-window-biases", "deepseek-v2-mla-biases"])
 def test_moe_logits_by_the_megablox_kernel_match_transformers(case, tmp_path):
     """The routed experts by the Pallas TPU grouped matmul (interpret mode) at every step
     size, as on TPU."""
@@ -423,7 +429,8 @@ def test_unsupported_architecture_lists_the_supported_ones():
                                              "ArceeForCausalLM, "
                                              "BertForSequenceClassification, "
                                              "BertModel, Cohere2ForCausalLM, "
-                                             "CohereForCausalLM, Ernie4_5ForCausalLM, "
+                                             "CohereForCausalLM, DeepseekV2ForCausalLM, "
+                                             "DeepseekV3ForCausalLM, Ernie4_5ForCausalLM, "
                                              "Exaone4ForCausalLM, Gemma2ForCausalLM, "
                                              "Gemma3ForCausalLM, "
                                              "Gemma3ForConditionalGeneration, "

@@ -84,16 +84,7 @@ CASES = {
 def test_tensor_parallel_logits_equal_single_device(case, tmp_path):
     tp, overrides = CASES[case]
     model_dir = make_tiny_checkpoint(tmp_path, **overrides)
-    prompts, next_tokens = prompts_for(256, seed=1), [3, 50, 200]
-    want = run_prefill_and_decode(load(model_dir, tp=1), prompts, next_tokens)
-
-    sharded = load(model_dir, tp=tp)
-    kv_sharding = kv_cache_sharding(sharded.embed_tokens.sharding.mesh,
-                                    get_attention_backend("reference"))
-    got = run_prefill_and_decode(sharded, prompts, next_tokens, kv_sharding=kv_sharding)
-    for g, w in zip(got, want, strict=True):
-        np.testing.assert_allclose(g, w, rtol=0, atol=1e-5)
-
+    sharded = sharded_logits_match(model_dir, tp)
     kv_heads = overrides["num_key_value_heads"]
     qkv = sharded.layers[0].self_attn.qkv_proj.weight[...]
     assert qkv.sharding.spec == P("model", None, None, None)
@@ -110,6 +101,41 @@ def test_tensor_parallel_logits_equal_single_device(case, tmp_path):
         else:
             down = layer.mlp.down_proj.weight[...]
             assert down.addressable_shards[0].data.shape == (64, 128 // tp)
+
+
+def sharded_logits_match(model_dir: str, tp: int) -> nnx.Module:
+    """The model at `tp`, after checking its logits against one device's."""
+    prompts, next_tokens = prompts_for(256, seed=1), [3, 50, 200]
+    want = run_prefill_and_decode(load(model_dir, tp=1), prompts, next_tokens)
+    sharded = load(model_dir, tp=tp)
+    kv_sharding = kv_cache_sharding(sharded.embed_tokens.sharding.mesh,
+                                    get_attention_backend("reference"))
+    got = run_prefill_and_decode(sharded, prompts, next_tokens, kv_sharding=kv_sharding)
+    for g, w in zip(got, want, strict=True):
+        np.testing.assert_allclose(g, w, rtol=0, atol=1e-5)
+    return sharded
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("arch", ["deepseek_v3", "deepseek_v2"])
+def test_latent_attention_at_tp2_equals_single_device(arch, tmp_path):
+    """DeepSeek's MLA: each device keeps a copy of the one latent kv head (40 wide: the
+    32-wide latent and the 8-wide rope key) and half the query heads, with their slices of
+    kv_b_proj and o_proj."""
+    model_dir = make_tiny_checkpoint(tmp_path, arch=arch)
+    sharded = sharded_logits_match(model_dir, 2)
+    assert tuple(kv_cache_spec_of(model_dir, 2)) == (2, 2, 40)
+    attn = sharded.layers[1].self_attn
+    kv_b, o = attn.kv_b_proj[...], attn.o_proj.weight[...]
+    assert {s.data.shape for s in kv_b.addressable_shards} == {(2, 32, 32)}
+    assert {s.data.shape for s in o.addressable_shards} == {(64, 2, 16)}
+    assert {s.data.shape for s in attn.kv_a_proj.weight[...].addressable_shards} == {(40, 64)}
+
+
+def kv_cache_spec_of(model_dir: str, tp: int):
+    from transformers import AutoConfig
+
+    return kv_cache_spec(AutoConfig.from_pretrained(model_dir), tp)
 
 
 def test_dummy_weights_do_not_depend_on_the_mesh(tmp_path):

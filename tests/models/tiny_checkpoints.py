@@ -23,6 +23,10 @@ from transformers import (
     Cohere2Config,
     Cohere2ForCausalLM,
     CohereConfig,
+    DeepseekV2Config,
+    DeepseekV2ForCausalLM,
+    DeepseekV3Config,
+    DeepseekV3ForCausalLM,
     CohereForCausalLM,
     Ernie4_5Config,
     Ernie4_5ForCausalLM,
@@ -93,6 +97,8 @@ ARCHS = {
     "qwen2_moe": (Qwen2MoeConfig, Qwen2MoeForCausalLM),
     "glm4_moe": (Glm4MoeConfig, Glm4MoeForCausalLM),
     "gpt_oss": (GptOssConfig, GptOssForCausalLM),
+    "deepseek_v2": (DeepseekV2Config, DeepseekV2ForCausalLM),
+    "deepseek_v3": (DeepseekV3Config, DeepseekV3ForCausalLM),
     "phi3": (Phi3Config, Phi3ForCausalLM),
     "granite": (GraniteConfig, GraniteForCausalLM),
     "granitemoe": (GraniteMoeConfig, GraniteMoeForCausalLM),
@@ -137,6 +143,20 @@ ARCH_DEFAULTS = {
                      moe_intermediate_size=32, n_shared_experts=1, first_k_dense_replace=1,
                      routed_scaling_factor=2.5, partial_rotary_factor=0.5, use_qk_norm=True,
                      attention_bias=True),
+    # DeepSeek: latent attention (a 32-wide kv latent, 8 rotated and 16 unrotated query
+    # columns a head, 16-wide values), layer 0 dense, 8 experts, top 2, a shared expert.
+    # V3: a q latent, grouped sigmoid routing (4 groups, the best 2), renormalized and
+    # scaled. V2: no q latent (V2-Lite's q_proj), softmax routing, scaled. transformers
+    # repeats the decompressed heads by heads // num_key_value_heads: equal, as released.
+    "deepseek_v3": dict(n_routed_experts=8, num_experts_per_tok=2, n_group=4, topk_group=2,
+                        moe_intermediate_size=32, n_shared_experts=1, first_k_dense_replace=1,
+                        routed_scaling_factor=2.5, q_lora_rank=24, kv_lora_rank=32,
+                        qk_nope_head_dim=16, qk_rope_head_dim=8, v_head_dim=16,
+                        num_key_value_heads=4),
+    "deepseek_v2": dict(n_routed_experts=8, num_experts_per_tok=2, moe_intermediate_size=32,
+                        n_shared_experts=1, first_k_dense_replace=1, routed_scaling_factor=1.5,
+                        q_lora_rank=None, kv_lora_rank=32, qk_nope_head_dim=16,
+                        qk_rope_head_dim=8, v_head_dim=16, num_key_value_heads=4),
     # GPT-OSS: 8 experts, top 2 (of intermediate_size 128); a clamp low enough that
     # the tiny weights' gate and up values pass it, a gain that is not the default; yarn
     # (not truncated) past a 64-token original context; sliding then full layers.
@@ -172,9 +192,11 @@ def make_tiny_checkpoint(tmp_path, arch: str = "llama", *, dtype: str = "float32
     fields = dict(vocab_size=256, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
                   num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=256,
                   rms_norm_eps=1e-6, tie_word_embeddings=False, bos_token_id=BOS_ID,
-                  eos_token_id=EOS_ID, pad_token_id=PAD_ID, **ARCH_DEFAULTS.get(arch, {}))
+                  eos_token_id=EOS_ID, pad_token_id=PAD_ID)
+    fields.update(ARCH_DEFAULTS.get(arch, {}))
     fields.update(overrides)
-    fields.setdefault("head_dim", fields["hidden_size"] // fields["num_attention_heads"])
+    if not arch.startswith("deepseek"):  # its config sets head_dim to the rope part's
+        fields.setdefault("head_dim", fields["hidden_size"] // fields["num_attention_heads"])
     config = config_cls(**fields)
     torch.manual_seed(seed)
     model = model_cls(config).eval()
