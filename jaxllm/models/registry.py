@@ -15,12 +15,12 @@ from typing import Any
 from jaxllm.errors import ParameterError
 from jaxllm.models.bert import BertModel, RobertaModel
 from jaxllm.models.cohere import CohereForCausalLM
-from jaxllm.models.deepseek import DeepseekForCausalLM
 from jaxllm.models.cross_encoder import (
     BertForSequenceClassification,
     RobertaForSequenceClassification,
     num_labels,
 )
+from jaxllm.models.deepseek import DeepseekForCausalLM
 from jaxllm.models.exaone import Exaone4ForCausalLM
 from jaxllm.models.gemma import GemmaForCausalLM
 from jaxllm.models.glm import GlmForCausalLM

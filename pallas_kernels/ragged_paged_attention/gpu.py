@@ -390,8 +390,9 @@ def _attention(
     sinks: jax.Array | None = None,
 ) -> jax.Array:
     """Ragged paged attention for a power-of-two group and head_dim; `kv_cache` is
-    `[P, 2 * Hkv, page_size, D]` (see module doc; `page_offset` as in xla.py, but an input of the kernel: it may be traced; `sinks`
-    `[num_q_heads]` as in xla.py, an operand only where given).
+    `[P, 2 * Hkv, page_size, D]` (see module doc; `page_offset` as in xla.py, but an
+    input of the kernel: it may be traced; `sinks` `[num_q_heads]` as in xla.py, an
+    operand only where given).
     `items`, if given, must be
     `work_items(cu_q_lens, num_seqs, T, bs.block_q, skip_decode=bs.decode is not None)`."""
     num_tokens, num_q_heads, head_dim = q.shape
