@@ -34,6 +34,7 @@ from flax import nnx
 from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
+from jaxllm.errors import ParameterError
 from jaxllm.layers.linear import Linear
 
 # A fused projection's PEFT parts, in the order they sit along its part axis.
@@ -125,6 +126,9 @@ def lora_linears(model: nnx.Module) -> list[tuple[int, str, nnx.Module]]:
     out = []
     for i, layer in enumerate(model.layers):
         attn, mlp = layer.self_attn, layer.mlp
+        if not hasattr(attn, "qkv_proj"):  # DeepSeek's latent attention (models/mla.py)
+            raise ParameterError("enable_lora", "LoRA is not supported for models with "
+                                 "multi-head latent attention (DeepSeek-V2/V3)")
         out += [(i, "qkv_proj", attn.qkv_proj), (i, "o_proj", attn.o_proj)]
         if isinstance(getattr(mlp, "gate_up_proj", None), Linear):  # dense, not experts
             out += [(i, "gate_up_proj", mlp.gate_up_proj), (i, "down_proj", mlp.down_proj)]
