@@ -329,8 +329,7 @@ class SparseMoE(nnx.Module):
         elif self.grouped is None:
             routing = route(logits, self.top_k, self.renormalize)
         else:
-            bias = self.e_score_correction_bias
-            routing = grouped_route(logits, None if bias is None else bias[...], self.grouped)
+            routing = grouped_route(logits, self.e_score_correction_bias, self.grouped)
 
         def ffn(x, routing, statics, biases, num_tokens, *experts, first=0):
             if fused:

@@ -76,12 +76,12 @@ class GroupedRouting:
 def grouped_route(logits: jax.Array, bias: jax.Array | None, routing: GroupedRouting
                   ) -> tuple[jax.Array, jax.Array]:
     """(weights `[T, k]` float32, expert ids `[T, k]` int32) for router logits `[T, E]`
-    and the correction bias `[E]` (None: zero)."""
+    and the correction bias `[E]` (an array or a parameter; None: zero)."""
     if routing.softmax:
         scores = jax.nn.softmax(logits.astype(jnp.float32), axis=-1)
     else:
         scores = jax.nn.sigmoid(logits.astype(jnp.float32))
-    choice = scores if bias is None else scores + bias.astype(jnp.float32)
+    choice = scores if bias is None else scores + bias[...].astype(jnp.float32)
     t, e = choice.shape
     if routing.groups > 1:
         by_group = choice.reshape(t, routing.groups, e // routing.groups)
