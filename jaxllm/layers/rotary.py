@@ -135,13 +135,11 @@ def _yarn_scaling(inv_freq: np.ndarray, params: dict[str, Any], rotary_dim: int,
     old_len = _original_len(params, hf_config)
     factor = _factor(params, hf_config, old_len)
 
-    def mscale(m: float = 1.0) -> float:
-        return 1.0 if factor <= 1 else 0.1 * m * math.log(factor) + 1.0
-
     scale = params.get("attention_factor")
     if scale is None:
         m, m_all = params.get("mscale"), params.get("mscale_all_dim")
-        scale = mscale(m) / mscale(m_all) if m and m_all else mscale()
+        scale = (yarn_mscale(factor, m) / yarn_mscale(factor, m_all) if m and m_all
+                 else yarn_mscale(factor))
 
     def dim_of(rotations: float) -> float:  # the dimension that turns `rotations` times
         return rotary_dim * math.log(old_len / (rotations * 2 * math.pi)) / (2 * math.log(base))
@@ -155,6 +153,11 @@ def _yarn_scaling(inv_freq: np.ndarray, params: dict[str, Any], rotary_dim: int,
     ramp = np.clip((np.arange(rotary_dim // 2, dtype=np.float64) - low) / (high - low), 0, 1)
     kept = 1 - ramp  # the share of each dimension's original frequency
     return inv_freq / factor * (1 - kept) + inv_freq * kept, float(scale)
+
+
+def yarn_mscale(factor: float, m: float = 1.0) -> float:
+    """YaRN's magnitude term `0.1 m ln(factor) + 1` (1 without scaling)."""
+    return 1.0 if factor <= 1 else 0.1 * m * math.log(factor) + 1.0
 
 
 def _longrope_scaling(inv_freq: np.ndarray, params: dict[str, Any], rotary_dim: int,

@@ -11,25 +11,23 @@ multi-token-prediction layers (past `num_hidden_layers`) are not read.
 
 from __future__ import annotations
 
-import math
 from typing import Any
 
-from jaxllm.layers.rotary import rope_parameters
+from jaxllm.layers.rotary import rope_parameters, yarn_mscale
 from jaxllm.models.decoder_arch import DecoderArch, layer_ropes, swiglu_model_type
 from jaxllm.models.mla_arch import MLAArch
 from jaxllm.models.moe import MoEForCausalLM
 from jaxllm.models.moe_weights import DEEPSEEK_TYPES, MoEArch
 
 
-def yarn_mscale(cfg: Any) -> float:
+def softmax_mscale(cfg: Any) -> float:
     """The softmax scale's factor under yarn with `mscale_all_dim`, `mscale(factor) ** 2`
     (1 otherwise), as transformers and DeepSeek compute it."""
     params = rope_parameters(cfg)
     m_all = params.get("mscale_all_dim")
-    factor = float(params.get("factor") or 1.0)
-    if params["rope_type"] == "default" or not m_all or factor <= 1:
+    if params["rope_type"] == "default" or not m_all:
         return 1.0
-    return (0.1 * float(m_all) * math.log(factor) + 1.0) ** 2
+    return yarn_mscale(float(params.get("factor") or 1.0), float(m_all)) ** 2
 
 
 def deepseek_arch(cfg: Any, tensor_parallel_size: int = 1) -> DecoderArch:
@@ -49,7 +47,7 @@ def deepseek_arch(cfg: Any, tensor_parallel_size: int = 1) -> DecoderArch:
         sliding_windows=(None,) * layers, ropes=layer_ropes(cfg, mla.rope_dim, None),
         kv_replicas=tensor_parallel_size,
         mlp_kinds=tuple("moe" if sparse else "dense" for sparse in moe.sparse_layers),
-        moe=moe, mla=mla, attn_scale=mla.qk_dim ** -0.5 * yarn_mscale(cfg))
+        moe=moe, mla=mla, attn_scale=mla.qk_dim ** -0.5 * softmax_mscale(cfg))
 
 
 class DeepseekForCausalLM(MoEForCausalLM):

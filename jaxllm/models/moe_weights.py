@@ -43,6 +43,7 @@ from typing import Any
 
 import numpy as np
 
+from jaxllm.distributed.mesh import MLA_MODEL_TYPES
 from jaxllm.errors import ParameterError
 from jaxllm.layers.moe_glu import SWIGLU, ExpertGLU
 from jaxllm.layers.moe_routing import GroupedRouting
@@ -50,7 +51,7 @@ from jaxllm.models import mxfp4
 from jaxllm.models.contract import WeightSource
 
 MOE_MODEL_TYPES = ("mixtral", "qwen3_moe", "qwen2_moe", "glm4_moe", "olmoe")
-DEEPSEEK_TYPES = ("deepseek_v2", "deepseek_v3")  # models/deepseek.py reads them
+DEEPSEEK_TYPES = MLA_MODEL_TYPES  # models/deepseek.py reads them
 GRANITE_MOE_TYPES = ("granitemoe", "granitemoeshared")  # models/granite.py reads them
 
 
