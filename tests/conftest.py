@@ -1,5 +1,7 @@
-"""Test-wide setup: 8 fake CPU devices (for mesh tests), float32 matmuls, tiny checkpoints,
-and the suite split over two worker processes (pytest-xdist, pyproject's addopts)."""
+"""Test-wide setup: 8 fake CPU devices (for mesh tests), tiny checkpoints, and the suite
+split over two worker processes (pytest-xdist, pyproject's addopts). Matmul precision is
+left to the engine (layers/precision.py): a GPU run of the suite multiplies as a user's
+float32 engine does."""
 
 import os
 
@@ -10,12 +12,9 @@ os.environ.setdefault("HF_HUB_OFFLINE", "1")
 # The scheduler verifies its running batch's arrays against the requests every step.
 os.environ.setdefault("JAXLLM_CHECK_INVARIANTS", "1")
 
-import jax  # noqa: E402
-
-jax.config.update("jax_default_matmul_precision", "highest")
-
 import gc  # noqa: E402
 
+import jax  # noqa: E402
 import pytest  # noqa: E402
 
 from jaxllm.worker import aot_cache  # noqa: E402

@@ -22,6 +22,7 @@ import numpy as np
 from flax import nnx
 
 from jaxllm.layers.attention import AttentionMetadata
+from jaxllm.layers.precision import products_at
 
 
 class KVCacheSpec(NamedTuple):
@@ -57,8 +58,9 @@ class LogitsHead:
     scale: float = 1.0
 
     def __call__(self, head: jax.Array, hidden: jax.Array) -> jax.Array:
-        logits = jnp.einsum("nh,vh->nv", hidden.astype(head.dtype), head,
-                            preferred_element_type=jnp.float32)
+        with products_at(head.dtype):
+            logits = jnp.einsum("nh,vh->nv", hidden.astype(head.dtype), head,
+                                preferred_element_type=jnp.float32)
         if self.scale != 1.0:
             logits = logits * self.scale
         if self.soft_cap is not None:

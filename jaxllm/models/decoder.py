@@ -59,6 +59,7 @@ from jaxllm.layers.mlp import SwiGLU
 from jaxllm.layers.moe import SparseMoE
 from jaxllm.layers.moe_shared import SharedExpertMoE
 from jaxllm.layers.norm import RMSNorm, layer_norm, rms_norm
+from jaxllm.layers.precision import at_model_precision
 from jaxllm.models.contract import KVCacheSpec, LogitsHead, WeightSource
 from jaxllm.models.decoder_arch import DecoderArch, with_context
 from jaxllm.models.decoder_attention import DecoderAttention
@@ -197,6 +198,7 @@ class DecoderForCausalLM(nnx.Module):
         self.kv_scales = (make_param(rngs, (arch.num_layers, 2), jnp.float32, P(None, None),
                                      "ones") if kv_cache_dtype != "auto" else None)
 
+    @at_model_precision
     def __call__(self, input_ids: jax.Array, positions: jax.Array, kv_cache: jax.Array,
                  md: AttentionMetadata) -> tuple[jax.Array, jax.Array]:
         """Hidden states after the final norm `[T, hidden]` and the updated KV cache.
@@ -207,6 +209,7 @@ class DecoderForCausalLM(nnx.Module):
         states, normed, kv_cache = self._trunk(input_ids, positions, kv_cache, md)
         return self._last(states, normed, positions, kv_cache, md)
 
+    @at_model_precision
     def forward_rows(self, input_ids: jax.Array, positions: jax.Array, kv_cache: jax.Array,
                      md: AttentionMetadata, rows: jax.Array
                      ) -> tuple[jax.Array, jax.Array, jax.Array]:
@@ -225,12 +228,14 @@ class DecoderForCausalLM(nnx.Module):
         y, kv_cache = self._last(states, normed, positions, kv_cache, md, rows=rows)
         return y, kv_cache, states
 
+    @at_model_precision
     def finish_states(self, states: jax.Array, positions: jax.Array, kv_cache: jax.Array,
                       md: AttentionMetadata) -> jax.Array:
         """Every row's hidden state `[T, hidden]` from `forward_rows`' `states` and the
         cache it returned (the rare steps that score prompt tokens)."""
         return self._last(states, None, positions, kv_cache, md, write=False)[0]
 
+    @at_model_precision
     def forward_captured(self, input_ids: jax.Array, positions: jax.Array,
                          kv_cache: jax.Array, md: AttentionMetadata, rows: jax.Array,
                          layers: tuple[int, ...], on_rows: bool
@@ -326,6 +331,7 @@ class DecoderForCausalLM(nnx.Module):
         """The `[vocab, H]` matrix the logits come from (the embedding when tied)."""
         return self.embed_tokens if self.lm_head is None else self.lm_head
 
+    @at_model_precision
     def compute_logits(self, hidden: jax.Array) -> jax.Array:
         return self.head_logits(self.logits_head[...], hidden)
 

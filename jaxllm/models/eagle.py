@@ -29,6 +29,7 @@ from jaxllm.layers.attention_sharded import shard_attention
 from jaxllm.layers.gated_mlp import GatedMLP
 from jaxllm.layers.linear import Linear, make_param
 from jaxllm.layers.norm import rms_norm
+from jaxllm.layers.precision import at_model_precision
 from jaxllm.models.decoder_attention import DecoderAttention
 from jaxllm.models.decoder_weights import hf_weight_map
 from jaxllm.models.eagle_config import FIELD, EagleHeadSpec, canonical
@@ -49,6 +50,7 @@ class EagleHead(nnx.Module):
         # and its output is the replicated residual stream), vocab-parallel tables.
         arch = llama_arch(spec.hf_config, tensor_parallel_size)
         h = arch.hidden_size
+        self.dtype = jnp.dtype(dtype)
         self.eagle3 = spec.eagle3
         self.eps = arch.rms_norm_eps
         self.norm_before_residual = spec.norm_before_residual
@@ -71,6 +73,7 @@ class EagleHead(nnx.Module):
         self.d2t = (nnx.Param(jnp.zeros(spec.draft_vocab_size, jnp.int32))
                     if spec.eagle3 else None)
 
+    @at_model_precision
     def __call__(self, embeds: jax.Array, hidden: jax.Array, positions: jax.Array,
                  kv_cache: jax.Array, md: AttentionMetadata
                  ) -> tuple[jax.Array, jax.Array, jax.Array]:
@@ -89,10 +92,12 @@ class EagleHead(nnx.Module):
         pre = self.mlp(rms_norm(x, n[2], self.eps), x)
         return pre, rms_norm(pre, n[3], self.eps), kv_cache
 
+    @at_model_precision
     def combine(self, aux: jax.Array) -> jax.Array:
         """EAGLE-3's fc over the target's concatenated aux hidden states (EAGLE: as is)."""
         return self.fc(aux) if self.eagle3 else aux
 
+    @at_model_precision
     def greedy(self, hidden: jax.Array, target_head: jax.Array, head_logits: Any) -> jax.Array:
         """The argmax target token ids of the logits' hidden states `hidden`."""
         if not self.eagle3:  # the target's logits head

@@ -33,6 +33,7 @@ from jaxllm.core.sched_output import SchedulerOutput
 from jaxllm.distributed.dp_devices import core_devices
 from jaxllm.distributed.mesh import make_mesh
 from jaxllm.layers.attention import get_attention_backend
+from jaxllm.layers.precision import products_at
 from jaxllm.models.loader import load_model
 from jaxllm.pooler_config import activate
 from jaxllm.sampling_params import PoolingParams
@@ -124,9 +125,10 @@ class EncoderModelRunner:
             tok = packed[:4 * t_pad].reshape(4, t_pad)
             req = packed[4 * t_pad:].reshape(2, self.num_rows)
             m = nnx.merge(graphdef, jax.tree.unflatten(state_def, weights))
-            hidden = m(tok[0], tok[1], tok[2], tok[3])
-            pooled = pool_hidden(hidden, req, tok[2], pooling_type)
-            return m.classify(pooled) if classifies else pooled
+            with products_at(mc.dtype):
+                hidden = m(tok[0], tok[1], tok[2], tok[3])
+                pooled = pool_hidden(hidden, req, tok[2], pooling_type)
+                return m.classify(pooled) if classifies else pooled
 
         self._encode = jax.jit(encode)
         self.wait_seconds = self.dispatch_seconds = 0.0

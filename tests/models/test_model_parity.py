@@ -18,6 +18,7 @@ import numpy as np
 import pytest
 import torch
 from flax import nnx
+from jax.lax import Precision
 from safetensors.torch import load_file, save_file
 from transformers import AutoConfig, AutoModelForCausalLM
 
@@ -27,6 +28,7 @@ from jaxllm.errors import ParameterError
 from jaxllm.layers.attention import AttentionMetadata, get_attention_backend
 from jaxllm.models.loader import kv_cache_spec, load_model
 from jaxllm.models.registry import get_model_class
+from tests.jaxprs import equations
 from tests.models.tiny_checkpoints import make_tiny_checkpoint
 
 BLOCK_SIZE = 4
@@ -399,6 +401,37 @@ def test_bf16_checkpoint_loads_into_fused_layout_and_runs_in_either_dtype(tmp_pa
         for g, w in zip(got, want, strict=True):
             assert g.dtype == np.float32
             np.testing.assert_allclose(g, w, rtol=0, atol=atol)
+
+
+@pytest.mark.parametrize("arch", ["qwen2", "qwen3_moe"])
+def test_float32_models_multiply_in_float32_and_bfloat16_ones_at_the_default(arch, tmp_path):
+    """JAX's default float32 products are TF32 on NVIDIA GPUs and one bfloat16 pass on
+    TPUs (layers/precision.py): every product of a float32 model's forward and logits,
+    the experts' grouped ones too, is traced at HIGHEST; a bfloat16 model's at the
+    default. (The CPU multiplies float32 fully either way, so only the program shows it.)"""
+    model_dir = make_tiny_checkpoint(tmp_path, arch=arch)
+    highest = (Precision.HIGHEST, Precision.HIGHEST)
+    for dtype, want in (("float32", {highest}), ("bfloat16", {None})):
+        products = _products(load(model_dir, dtype=dtype))
+        names = {e.primitive.name for e in products}
+        assert "dot_general" in names and ("ragged_dot_general" in names) == (arch == "qwen3_moe")
+        assert {e.params["precision"] for e in products} == want, dtype
+
+
+def _products(model: nnx.Module) -> list:
+    """The matrix products of the model's traced prefill forward and logits."""
+    graphdef, state = nnx.split(model)
+
+    def step(state, ids, positions, caches, md):
+        m = nnx.merge(graphdef, state)
+        hidden, caches = m(ids, positions, caches, md)
+        return m.compute_logits(hidden), caches
+
+    ids, positions = _prefill_inputs(prompts_for(256))
+    jaxpr = jax.make_jaxpr(step)(state, ids, positions, _empty_cache(model),
+                                 _metadata(list(PROMPT_LENS), list(PROMPT_LENS), TOKEN_BUCKET))
+    return [e for e in equations(jaxpr.jaxpr)
+            if e.primitive.name in ("dot_general", "ragged_dot_general")]
 
 
 def test_missing_or_unexpected_tensor_is_named_in_the_error(tmp_path):
