@@ -331,7 +331,6 @@ class DecoderForCausalLM(nnx.Module):
         """The `[vocab, H]` matrix the logits come from (the embedding when tied)."""
         return self.embed_tokens if self.lm_head is None else self.lm_head
 
-    @at_model_precision
     def compute_logits(self, hidden: jax.Array) -> jax.Array:
         return self.head_logits(self.logits_head[...], hidden)
 
