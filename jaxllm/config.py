@@ -37,6 +37,11 @@ def compilation_cache_dir(path: str | None = None) -> str:
         os.environ.get("XDG_CACHE_HOME", os.path.expanduser("~/.cache")), "jaxllm", "xla")
 
 
+def precompile_default() -> bool:
+    """Whether an engine not told otherwise precompiles: JAXLLM_PRECOMPILE, on unless "0"."""
+    return os.environ.get("JAXLLM_PRECOMPILE", "1") != "0"
+
+
 @dataclass
 class ModelConfig:
     model: str
@@ -197,7 +202,9 @@ class EngineArgs:
     compilation_cache_dir: str | None = None
     token_buckets: list[int] | None = None
     request_buckets: list[int] | None = None
-    precompile: bool = True
+    # Compile every bucket's programs at start-up, so that serving never compiles. None:
+    # JAXLLM_PRECOMPILE (default on; "0" compiles each program when first used).
+    precompile: bool | None = None
     async_scheduling: bool = True
     # vLLM's speculative_config: a dict (or its JSON text) of SpeculativeConfig's fields.
     speculative_config: dict[str, Any] | str | None = None
@@ -283,7 +290,8 @@ class EngineArgs:
             mlp_backend=self.mlp_backend, mlp_interpret=self.mlp_interpret,
             compilation_cache_dir=self.compilation_cache_dir,
             token_buckets=self.token_buckets, request_buckets=self.request_buckets,
-            precompile=self.precompile, async_scheduling=self.async_scheduling,
+            precompile=precompile_default() if self.precompile is None else self.precompile,
+            async_scheduling=self.async_scheduling,
             speculative_config=spec,
             draft_model_config=self._draft_model_config(spec, model_config),
             eagle_head=read_eagle_head(spec, model_config.hf_config, self.tensor_parallel_size))

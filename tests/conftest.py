@@ -5,12 +5,20 @@ float32 engine does."""
 
 import os
 
-os.environ.setdefault("XLA_FLAGS", "--xla_force_host_platform_device_count=8")
+# LLVM's cheap pipeline: the suite's programs are tiny and compiled once each, so
+# compiling them is most of its time and running them little (no fast-math either way).
+os.environ.setdefault("XLA_FLAGS", "--xla_force_host_platform_device_count=8 "
+                      "--xla_backend_optimization_level=0 --xla_llvm_disable_expensive_passes=true")
 os.environ.setdefault("JAX_PLATFORMS", "cpu")
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 # The scheduler verifies its running batch's arrays against the requests every step.
 os.environ.setdefault("JAXLLM_CHECK_INVARIANTS", "1")
+# Engines compile each program when a step first needs it: a test's engine runs a few
+# steps, and compiling every bucket's variants up front would be most of the suite's
+# time. The tests that check that a warmed-up engine compiles nothing while serving
+# ask for `precompile=True`.
+os.environ.setdefault("JAXLLM_PRECOMPILE", "0")
 
 import gc  # noqa: E402
 

@@ -48,7 +48,7 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
             continue
         flag = "--" + f.name.replace("_", "-")
         hint = hints[f.name]
-        if hint is bool:
+        if hint is bool or hint == bool | None:  # None: the field's own default rule
             parser.add_argument(flag, action=argparse.BooleanOptionalAction, default=f.default)
             continue
         base = next((t for t in typing.get_args(hint) if t is not type(None)), hint)

@@ -12,7 +12,7 @@ from jaxllm.worker import aot_cache
 
 ENGINE = dict(dtype="float32", max_model_len=128, max_num_seqs=4, max_num_batched_tokens=64,
               block_size=8, token_buckets=[16, 64], request_buckets=[4], seed=0,
-              num_kv_blocks=64)
+              num_kv_blocks=64, precompile=True)  # the programs the cache holds
 PROMPTS = [{"prompt_token_ids": [5, 9, 11, 40, 7]}, {"prompt_token_ids": list(range(3, 40))}]
 GREEDY = SamplingParams(temperature=0.0, max_tokens=12, ignore_eos=True)
 
@@ -105,9 +105,9 @@ def test_the_mosaic_gpu_backend_keeps_the_caches_on(model_dir, tmp_path):
     from jaxllm.worker.model_runner import ModelRunner
 
     # The Mosaic GPU backend on this CPU host: its interpret-mode build.
-    config = EngineArgs(model=model_dir, compilation_cache_dir=str(tmp_path), precompile=False,
+    config = EngineArgs(model=model_dir, compilation_cache_dir=str(tmp_path),
                         attention_backend="pallas_gpu_mosaic", attention_interpret=True,
-                        **ENGINE).create_engine_config()
+                        **{**ENGINE, "precompile": False}).create_engine_config()
     runner = ModelRunner(config)
     assert runner.attn_backend.name == "pallas_gpu_mosaic"
     assert runner.aot_cache is not None

@@ -130,7 +130,7 @@ def test_24_prompts_batched_across_request_buckets_and_chunks_equal_each_run_alo
 
 @pytest.mark.slow
 def test_no_compilation_after_warmup_during_a_mixed_workload(model_dir, prompts):
-    llm = LLM(model_dir, **BASE)
+    llm = LLM(model_dir, **BASE, precompile=True)
     with recorded_compilations() as compiles:
         mixed = [
             GREEDY,

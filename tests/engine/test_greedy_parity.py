@@ -11,8 +11,10 @@ from tests.models.tiny_checkpoints import make_tiny_checkpoint
 
 NEW_TOKENS = 32
 LENGTHS = [5, 13, 22, 31]
-ENGINE = dict(dtype="float32", max_model_len=128, max_num_seqs=8, max_num_batched_tokens=64,
-              block_size=8, token_buckets=[16, 64], request_buckets=[4, 8], seed=0)
+# One 16-token bucket: the prompts are prefilled in chunks beside other prompts' decode
+# steps, through one compiled forward.
+ENGINE = dict(dtype="float32", max_model_len=128, max_num_seqs=4, max_num_batched_tokens=16,
+              block_size=8, token_buckets=[16], request_buckets=[4], seed=0)
 
 CASES = {
     "llama-gqa-untied": dict(arch="llama", num_key_value_heads=2, tie_word_embeddings=False),
@@ -78,15 +80,25 @@ CASES = {
     "gpt-oss-sinks-window": dict(arch="gpt_oss", num_key_value_heads=2, sliding_window=8),
 }
 
+# The mixture-of-experts cases; the first seven also run through the fused expert kernel.
+MOE_CASES = ("mixtral", "qwen3-moe-dense-layer-1", "qwen2-moe-shared-expert",
+             "glm4-moe-grouped-routing", "olmoe-clip-qkv", "granitemoeshared",
+             "deepseek-v3-mla-grouped", "deepseek-v2-mla-yarn-group-limited",
+             "gpt-oss-sinks-window")
 
 pytestmark = pytest.mark.slow  # an engine and transformers per model
 
 
 @pytest.mark.parametrize("case", list(CASES))
-def test_greedy_tokens_top5_logprobs_and_prompt_logprobs_match_transformers(case, tmp_path):
+def test_greedy_tokens_top5_logprobs_and_prompt_logprobs_match_transformers(case, tmp_path,
+                                                                           monkeypatch):
     overrides = dict(CASES[case])
     model_dir = make_tiny_checkpoint(tmp_path, **overrides)
-    llm = LLM(model_dir, **ENGINE)
+    engine = ENGINE
+    if case in MOE_CASES:  # decode steps take the small-step experts, prefill chunks the grouped
+        monkeypatch.setenv("JAXLLM_MOE_SMALL_TOKENS", "8")
+        engine = {**ENGINE, "token_buckets": [8, 16]}
+    llm = LLM(model_dir, **engine)
     vocab = llm.llm_engine.model_config.vocab_size
     prompts = random_prompts(vocab, LENGTHS, seed=len(case))
     params = SamplingParams(temperature=0.0, max_tokens=NEW_TOKENS, ignore_eos=True, logprobs=5,
@@ -111,13 +123,12 @@ def test_greedy_tokens_top5_logprobs_and_prompt_logprobs_match_transformers(case
                 assert abs(top5[tok] - lp) < 1e-4
 
 
-@pytest.mark.parametrize("case", ["mixtral", "qwen3-moe-dense-layer-1", "qwen2-moe-shared-expert",
-                                  "glm4-moe-grouped-routing", "olmoe-clip-qkv",
-                                  "granitemoeshared", "deepseek-v3-mla-grouped"])
+@pytest.mark.parametrize("case", MOE_CASES[:7])
 def test_moe_decode_steps_through_the_fused_expert_kernel_match_transformers(
         case, tmp_path, monkeypatch):
     """The same parity with every small step's experts in pallas_kernels/moe_small (its
     Pallas interpret mode on the CPU) instead of the loop; GLM-4.5's grouped routing in
     jnp before them (DeepSeek-V3's too), the others' in the routing kernel."""
     monkeypatch.setenv("JAXLLM_MOE_SMALL_KERNEL", "pallas")
-    test_greedy_tokens_top5_logprobs_and_prompt_logprobs_match_transformers(case, tmp_path)
+    test_greedy_tokens_top5_logprobs_and_prompt_logprobs_match_transformers(case, tmp_path,
+                                                                           monkeypatch)

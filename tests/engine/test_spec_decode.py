@@ -22,8 +22,13 @@ from tests.compilations import recorded_compilations
 from tests.engine.hf_reference import random_prompts
 from tests.models.tiny_checkpoints import checkpoint_vocab_size
 
-BASE = dict(dtype="float32", max_model_len=128, max_num_seqs=8, block_size=8, seed=0,
-            token_buckets=[16, 64], request_buckets=[4, 8], max_num_batched_tokens=64)
+# One bucket of 16 tokens and 4 requests: a verify step of 4 requests with 3 drafts each
+# fills it, and prompts are prefilled in chunks beside them.
+BASE = dict(dtype="float32", max_model_len=128, max_num_seqs=4, block_size=8, seed=0,
+            token_buckets=[16], request_buckets=[4], max_num_batched_tokens=16)
+# Whole prompts in one step, over two token and two request buckets.
+WHOLE = dict(max_num_seqs=8, request_buckets=[4, 8], max_num_batched_tokens=64,
+             token_buckets=[16, 64])
 SPEC = {"method": "ngram", "num_speculative_tokens": 3, "prompt_lookup_max": 3,
         "prompt_lookup_min": 1}
 
@@ -83,9 +88,9 @@ def _assert_same(got, want):
 
 @pytest.mark.parametrize("extra", [
     {},
-    {"max_num_batched_tokens": 16, "token_buckets": [16]},  # chunked prefill
+    WHOLE,
     {"num_kv_blocks": 20},  # preemption
-], ids=["plain", "chunked-prefill", "preemption"])
+], ids=["plain", "whole-prompts", "preemption"])
 def test_greedy_output_equals_no_speculation(model_dir, prompts, extra):
     greedy = SamplingParams(temperature=0.0, max_tokens=40, ignore_eos=True)
     ref_llm = LLM(model_dir, **{**BASE, **extra})
@@ -171,7 +176,8 @@ def test_no_compilation_after_warmup_with_speculation():
 @pytest.mark.skipif(os.environ.get(ISOLATED) != "1",
                     reason="runs in its own process (test_no_compilation_after_warmup_...)")
 def test_no_compilation_after_warmup_with_speculation_in_this_process(model_dir, prompts):
-    assert_no_compilation_while_speculating(LLM(model_dir, **BASE, speculative_config=SPEC),
+    assert_no_compilation_while_speculating(LLM(model_dir, **BASE, speculative_config=SPEC,
+                                                precompile=True),
                                             prompts)
 
 

@@ -49,7 +49,7 @@ drafts = draft_tests.drafts
 ENGINE = dict(ngram_tests.BASE, block_size=4, max_model_len=96, precompile=False)
 SETTINGS = {
     "plain": {},
-    "chunked-prefill": {"max_num_batched_tokens": 16, "token_buckets": [16]},
+    "whole-prompts": ngram_tests.WHOLE,
     # vLLM's count: 48 block ids, each a page in each layer of one of the two groups;
     # one request of 96 tokens needs 44, the workload far more at once.
     "preemption": {"num_gpu_blocks_override": 48},
@@ -101,8 +101,8 @@ def assert_windows_let_go(llm: LLM, held: list[list[int]]) -> None:
 
 @pytest.mark.slow  # engines with and without speculation
 @pytest.mark.parametrize("method, extra_id", [
-    ("ngram", "plain"), ("ngram", "chunked-prefill"), ("ngram", "preemption"),
-    ("self", "plain"), ("other", "plain"), ("noisy", "chunked-prefill"),
+    ("ngram", "plain"), ("ngram", "whole-prompts"), ("ngram", "preemption"),
+    ("self", "plain"), ("other", "plain"), ("noisy", "whole-prompts"),
     ("self", "preemption"), ("noisy", "preemption"),
 ])
 def test_greedy_output_equals_no_speculation(model_dir, drafts, prompts, method, extra_id):
@@ -132,9 +132,11 @@ def test_prefix_cache_hits_keep_greedy_output(model_dir, drafts, prompts, method
     """Every prompt again, its blocks now cached in both groups; the target drafting
     for itself still accepts every draft, so the draft's KV in the hit blocks (the
     full-attention group's) is its own."""
-    greedy, want, _, _ = _reference(model_dir, prompts, "plain", {}, base=ENGINE)
+    # Eight requests at once: the first run's blocks are still cached when the second starts.
+    engine = {**ENGINE, **ngram_tests.WHOLE}
+    greedy, want, _, _ = _reference(model_dir, prompts, "whole-prompts", {}, base=engine)
     spec = SPEC if method == "ngram" else spec_config(drafts[method])
-    llm = LLM(model_dir, **ENGINE, speculative_config=spec)
+    llm = LLM(model_dir, **engine, speculative_config=spec)
     held = record_held_blocks(llm)
     draft_tokens, accepted = rerun_with_prefix_hits(llm, prompts, greedy, want)
     assert accepted > 0

@@ -20,6 +20,7 @@ from jaxllm import LLM, SamplingParams
 from tests.engine.test_spec_decode import (
     BASE,
     ISOLATED,
+    WHOLE,
     _assert_same,
     _record_spec_stats,
     _run,
@@ -115,9 +116,10 @@ def rerun_with_prefix_hits(llm, prompts, greedy, want) -> tuple[int, int]:
     ("self", "plain", {}),
     ("noisy", "plain", {}),
     ("other", "plain", {}),
-    ("noisy", "chunked-prefill", {"max_num_batched_tokens": 16, "token_buckets": [16]}),
-    ("self", "preemption", {"num_kv_blocks": 20}),
-    ("noisy", "preemption", {"num_kv_blocks": 20}),
+    ("noisy", "whole-prompts", WHOLE),
+    # Eight requests at once over 20 blocks.
+    ("self", "preemption", {**WHOLE, "num_kv_blocks": 20}),
+    ("noisy", "preemption", {**WHOLE, "num_kv_blocks": 20}),
 ], ids=lambda v: v if isinstance(v, str) else None)
 def test_greedy_output_equals_no_speculation(model_dir, drafts, prompts, draft, extra_id,
                                              extra):
@@ -178,5 +180,6 @@ def test_no_compilation_after_warmup_with_a_draft_model():
                     reason="runs in its own process (test_no_compilation_after_warmup_...)")
 def test_no_compilation_after_warmup_with_a_draft_model_in_this_process(model_dir, drafts,
                                                                          prompts):
-    llm = LLM(model_dir, **BASE, speculative_config=spec_config(drafts["noisy"]))
+    llm = LLM(model_dir, **BASE, speculative_config=spec_config(drafts["noisy"]),
+              precompile=True)
     assert_no_compilation_while_speculating(llm, prompts)

@@ -35,6 +35,7 @@ from tests.engine.eagle_heads import (
 from tests.engine.test_spec_decode import (
     BASE,
     ISOLATED,
+    WHOLE,
     _assert_same,
     _record_spec_stats,
     _run,
@@ -48,7 +49,7 @@ from tests.engine.test_spec_draft_model import run_twice_with_prefix_hits
 from tests.models.tiny_checkpoints import make_tiny_checkpoint
 
 METHODS = ("eagle", "eagle3")
-CHUNKED = {"max_num_batched_tokens": 16, "token_buckets": [16]}
+
 
 
 @pytest.fixture(scope="module")
@@ -90,12 +91,12 @@ def _reference(model_dir, prompts, extra_id, extra):
 
 @pytest.mark.slow
 @pytest.mark.parametrize("method", METHODS)
-@pytest.mark.parametrize("variant, extra", [("", {}), ("-copy", CHUNKED)],
-                         ids=["random-plain", "copying-chunked-prefill"])
+@pytest.mark.parametrize("variant, extra", [("", {}), ("-copy", WHOLE)],
+                         ids=["random-plain", "copying-whole-prompts"])
 def test_proposed_drafts_equal_an_independent_reference(model_dir, heads, prompts, method,
                                                         variant, extra):
-    """Random heads in plain steps; copying heads (accepted runs, so a request's next
-    proposal starts past several verified drafts) under chunked prefill."""
+    """Random heads under chunked prefill; copying heads (accepted runs, so a request's
+    next proposal starts past several verified drafts) on whole prompts."""
     head = heads[method + variant]
     llm = LLM(model_dir, **{**BASE, **extra}, speculative_config=spec_config(method, head))
     recorded = record_proposals(llm)
@@ -111,7 +112,7 @@ def test_proposed_drafts_equal_an_independent_reference(model_dir, heads, prompt
 @pytest.mark.parametrize("variant, extra_id, extra", [
     ("", "plain", {}),
     ("-copy", "plain", {}),
-    ("-copy", "chunked-prefill", CHUNKED),
+    ("-copy", "whole-prompts", WHOLE),
     ("-copy", "preemption", {"num_kv_blocks": 20}),
 ], ids=lambda v: {"": "random", "-copy": "copying"}.get(v, v) if isinstance(v, str) else None)
 def test_greedy_output_equals_no_speculation(model_dir, heads, prompts, method, variant,
@@ -181,7 +182,7 @@ def test_no_compilation_after_warmup_with_eagle_heads():
 @pytest.mark.parametrize("method, tp", [("eagle", 1), ("eagle3", 2)])
 def test_no_compilation_after_warmup_with_eagle_heads_in_this_process(model_dir, heads,
                                                                       prompts, method, tp):
-    llm = LLM(model_dir, **BASE, tensor_parallel_size=tp,
+    llm = LLM(model_dir, **BASE, tensor_parallel_size=tp, precompile=True,
               speculative_config=spec_config(method, heads[method]))
     assert_no_compilation_while_speculating(llm, prompts)
 

@@ -46,7 +46,7 @@ def test_lora_with_ngram_or_draft_model_speculation_equals_lora_without_it(tmp_p
         assert all(row[j] != row[0] for j in range(1, len(loras)))
     draft_model = {"method": "draft_model", "model": base, "num_speculative_tokens": 3}
     for spec in (SPEC, draft_model):
-        llm = LLM(base, **engine, speculative_config=spec)
+        llm = LLM(base, **engine, speculative_config=spec, precompile=True)
         stats = _record_spec_stats(llm)
         with recorded_compilations() as compiles:
             got = run(llm)

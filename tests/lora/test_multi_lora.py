@@ -63,7 +63,7 @@ def _check_mixed_batch(llm: LLM, setup) -> None:
 def test_batch_mixing_three_adapters_and_the_base_model_matches_merged_transformers(setup, tp):
     """At tp 2 the tables shard as the base weights (B over column-parallel outputs,
     A over row-parallel inputs)."""
-    llm = LLM(setup[0], max_loras=3, tensor_parallel_size=tp, **ENGINE)
+    llm = LLM(setup[0], max_loras=3, tensor_parallel_size=tp, precompile=True, **ENGINE)
     runner = llm.llm_engine.engine_core.engine_core.model_runner
     assert runner.mesh.shape["model"] == tp
     with recorded_compilations() as compiles:
@@ -83,7 +83,7 @@ def test_batch_mixing_three_adapters_and_the_base_model_matches_merged_transform
 def test_fewer_slots_than_adapters_evicts_and_queues_with_the_same_tokens(setup):
     """max_loras=2 with three adapters in flight: the third waits for a slot, and slots
     are reloaded as adapters come and go; every request still gets its tokens."""
-    llm = LLM(setup[0], max_loras=2, **ENGINE)
+    llm = LLM(setup[0], max_loras=2, precompile=True, **ENGINE)
     runner = llm.llm_engine.engine_core.engine_core.model_runner
     with recorded_compilations() as compiles:
         _check_mixed_batch(llm, setup)

@@ -45,7 +45,7 @@ def embed(llm: LLM, prompts: list[list[int]], **params) -> np.ndarray:
                                                ("lasttoken", False)])
 def test_embeddings_equal_transformers_pooled_hidden_states(tmp_path, pooling, normalize, tp):
     model_dir = make_tiny_bert(tmp_path, pooling, normalize=normalize)
-    llm = LLM(model_dir, tensor_parallel_size=tp, **ENGINE)
+    llm = LLM(model_dir, tensor_parallel_size=tp, precompile=True, **ENGINE)
     with recorded_compilations() as compiles:
         got = embed(llm, PROMPTS)
     assert compiles == []

@@ -46,7 +46,7 @@ def sigmoid(x: np.ndarray) -> np.ndarray:
 @pytest.mark.parametrize("family", ["bert", "roberta", "xlm-roberta"])
 def test_cross_encoder_scores_are_the_sigmoid_of_transformers_pair_logits(tmp_path, family):
     model_dir = make_tiny_cross_encoder(tmp_path, family)
-    llm = LLM(model_dir, **ENGINE)
+    llm = LLM(model_dir, precompile=True, **ENGINE)
     assert llm.llm_engine.model_config.supported_tasks == ("classify", "score")
     with recorded_compilations() as compiles:
         one_to_many = llm.score(QUERIES[0], DOCS, use_tqdm=False)

@@ -31,7 +31,7 @@ def test_only_w8a8_fp8_programs_on_gpu_turn_triton_gemms_off(monkeypatch):
 
 ENGINE = dict(dtype="float32", max_model_len=128, max_num_seqs=4, max_num_batched_tokens=64,
               block_size=8, token_buckets=[16, 64], request_buckets=[4], seed=0,
-              num_kv_blocks=64)
+              num_kv_blocks=64, precompile=True)  # the programs the cache holds
 PROMPTS = [{"prompt_token_ids": [5, 9, 11, 40, 7]}, {"prompt_token_ids": list(range(3, 40))}]
 GREEDY = SamplingParams(temperature=0.0, max_tokens=6, ignore_eos=True)
 

@@ -40,7 +40,7 @@ def model_dir(tmp_path_factory):
 
 @pytest.fixture(scope="module")
 def llm(model_dir) -> LLM:
-    return LLM(model_dir, **SETTINGS)
+    return LLM(model_dir, **SETTINGS, precompile=True)  # warmed up: nothing compiles
 
 
 @pytest.fixture(scope="module")

@@ -109,7 +109,7 @@ def test_the_runner_loads_the_programs_the_compile_step_wrote(tmp_path, monkeypa
     assert len(written) == 2
 
     monkeypatch.setattr(aot_cache, "_compiled", {})  # as a fresh process
-    llm = LLM(**engine)
+    llm = LLM(**engine, precompile=True)
     runner = llm.llm_engine.engine_core.engine_core.model_runner
     assert (runner.aot_cache.traced, runner.aot_cache.loaded) == (0, 2)
     assert sorted(p.name for p in (tmp_path / "jaxllm-aot").glob("*.jaxexe")) == written
