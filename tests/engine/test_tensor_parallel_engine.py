@@ -23,7 +23,7 @@ import pytest
 from jaxllm import LLM, SamplingParams
 from jaxllm.layers import row_reduce
 from jaxllm.sample.metadata import variant_metadata
-from tests.compilations import recorded_compilations
+from tests.compilations import generate_recording_compilations
 from tests.engine.hf_reference import hf_greedy, random_prompts
 from tests.jaxprs import equations
 from tests.models.tiny_checkpoints import checkpoint_vocab_size, make_tiny_checkpoint
@@ -183,12 +183,7 @@ def _check_workload(llm: LLM, prompts: list[list[int]], hf_tokens: list[list[int
     preemptions on the way. Nothing compiles on the second pass, nor on the first
     after a precompiled start-up."""
     assert _runner(llm).mesh.shape["model"] == tp
-    runs, compiles = [], []
-    for _ in range(2):
-        with recorded_compilations() as compiled:
-            runs.append(llm.generate([{"prompt_token_ids": p} for p in prompts], GREEDY,
-                                     use_tqdm=False))
-        compiles.append(compiled)
+    runs, compiles = generate_recording_compilations(llm, prompts, GREEDY)
     for outs in runs:
         assert [o.outputs[0].token_ids for o in outs] == hf_tokens
     stats = llm.llm_engine.last_stats

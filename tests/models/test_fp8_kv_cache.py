@@ -26,7 +26,7 @@ from jaxllm.distributed.mesh import make_mesh
 from jaxllm.errors import ParameterError
 from jaxllm.layers.attention import get_attention_backend
 from jaxllm.models.loader import load_model
-from tests.compilations import recorded_compilations
+from tests.compilations import generate_recording_compilations
 from tests.engine.hf_reference import random_prompts
 from tests.models import test_model_parity as parity
 from tests.models.tiny_checkpoints import make_tiny_checkpoint
@@ -105,12 +105,7 @@ def test_every_attention_body_and_tp2_read_the_fp8_cache_alike_and_it_holds_twic
                   precompile=warmed, **ENGINE)
         runner = llm.llm_engine.engine_core.engine_core.model_runner
         assert runner.kv_cache.dtype == jnp.float8_e4m3fn
-        outs, compiles = [], []
-        for _ in range(2):
-            with recorded_compilations() as compiled:
-                outs.append(llm.generate([{"prompt_token_ids": p} for p in prompts], params,
-                                         use_tqdm=False))
-            compiles.append(compiled)
+        outs, compiles = generate_recording_compilations(llm, prompts, params)
         assert compiles[1] == [] and (compiles[0] == [] or not warmed)
         key = backend if tp == 1 else f"{backend}-tp{tp}"
         tokens[key] = [[list(o.outputs[0].token_ids) for o in run] for run in outs]
