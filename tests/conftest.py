@@ -5,10 +5,12 @@ float32 engine does."""
 
 import os
 
+from tests.own_process import FAST_COMPILE_FLAGS  # noqa: E402
+
 # LLVM's cheap pipeline: the suite's programs are tiny and compiled once each, so
-# compiling them is most of its time and running them little (no fast-math either way).
-os.environ.setdefault("XLA_FLAGS", "--xla_force_host_platform_device_count=8 "
-                      "--xla_backend_optimization_level=0 --xla_llvm_disable_expensive_passes=true")
+# compiling them is most of its time and running them little (tests/own_process.py).
+os.environ.setdefault("XLA_FLAGS", " ".join(("--xla_force_host_platform_device_count=8",
+                                             *FAST_COMPILE_FLAGS)))
 os.environ.setdefault("JAX_PLATFORMS", "cpu")
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 os.environ.setdefault("HF_HUB_OFFLINE", "1")

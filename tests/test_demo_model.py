@@ -13,6 +13,7 @@ import pytest
 
 from jaxllm import demo_tasks
 from jaxllm.config import default_model_path
+from tests.own_process import isolated, run_in_own_process
 
 N_PROMPTS = 100  # held-out prompts per task
 MAX_TOKENS = 32  # the longest answer (counting to 999) is 21 tokens with its eos
@@ -109,7 +110,7 @@ def test_chat_template_renders_the_training_format(hf):
                             skip_special_tokens=True) == " cba"
 
 
-@pytest.mark.slow
+@isolated
 def test_transformers_greedy_answers_heldout_prompts(hf, prompts, hf_greedy):
     tokenizer, _, _ = hf
     for task, ps in prompts.items():
@@ -118,7 +119,7 @@ def test_transformers_greedy_answers_heldout_prompts(hf, prompts, hf_greedy):
         assert acc >= MIN_ACCURACY, f"{task}: {acc:.2f}"
 
 
-@pytest.mark.slow
+@isolated
 def test_transformers_greedy_answers_heldout_raw_prompts_after_the_marker(hf, prompts,
                                                                          hf_greedy_raw):
     tokenizer, _, _ = hf
@@ -131,6 +132,15 @@ def test_transformers_greedy_answers_heldout_raw_prompts_after_the_marker(hf, pr
         assert acc >= MIN_ACCURACY, f"{task}: {acc:.2f}"
 
 
+@pytest.mark.slow
+def test_jaxllm_answers_in_a_process_compiled_at_xlas_default_optimization():
+    """This file's greedy-answer tests (marked `isolated`): the engine serves
+    hundreds of answers, whose programs run several times slower under the suite's cheap
+    LLVM pipeline (tests/own_process.py), so they run together in a process of their
+    own at XLA's default optimization, where transformers' answers are made once."""
+    run_in_own_process(__file__, "-k", "not default_optimization", optimized=True)
+
+
 @pytest.fixture(scope="module")
 def llm():
     from jaxllm import LLM
@@ -138,7 +148,7 @@ def llm():
     return LLM()  # no model named: the embedded demo model
 
 
-@pytest.mark.slow
+@isolated
 def test_jaxllm_chat_greedy_equals_transformers_and_answers(llm, prompts, hf_greedy):
     from jaxllm import SamplingParams
 
@@ -151,7 +161,7 @@ def test_jaxllm_chat_greedy_equals_transformers_and_answers(llm, prompts, hf_gre
         assert acc >= MIN_ACCURACY, f"{task}: {acc:.2f}"
 
 
-@pytest.mark.slow
+@isolated
 def test_jaxllm_generate_raw_prompts_equals_transformers_and_answers(llm, prompts,
                                                                      hf_greedy_raw):
     from jaxllm import SamplingParams
@@ -165,7 +175,7 @@ def test_jaxllm_generate_raw_prompts_equals_transformers_and_answers(llm, prompt
         assert acc >= MIN_ACCURACY, f"{task}: {acc:.2f}"
 
 
-@pytest.mark.slow
+@isolated
 def test_jaxllm_generate_from_chat_token_ids_equals_transformers(llm, hf, prompts, hf_greedy):
     from jaxllm import SamplingParams
 
@@ -182,7 +192,7 @@ def test_jaxllm_generate_from_chat_token_ids_equals_transformers(llm, hf, prompt
         assert list(out.outputs[0].token_ids) == ref, p
 
 
-@pytest.mark.slow
+@isolated
 def test_jaxllm_serve_answers_heldout_prompts_over_http(prompts, hf, hf_greedy, hf_greedy_raw):
     """`jaxllm serve` with no model: the demo model answers through the OpenAI chat API, and
     raw prompts through the completions API."""

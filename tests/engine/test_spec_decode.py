@@ -9,10 +9,6 @@ deterministic; and the verify programs are compiled at start-up.
 
 from __future__ import annotations
 
-import os
-import subprocess
-import sys
-
 import numpy as np
 import pytest
 
@@ -21,6 +17,7 @@ from jaxllm.core.messages import SpecDecodingStats
 from tests.compilations import recorded_compilations
 from tests.engine.hf_reference import random_prompts
 from tests.models.tiny_checkpoints import checkpoint_vocab_size
+from tests.own_process import isolated, run_in_own_process
 
 # One bucket of 16 tokens and 4 requests: a verify step of 4 requests with 3 drafts each
 # fills it, and prompts are prefilled in chunks beside them.
@@ -33,7 +30,6 @@ SPEC = {"method": "ngram", "num_speculative_tokens": 3, "prompt_lookup_max": 3,
         "prompt_lookup_min": 1}
 
 pytestmark = pytest.mark.slow  # engines with and without speculation
-ISOLATED = "JAXLLM_TEST_ISOLATED"
 
 
 @pytest.fixture(scope="module")
@@ -148,14 +144,6 @@ MIXED_SAMPLING = [
 ]
 
 
-def run_in_own_process(test_id: str) -> None:
-    """Runs one test (`file::name`) in a fresh pytest process with ISOLATED set."""
-    run = subprocess.run(
-        [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", test_id],
-        env={**os.environ, ISOLATED: "1"}, capture_output=True, text=True, timeout=900)
-    assert run.returncode == 0 and " passed" in run.stdout, run.stdout[-4000:] + run.stderr[-2000:]
-
-
 def assert_no_compilation_while_speculating(llm: LLM, prompts) -> None:
     stats = _record_spec_stats(llm)
     with recorded_compilations() as compiles:
@@ -173,8 +161,7 @@ def test_no_compilation_after_warmup_with_speculation():
         f"{__file__}::test_no_compilation_after_warmup_with_speculation_in_this_process")
 
 
-@pytest.mark.skipif(os.environ.get(ISOLATED) != "1",
-                    reason="runs in its own process (test_no_compilation_after_warmup_...)")
+@isolated
 def test_no_compilation_after_warmup_with_speculation_in_this_process(model_dir, prompts):
     assert_no_compilation_while_speculating(LLM(model_dir, **BASE, speculative_config=SPEC,
                                                 precompile=True),

@@ -15,7 +15,6 @@ test_spec_draft_model.py); `model_dir` here is the Gemma 2 target.
 
 from __future__ import annotations
 
-import os
 from types import SimpleNamespace
 
 import pytest
@@ -29,17 +28,16 @@ from tests.engine import test_spec_decode as ngram_tests
 from tests.engine import test_spec_draft_model as draft_tests
 from tests.engine.test_sliding_window_engine import CASES
 from tests.engine.test_spec_decode import (
-    ISOLATED,
     SPEC,
     _assert_same,
     _record_spec_stats,
     _run,
     _totals,
     assert_no_compilation_while_speculating,
-    run_in_own_process,
 )
 from tests.engine.test_spec_draft_model import _reference, rerun_with_prefix_hits, spec_config
 from tests.models.tiny_checkpoints import make_tiny_checkpoint
+from tests.own_process import isolated, run_in_own_process
 
 # Prompts that repeat themselves (ngram drafts find matches), two sharing a prefix.
 prompts = ngram_tests.prompts
@@ -176,8 +174,7 @@ def test_no_compilation_after_warmup_with_a_hybrid_target_and_draft():
                        "with_a_hybrid_target_and_draft_in_this_process")
 
 
-@pytest.mark.skipif(os.environ.get(ISOLATED) != "1",
-                    reason="runs in its own process (test_no_compilation_after_warmup_...)")
+@isolated
 def test_no_compilation_after_warmup_with_a_hybrid_target_and_draft_in_this_process(
         model_dir, drafts, prompts):
     """The draft's proposals (one table) and its mirror of the target's steps (every

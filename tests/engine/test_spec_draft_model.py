@@ -12,14 +12,11 @@ draft's programs are compiled at start-up; and the server takes the method in
 
 from __future__ import annotations
 
-import os
-
 import pytest
 
 from jaxllm import LLM, SamplingParams
 from tests.engine.test_spec_decode import (
     BASE,
-    ISOLATED,
     WHOLE,
     _assert_same,
     _record_spec_stats,
@@ -27,9 +24,9 @@ from tests.engine.test_spec_decode import (
     _totals,
     assert_no_compilation_while_speculating,
     assert_same_token_distribution,
-    run_in_own_process,
 )
 from tests.models.tiny_checkpoints import make_tiny_checkpoint
+from tests.own_process import isolated, run_in_own_process
 
 pytestmark = pytest.mark.slow  # engines with and without speculation
 
@@ -176,8 +173,7 @@ def test_no_compilation_after_warmup_with_a_draft_model():
         f"{__file__}::test_no_compilation_after_warmup_with_a_draft_model_in_this_process")
 
 
-@pytest.mark.skipif(os.environ.get(ISOLATED) != "1",
-                    reason="runs in its own process (test_no_compilation_after_warmup_...)")
+@isolated
 def test_no_compilation_after_warmup_with_a_draft_model_in_this_process(model_dir, drafts,
                                                                          prompts):
     llm = LLM(model_dir, **BASE, speculative_config=spec_config(drafts["noisy"]),

@@ -17,7 +17,6 @@ drafts and greedy output must be the one-device engine's.
 from __future__ import annotations
 
 import json
-import os
 
 import pytest
 
@@ -34,7 +33,6 @@ from tests.engine.eagle_heads import (
 )
 from tests.engine.test_spec_decode import (
     BASE,
-    ISOLATED,
     WHOLE,
     _assert_same,
     _record_spec_stats,
@@ -42,11 +40,11 @@ from tests.engine.test_spec_decode import (
     _totals,
     assert_no_compilation_while_speculating,
     assert_same_token_distribution,
-    run_in_own_process,
 )
 from tests.engine.test_spec_draft_model import _reference as draft_reference
 from tests.engine.test_spec_draft_model import run_twice_with_prefix_hits
 from tests.models.tiny_checkpoints import make_tiny_checkpoint
+from tests.own_process import isolated, run_in_own_process
 
 METHODS = ("eagle", "eagle3")
 
@@ -175,8 +173,7 @@ def test_no_compilation_after_warmup_with_eagle_heads():
         f"{__file__}::test_no_compilation_after_warmup_with_eagle_heads_in_this_process")
 
 
-@pytest.mark.skipif(os.environ.get(ISOLATED) != "1",
-                    reason="runs in its own process (test_no_compilation_after_warmup_...)")
+@isolated
 # Each method at one mesh size and each mesh size with one method: the programs a
 # method adds and those a mesh splits are warmed by the same precompile.
 @pytest.mark.parametrize("method, tp", [("eagle", 1), ("eagle3", 2)])

@@ -23,6 +23,7 @@ channel); their FP8 checkpoints carry a scale per expert projection.
 from __future__ import annotations
 
 import dataclasses
+from typing import Any
 
 import numpy as np
 import pytest
@@ -95,15 +96,17 @@ def assert_weights_are_the_twins(quantized: nnx.Module, twin: nnx.Module) -> Non
 
 
 def greedy_agreement(model_dir: str, twin_dir: str, quantization: str | None,
-                     tp: int = 1) -> float:
+                     tp: int = 1, **sizes: Any) -> float:
     """Fraction of greedy tokens (64 prompts x 32) equal to the twin's, counted up to
-    each sequence's first disagreement; asserts no compilation after warm-up."""
+    each sequence's first disagreement; asserts no compilation after warm-up. One bucket
+    of 16 tokens and 16 requests (prompts prefilled in chunks beside decode steps)
+    unless `sizes` says otherwise."""
     prompts = random_prompts(256, [int(n) for n in
                                    np.random.default_rng(5).integers(3, 17, size=64)], seed=6)
     params = SamplingParams(temperature=0.0, max_tokens=32, ignore_eos=True, logprobs=2)
-    engine = dict(dtype="float32", max_model_len=64, max_num_seqs=16,
-                  max_num_batched_tokens=64, token_buckets=[16, 64], request_buckets=[16],
-                  block_size=8, seed=0, tensor_parallel_size=tp)
+    engine = {**dict(dtype="float32", max_model_len=64, max_num_seqs=16,
+                     max_num_batched_tokens=16, token_buckets=[16], request_buckets=[16],
+                     block_size=8, seed=0, tensor_parallel_size=tp), **sizes}
     outs = {}
     for name, d, q in (("quant", model_dir, quantization), ("twin", twin_dir, None)):
         # The quantized engine warmed up at start-up: nothing compiles while it serves.
@@ -127,6 +130,10 @@ def greedy_agreement(model_dir: str, twin_dir: str, quantization: str | None,
         agreed += first_diff
     return agreed / (64 * 32)
 
+
+# Mixture-of-experts engines: decode steps (16 rows) take the small-step experts, whole
+# prompts (a 64-row bucket) the grouped matmul.
+MOE_SIZES = dict(max_num_batched_tokens=64, token_buckets=[16, 64])
 
 ARCHS = {"llama": dict(arch="llama"),
          "gemma2": dict(arch="gemma2", sliding_window=4, tie_word_embeddings=True),
@@ -182,7 +189,7 @@ def test_moe_greedy_tokens_agree_with_the_dequantized_model_over_64_prompts(arch
     """Quantized experts (and attention) at tp 1, and expert parallel at tp 2."""
     model_dir = make_tiny_checkpoint(tmp_path, **ARCHS[arch])
     twin_dir = dequantized_twin(model_dir, kind, tmp_path)
-    rate = greedy_agreement(model_dir, twin_dir, kind, tp)
+    rate = greedy_agreement(model_dir, twin_dir, kind, tp, **MOE_SIZES)
     print(f"greedy agreement {arch} {kind} tp={tp}: {rate:.4f}")
     assert rate >= MOE_AGREEMENT_FLOOR[kind]
 
@@ -200,7 +207,8 @@ def test_quantized_row_parallel_sums_under_shard_map_agree_with_the_dequantized_
     monkeypatch.setenv(row_reduce.ENV, "psum")
     model_dir = make_tiny_checkpoint(tmp_path, **ARCHS[arch])
     twin_dir = dequantized_twin(model_dir, kind, tmp_path)
-    rate = greedy_agreement(model_dir, twin_dir, kind, 2)
+    rate = greedy_agreement(model_dir, twin_dir, kind, 2,
+                            **(MOE_SIZES if arch == "qwen3_moe" else {}))
     floor = (MOE_AGREEMENT_FLOOR if arch == "qwen3_moe" else AGREEMENT_FLOOR)[kind]
     assert rate >= floor
 
