@@ -5,7 +5,7 @@ float32 engine does."""
 
 import os
 
-from tests.own_process import FAST_COMPILE_FLAGS  # noqa: E402
+from tests.own_process import FAST_COMPILE_FLAGS
 
 # LLVM's cheap pipeline: the suite's programs are tiny and compiled once each, so
 # compiling them is most of its time and running them little (tests/own_process.py).
