@@ -19,14 +19,18 @@ ISOLATED = "JAXLLM_TEST_ISOLATED"
 FAST_COMPILE_FLAGS = ("--xla_backend_optimization_level=0",
                       "--xla_llvm_disable_expensive_passes=true")
 
-# Marks a test that runs only inside `run_in_own_process`'s process.
-isolated = pytest.mark.skipif(os.environ.get(ISOLATED) != "1",
+
+def isolated(test):
+    """Marks `test` as one that runs only inside `run_in_own_process`'s process (skipped
+    elsewhere); `-m own_process` selects such tests."""
+    skip = pytest.mark.skipif(os.environ.get(ISOLATED) != "1",
                               reason="runs in a process of its own (tests/own_process.py)")
+    return pytest.mark.own_process(skip(test))
 
 
-def optimized_env(env: dict[str, str] | None = None) -> dict[str, str]:
-    """`env` (default: this process's) with the cheap pipeline's flags taken out of XLA_FLAGS."""
-    env = dict(os.environ if env is None else env)
+def optimized_env() -> dict[str, str]:
+    """This process's environment with the cheap pipeline's flags taken out of XLA_FLAGS."""
+    env = dict(os.environ)
     flags = env.get("XLA_FLAGS", "").split()
     env["XLA_FLAGS"] = " ".join(f for f in flags if f not in FAST_COMPILE_FLAGS)
     return env
@@ -34,7 +38,7 @@ def optimized_env(env: dict[str, str] | None = None) -> dict[str, str]:
 
 def run_in_own_process(*selection: str, optimized: bool = False, timeout: int = 900) -> None:
     """Runs the tests `selection` names (pytest arguments: `file::name`, or a file and
-    `-m`/`-k` filters) in a fresh pytest process with ISOLATED set; fails unless they
+    `-m own_process`) in a fresh pytest process with ISOLATED set; fails unless they
     pass. `optimized`: compiled at XLA's default optimization (module docstring)."""
     env = optimized_env() if optimized else dict(os.environ)
     run = subprocess.run(

@@ -138,7 +138,7 @@ def test_jaxllm_answers_in_a_process_compiled_at_xlas_default_optimization():
     hundreds of answers, whose programs run several times slower under the suite's cheap
     LLVM pipeline (tests/own_process.py), so they run together in a process of their
     own at XLA's default optimization, where transformers' answers are made once."""
-    run_in_own_process(__file__, "-k", "not default_optimization", optimized=True)
+    run_in_own_process(__file__, "-m", "own_process", optimized=True)
 
 
 @pytest.fixture(scope="module")
