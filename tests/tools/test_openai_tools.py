@@ -9,7 +9,10 @@ regex. The chat template renders the tools and the tool-call history.
 
 from __future__ import annotations
 
+import itertools
 import json
+import re
+from typing import NamedTuple
 
 import jsonschema
 import openai
@@ -68,17 +71,32 @@ def whole(client, **kw) -> tuple[str | None, list[tuple[str, str]], str]:
     return msg.content, calls, resp.choices[0].finish_reason
 
 
-FRAGMENTS: dict[int, int] = {}  # the last stream's argument fragments per call
+class Step(NamedTuple):
+    """One engine step of a stream: the text its tokens decode to, and the argument
+    fragments of each call that came in its chunks."""
+    text: str
+    fragments: dict[int, str]
+
+
+STEPS: list[Step] = []  # the last stream's engine steps
+TOKENIZER = make_tiny_tokenizer()  # the server's: one character a token
 
 
 def streamed(client, **kw) -> tuple[str, list[tuple[str, str]], str]:
-    """The same, assembled from the stream's deltas (content, then tool_calls by index)."""
+    """The same, assembled from the stream's deltas (content, then tool_calls by index).
+
+    With `return_token_ids` each engine step's chunks open with its tokens, so the
+    steps (however many a lagging reader had merged) are recorded in STEPS."""
     content, names, args, finish = "", {}, {}, None
-    FRAGMENTS.clear()
+    STEPS.clear()
+    kw["extra_body"] = {**kw.get("extra_body", {}), "return_token_ids": True}
     for chunk in client.chat.completions.create(model=MODEL, messages=MESSAGES,
                                                 temperature=0, max_tokens=200, stream=True,
                                                 **kw):
         for choice in chunk.choices:
+            token_ids = (choice.model_extra or {}).get("token_ids")
+            if token_ids is not None:
+                STEPS.append(Step(TOKENIZER.decode(token_ids, skip_special_tokens=True), {}))
             content += choice.delta.content or ""
             for tc in choice.delta.tool_calls or []:
                 if tc.index not in names:  # a call opens with its id, type and name
@@ -87,10 +105,22 @@ def streamed(client, **kw) -> tuple[str, list[tuple[str, str]], str]:
                     args[tc.index] = ""
                 fragment = (tc.function.arguments or "") if tc.function else ""
                 args[tc.index] += fragment
-                FRAGMENTS[tc.index] = FRAGMENTS.get(tc.index, 0) + bool(fragment)
+                if fragment:
+                    frags = STEPS[-1].fragments
+                    frags[tc.index] = frags.get(tc.index, "") + fragment
             finish = choice.finish_reason or finish
     assert sorted(names) == list(range(len(names)))
     return content, [(names[i], args[i]) for i in sorted(names)], finish
+
+
+def argument_spans(text: str, count: int) -> list[tuple[int, int]]:
+    """Where each of `count` calls' arguments object lies in a `required` answer."""
+    decoder, spans = json.JSONDecoder(), []
+    for key in re.finditer(r'"parameters"\s*:\s*', text):
+        _, end = decoder.raw_decode(text, key.end())
+        spans.append((key.end(), end))
+    assert len(spans) == count, text
+    return spans
 
 
 def named(name: str) -> dict:
@@ -110,7 +140,8 @@ def check_named(client, tools: list[dict], name: str) -> None:
     jsonschema.validate(json.loads(arguments), params)
     s_content, s_calls, s_finish = streamed(client, tools=tools, tool_choice=named(name))
     assert (s_content, s_calls, s_finish) == ("", calls, finish)
-    assert FRAGMENTS[0] > 1  # the arguments stream as they are generated
+    # each step's text is sent as it comes, as arguments (exact, whatever the pacing)
+    assert [s.fragments.get(0, "") for s in STEPS] == [s.text for s in STEPS]
 
 
 def check_required(client, tools: list[dict]) -> None:
@@ -122,8 +153,13 @@ def check_required(client, tools: list[dict]) -> None:
         jsonschema.validate(json.loads(arguments), schemas[name])
     s_content, s_calls, s_finish = streamed(client, tools=tools, tool_choice="required")
     assert (s_content, s_calls, s_finish) == ("", calls, finish)
-    # arguments stream as they are written (an empty object may come whole)
-    assert all(FRAGMENTS[i] > 1 for i, (_, a) in enumerate(calls) if len(a) > 2)
+    # arguments stream as they are written: a call whose object a step ended inside
+    # comes in more than one fragment
+    ends = list(itertools.accumulate(len(s.text) for s in STEPS))
+    for i, (start, end) in enumerate(argument_spans("".join(s.text for s in STEPS),
+                                                    len(calls))):
+        if any(start < e < end for e in ends):
+            assert sum(i in s.fragments for s in STEPS) > 1, (i, STEPS)
 
 
 @pytest.mark.parametrize("name", ["get_weather", "get_time"])
